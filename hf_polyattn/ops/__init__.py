@@ -1,0 +1,24 @@
+"""The math of hf_polyattn: pure PyTorch, never imports transformers."""
+
+from .attention import HeadLayerNorm, PolyAttention, RecurrentState, layer_seed
+from .causal import lt_multiply, lt_multiply_cumsum
+from .feature_maps import FEATURE_MAPS, FeatureMap, register_feature_map
+from .reference import reference_attention, reference_weights
+from .sketches import PolynomialSketch, symmetric_power, symmetric_square
+
+__all__ = [
+    "FEATURE_MAPS",
+    "FeatureMap",
+    "HeadLayerNorm",
+    "PolyAttention",
+    "PolynomialSketch",
+    "RecurrentState",
+    "layer_seed",
+    "lt_multiply",
+    "lt_multiply_cumsum",
+    "reference_attention",
+    "reference_weights",
+    "register_feature_map",
+    "symmetric_power",
+    "symmetric_square",
+]

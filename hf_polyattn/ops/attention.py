@@ -1,0 +1,446 @@
+"""Kernelised attention: one module per attention layer, any kind of ``PolyAttnConfig``.
+
+Layouts: queries (B, H, Lq, D), keys/values (B, Hkv, Lk, D) with H a multiple of Hkv
+(grouped-query attention). Internally the query heads are viewed as (B, Hkv, G, Lq, D)
+and keys/values as (B, Hkv, 1, Lk, D), so a kv head's features and prefix states are
+computed once and broadcast to its G query heads (never repeated in memory).
+
+Causal rows are bottom-right aligned: with Lq < Lk, query i sits at position Lk - Lq + i
+(a chunk of new tokens after a past). Everything is computed in float32 (float64 stays
+float64) and returned in the input dtype: degree-4..8 polynomials of O(10) scores reach
+1e4..1e8 per weight and sums over 32k keys ~1e12, far past float16's 65504.
+
+Output = (num_local + s * num_far) / (den_local + s * den_far + offset), where the "far"
+part is the linear-time kernel product phi(Q) phi(K)^T [V 1] (block algorithm of
+``causal.lt_multiply``), the "local" part the exact kernel on the diagonal blocks when
+``local_exact`` is set, and s = exp(-m) the softmax row stabiliser (1 otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..config import PolyAttnConfig
+from .causal import lt_multiply, lt_multiply_cumsum
+from .feature_maps import (
+    FEATURE_MAPS,
+    FeatureMap,
+    PolynomialFeatureMap,
+    polynomial_num_features,
+)
+
+__all__ = ["HeadLayerNorm", "PolyAttention", "RecurrentState", "layer_seed"]
+
+_QUADRATIC_CHUNK = 1024  # query rows per rematerialised chunk of the quadratic path
+
+
+def layer_seed(seed: int, layer_idx: int) -> int:
+    """Independent sketches per layer (the paper samples one per head and layer)."""
+    return (seed * 1_000_003 + layer_idx * 7919) % (2**62)
+
+
+class HeadLayerNorm(nn.Module):
+    """LayerNorm over the head dimension with its own affine parameters per head."""
+
+    def __init__(self, heads: int, groups: int, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(heads, groups, 1, dim))
+        self.bias = nn.Parameter(torch.zeros(heads, groups, 1, dim))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1.0)
+        self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x, x.shape[-1:], eps=self.eps)
+        return y * self.weight.to(y.dtype) + self.bias.to(y.dtype)
+
+
+@dataclass
+class RecurrentState:
+    """State of one layer for chunked prefill / token-by-token decoding.
+
+    ``kv`` = sum over folded keys of phi(k)^T [v 1] (B, Hkv, 1, F, D+1): constant size.
+    ``k``/``v``/``mask`` hold the keys not folded yet: those of the current incomplete
+    block when ``local_exact`` needs them exactly (< block_size keys), none otherwise
+    (all keys for the quadratic polynomial path, which has no constant-size state).
+    ``length`` counts every key seen.
+    """
+
+    kv: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    mask: torch.Tensor | None
+    length: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.k, self.v, self.mask) if t is not None)
+
+    def index_select(self, index: torch.Tensor) -> RecurrentState:
+        """Reorder/select batch rows (beam search, num_return_sequences)."""
+        def sel(t):
+            return None if t is None else t.index_select(0, index.to(t.device))
+        return RecurrentState(sel(self.kv), sel(self.k), sel(self.v), sel(self.mask), self.length)
+
+    def repeat_interleave(self, repeats: int) -> RecurrentState:
+        def rep(t):
+            return None if t is None else t.repeat_interleave(repeats, dim=0)
+        return RecurrentState(rep(self.kv), rep(self.k), rep(self.v), rep(self.mask), self.length)
+
+
+def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, 0 where den == 0 (a query that sees no key, or relu's all-zero rows)."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+class PolyAttention(nn.Module):
+    """One attention layer's polynomial / polysketch / linear / performer attention.
+
+    Holds the layer's state (sketches, feature parameters, q/k LayerNorms, polynomial
+    coefficients), all initialised deterministically from ``config.seed`` and
+    ``layer_idx``. ``forward`` returns (B, H, Lq, D) in the dtype of ``query``.
+    """
+
+    def __init__(self, config: PolyAttnConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 layer_idx: int = 0):
+        super().__init__()
+        if not isinstance(config, PolyAttnConfig):
+            raise TypeError(f"config must be a PolyAttnConfig, got {type(config).__name__}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, val in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.config = config
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.groups = num_heads // num_kv_heads
+        self.layer_idx = layer_idx
+        seed = layer_seed(config.seed, layer_idx)
+        if config.qk_norm:
+            self.q_norm = HeadLayerNorm(num_kv_heads, self.groups, head_dim)
+            self.k_norm = HeadLayerNorm(num_kv_heads, 1, head_dim)
+        if config.poly_coefficients is not None:
+            coeffs = torch.tensor(config.poly_coefficients, dtype=torch.float32)
+            if config.learn_coefficients:
+                self.coefficients = nn.Parameter(coeffs)
+            else:
+                self.register_buffer("coefficients", coeffs)
+        kind = config.kind
+        fm: FeatureMap
+        if kind == "polynomial":
+            fm = PolynomialFeatureMap(
+                head_dim, config.degree, config.alpha, config.beta,
+                coefficients=(lambda: self.coefficients) if config.poly_coefficients is not None else None,
+                num_coefficients=len(config.poly_coefficients or ()),
+            )
+        elif kind == "polysketch":
+            fm = FEATURE_MAPS["polysketch"](num_kv_heads, head_dim, config.degree, config.sketch_size,
+                                            config.sketch, seed)
+        elif kind == "performer":
+            fm = FEATURE_MAPS["performer"](num_kv_heads, head_dim, config.num_features, seed)
+        else:
+            fm = FEATURE_MAPS[config.feature_map](head_dim)
+        self.feature_map = fm
+
+    # ------------------------------------------------------------------ state
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter and buffer deterministically from the seed."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        if self.config.poly_coefficients is not None:
+            self.coefficients.copy_(torch.tensor(self.config.poly_coefficients))
+
+    def extra_repr(self) -> str:
+        return (f"kind={self.config.kind}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, features={self.num_features}")
+
+    @property
+    def num_features(self) -> int:
+        return self.feature_map.num_features
+
+    def exact_path(self, q_len: int, kv_len: int, causal: bool) -> str:
+        """Which exact path the polynomial kind takes ('tensor' or 'quadratic').
+
+        Rule for 'auto': the tensor path (phi = symmetric tensor power, C(d+p-1, p)
+        features F) when F <= max_tensor_features and its flop count
+        4 (Lq + Lk) F (d + 1) (+ 2 Lq b F for the causal diagonal blocks) is below the
+        quadratic one, 4 Lq Lk d (halved when causal). E.g. d=16, p=2: F=136, tensor from
+        about Lk=350 on; d=64, p=4: F=766,480, always quadratic.
+        """
+        cfg = self.config
+        if cfg.kind != "polynomial":
+            raise ValueError("exact_path is defined for kind='polynomial' only")
+        if cfg.exact_path != "auto":
+            return cfg.exact_path
+        feats = self.num_features
+        if feats > cfg.max_tensor_features:
+            return "quadratic"
+        d = self.head_dim
+        quad = 4 * q_len * kv_len * d * (0.5 if causal else 1.0)
+        tensor = 4 * (q_len + kv_len) * feats * (d + 1) + (2 * q_len * cfg.block_size * feats if causal else 0)
+        return "tensor" if tensor < quad else "quadratic"
+
+    def _recurrent_path(self) -> str:
+        """The path of a recurrent state (fixed for the whole generation)."""
+        if self.config.kind != "polynomial":
+            return "linear"
+        if self.config.exact_path == "quadratic" or (
+            self.config.exact_path == "auto" and self.num_features > self.config.max_tensor_features
+        ):
+            return "quadratic"
+        return "tensor"
+
+    def init_state(self) -> RecurrentState:
+        return RecurrentState(None, None, None, None, 0)
+
+    # ---------------------------------------------------------------- forward
+    def _check_inputs(self, q, k, v, key_padding_mask, causal):
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be floating point (float32/bfloat16/float16/float64), got {t.dtype}")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"query, key and value need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if k.device != q.device or v.device != q.device:
+            raise ValueError(f"query, key and value need one device, got {q.device}, {k.device}, {v.device}")
+        b, h, lq, d = q.shape
+        if h != self.num_heads or d != self.head_dim:
+            raise ValueError(f"query must have {self.num_heads} heads of size {self.head_dim}, got shape {tuple(q.shape)}")
+        if k.shape != v.shape or k.shape[0] != b or k.shape[1] != self.num_kv_heads or k.shape[3] != d:
+            raise ValueError(f"key and value must be ({b}, {self.num_kv_heads}, Lk, {d}), got {tuple(k.shape)} "
+                             f"and {tuple(v.shape)}")
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError("key_padding_mask must be a bool tensor (batch, kv_len), True = keep")
+            if key_padding_mask.shape != (b, k.shape[2]):
+                raise ValueError(f"key_padding_mask must have shape ({b}, {k.shape[2]}), got "
+                                 f"{tuple(key_padding_mask.shape)}")
+            if key_padding_mask.device != q.device:
+                raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, query on {q.device}")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
+                scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                state: RecurrentState | None = None):
+        """Attention output (B, H, Lq, D); with ``state`` returns (output, new_state).
+
+        ``scaling`` multiplies q.k before the kernel (default 1/sqrt(D), as softmax).
+        ``key_padding_mask`` (B, Lk) bool: False keys contribute nothing.
+        ``state``: causal only; ``query``, ``key``, ``value`` are the next Lq tokens.
+        """
+        self._check_inputs(query, key, value, key_padding_mask, causal)
+        lq, lk = query.shape[2], key.shape[2]
+        if causal and lq > lk:
+            raise ValueError(f"causal attention needs q_len <= kv_len, got {lq} > {lk}")
+        if state is not None:
+            if not causal:
+                raise ValueError("a recurrent state is for causal attention only")
+            if lq != lk:
+                raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
+        scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        out_dtype = query.dtype
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        bsz = query.shape[0]
+        q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, lq, self.head_dim)
+        k5 = key.to(work).unsqueeze(2)
+        v5 = value.to(work).unsqueeze(2)
+        mask = key_padding_mask
+        kv0 = None
+        if state is not None:
+            if state.k is not None:
+                k5 = torch.cat([state.k.to(work).unsqueeze(2), k5], dim=3)
+                v5 = torch.cat([state.v.to(work).unsqueeze(2), v5], dim=3)
+                if state.mask is not None or mask is not None:
+                    old = state.mask if state.mask is not None else torch.ones(
+                        bsz, state.k.shape[2], dtype=torch.bool, device=query.device)
+                    new = mask if mask is not None else torch.ones(bsz, lk, dtype=torch.bool, device=query.device)
+                    mask = torch.cat([old, new], dim=1)
+            kv0 = state.kv
+            path = self._recurrent_path()
+        elif self.config.kind == "polynomial":
+            path = self.exact_path(lq, lk, causal)
+        else:
+            path = "linear"
+
+        if self.config.qk_norm:
+            q5, k5 = self.q_norm(q5), self.k_norm(k5)
+        if path == "quadratic":
+            out = self._quadratic(q5, k5, v5, mask, causal, scale)
+            fk = vext = None
+        else:
+            out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0)
+        out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
+        if state is None:
+            return out
+        return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path)
+
+    # ---------------------------------------------------------------- kernels
+    def _feature_inputs(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        # linear maps act on raw (or LayerNorm-ed) q/k as in Katharopoulos et al.; the
+        # polynomial-type and FAVOR+ maps target (s q.k)^p / exp(s q.k): sqrt(s) per side.
+        return x if self.config.kind == "linear" else x * math.sqrt(scale)
+
+    def _exact_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        """Weights from scores x = s q.k for 'polynomial' (this config's polynomial)."""
+        cfg = self.config
+        if kernel != "polynomial":
+            raise AssertionError(kernel)
+        if cfg.poly_coefficients is not None:
+            a = self.coefficients.to(x.dtype)
+            acc = torch.zeros_like(x) + a[-1]
+            for i in range(a.shape[0] - 2, -1, -1):
+                acc = acc * x + a[i]
+            return acc * acc
+        if cfg.kind == "polynomial":
+            return ((x + cfg.alpha) / cfg.beta) ** cfg.degree
+        return x ** cfg.degree
+
+    def _quadratic(self, q5, k5, v5, mask, causal, scale):
+        """Exact polynomial attention in O(Lq Lk) time, query chunks rematerialised in backward."""
+        lq, lk = q5.shape[3], k5.shape[3]
+        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
+        if mask is not None:
+            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+
+        def chunk(qc, start):
+            w = self._exact_kernel(torch.matmul(qc, k5.transpose(-1, -2)) * scale, "polynomial")
+            if causal:
+                rows = torch.arange(start, start + qc.shape[3], device=qc.device) + (lk - lq)
+                w = w.masked_fill(torch.arange(lk, device=qc.device)[None, :] > rows[:, None], 0.0)
+            return torch.matmul(w, vext)
+
+        outs = []
+        for s in range(0, lq, _QUADRATIC_CHUNK):
+            qc = q5[..., s : s + _QUADRATIC_CHUNK, :]
+            if torch.is_grad_enabled() and (qc.requires_grad or k5.requires_grad or vext.requires_grad):
+                outs.append(checkpoint(chunk, qc, s, use_reentrant=False))
+            else:
+                outs.append(chunk(qc, s))
+        num = torch.cat(outs, dim=3)
+        return self._normalise(num)
+
+    def _normalise(self, num: torch.Tensor) -> torch.Tensor:
+        d = self.head_dim
+        return _safe_divide(num[..., :d], num[..., d:] + self.config.denominator_offset)
+
+    def _linear(self, q5, k5, v5, mask, causal, scale, kv0):
+        cfg = self.config
+        lq, lk = q5.shape[3], k5.shape[3]
+        q_log_scale = None
+        if cfg.kind == "performer":
+            # FAVOR+ query features carry a per-row stabiliser exp(-c): cancels in the ratio,
+            # but the exact softmax blocks must be put on the same scale (far_scale below).
+            fq, q_log_scale = self.feature_map.forward_with_log_scale(self._feature_inputs(q5, scale), True)
+        else:
+            fq = self.feature_map(self._feature_inputs(q5, scale), True)
+        fk = self.feature_map(self._feature_inputs(k5, scale), False)
+        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
+        if mask is not None:
+            # zero value *and* normaliser column at padded keys: they add nothing anywhere.
+            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        local = cfg.resolved_local_kernel
+        block = cfg.block_size
+        if causal:
+            if lq < lk:
+                fq = F.pad(fq, (0, 0, lk - lq, 0))
+            if cfg.causal_algorithm == "cumsum":
+                num = lt_multiply_cumsum(fq, fk, vext)
+            else:
+                num = lt_multiply(fq, fk, vext, block, include_diag=local is None)
+            if kv0 is not None:
+                num = num + torch.matmul(fq, kv0)
+            if local is not None:
+                qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5
+                if q_log_scale is not None:
+                    q_log_scale = F.pad(q_log_scale, (0, 0, lk - lq, 0)) if lq < lk else q_log_scale
+                loc, far_scale = self._local_blocks(qs, k5, vext, mask, True, scale, local, q_log_scale)
+                num = loc + num if far_scale is None else loc + far_scale * num
+            num = num[..., lk - lq :, :]
+        else:
+            kv = torch.matmul(fk.transpose(-1, -2), vext)
+            if local is None:
+                num = torch.matmul(fq, kv)
+            else:
+                if lq != lk:
+                    raise ValueError("local_exact with bidirectional attention needs q_len == kv_len "
+                                     f"(self-attention), got {lq} and {lk}")
+                n_pad = -(-lk // block) * block
+                fqb = F.pad(fq, (0, 0, 0, n_pad - lq)).unflatten(3, (n_pad // block, block))
+                fkb = F.pad(fk, (0, 0, 0, n_pad - lk)).unflatten(3, (n_pad // block, block))
+                vb = F.pad(vext, (0, 0, 0, n_pad - lk)).unflatten(3, (n_pad // block, block))
+                own = torch.matmul(fkb.transpose(-1, -2), vb)  # (.., nb, F, e)
+                far = torch.matmul(fqb, kv.unsqueeze(3) - own).flatten(3, 4)[..., :lq, :]
+                loc, far_scale = self._local_blocks(q5, k5, vext, mask, False, scale, local, q_log_scale)
+                num = loc + far if far_scale is None else loc + far_scale * far
+        return self._normalise(num), fk, vext
+
+    def _local_blocks(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):
+        """Exact kernel on the b x b diagonal blocks (query and key rows aligned)."""
+        block = self.config.block_size
+        n = ks.shape[3]
+        n_pad = -(-n // block) * block
+        nb = n_pad // block
+        qb = F.pad(qs, (0, 0, 0, n_pad - n)).unflatten(3, (nb, block))
+        kb = F.pad(ks, (0, 0, 0, n_pad - n)).unflatten(3, (nb, block))
+        vb = F.pad(vext, (0, 0, 0, n_pad - n)).unflatten(3, (nb, block))
+        x = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # (B, Hkv, G, nb, b, b)
+        valid = torch.arange(n_pad, device=qs.device) < n
+        allowed = valid.view(nb, 1, block)
+        if mask is not None:
+            allowed = allowed & F.pad(mask, (0, n_pad - n)).view(mask.shape[0], 1, 1, nb, 1, block)
+        if causal:
+            allowed = allowed & torch.ones(block, block, dtype=torch.bool, device=qs.device).tril()
+        if kernel == "softmax":
+            x = x.masked_fill(~allowed, float("-inf"))
+            # Row stabiliser m >= 0: local weights exp(x - m) <= 1; far part scaled by exp(-m)
+            # (detached: the ratio does not depend on m). Clamped at 0 so a row with no
+            # visible local key (m = -inf) gives exp(-m) = 1 and no NaN.
+            m = x.amax(dim=-1, keepdim=True).clamp_min(0.0).detach().flatten(3, 4)
+            w = torch.exp(x - m.unflatten(3, (nb, block)))
+            log_far = -m[..., :n, :]
+            if q_log_scale is not None:
+                log_far = log_far + q_log_scale
+            far_scale = torch.exp(log_far)
+        else:
+            w = self._exact_kernel(x, "polynomial").masked_fill(~allowed, 0.0)
+            far_scale = None
+        loc = torch.matmul(w, vb).flatten(3, 4)[..., :n, :]
+        return loc, far_scale
+
+    # ---------------------------------------------------------------- state
+    def _next_state(self, state, key, value, key_mask, k5, v5, mask, fk, vext, path) -> RecurrentState:
+        total = state.length + key.shape[2]
+        if path == "quadratic":
+            keep = k5.shape[3]
+        elif self.config.resolved_local_kernel is not None:
+            keep = total % self.config.block_size
+        else:
+            keep = 0
+        fold = fk.shape[3] - keep if fk is not None else 0
+        kv = state.kv
+        if fold > 0:
+            add = torch.matmul(fk[..., :fold, :].transpose(-1, -2), vext[..., :fold, :])
+            kv = add if kv is None else kv + add
+        if keep == 0:
+            return RecurrentState(kv, None, None, None, total)
+        # Store raw keys/values: the forward re-applies the LayerNorm to the buffer.
+        raw_k = torch.cat([state.k, key], dim=2) if state.k is not None else key
+        raw_v = torch.cat([state.v, value], dim=2) if state.v is not None else value
+        new_mask = None
+        if mask is not None:
+            new_mask = mask[:, -keep:]
+        return RecurrentState(kv, raw_k[:, :, -keep:], raw_v[:, :, -keep:], new_mask, total)

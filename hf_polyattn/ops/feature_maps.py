@@ -1,0 +1,227 @@
+"""Feature maps phi with <phi(q), phi(k)> = the attention kernel, one registry entry each.
+
+Every map takes the *kernel input* (already LayerNorm-ed and scaled by the attention
+module), works in float32 or float64, and returns (..., num_features). ``is_query`` lets
+a map treat the two sides differently (Performer's stabiliser, the sign split of a
+polynomial with negative coefficients).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .sketches import PolynomialSketch, symmetric_power, symmetric_square
+
+__all__ = [
+    "FEATURE_MAPS",
+    "EluFeatureMap",
+    "FeatureMap",
+    "PerformerFeatureMap",
+    "PolySketchFeatureMap",
+    "PolynomialFeatureMap",
+    "ReluFeatureMap",
+    "TaylorFeatureMap",
+    "polynomial_num_features",
+    "register_feature_map",
+    "squared_polynomial_coefficients",
+]
+
+
+class FeatureMap(nn.Module):
+    """Base class: ``num_features`` and ``forward(x, is_query)``."""
+
+    num_features: int
+
+    def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Deterministic (re-)initialisation; maps without state do nothing."""
+
+
+FEATURE_MAPS: dict[str, type[FeatureMap]] = {}
+
+
+def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[FeatureMap]]:
+    def deco(cls: type[FeatureMap]) -> type[FeatureMap]:
+        if name in FEATURE_MAPS:
+            raise ValueError(f"feature map {name!r} is registered already")
+        FEATURE_MAPS[name] = cls
+        return cls
+
+    return deco
+
+
+@register_feature_map("elu")
+class EluFeatureMap(FeatureMap):
+    """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive, so weights are > 0."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.num_features = dim
+
+    def forward(self, x, is_query):
+        return F.elu(x) + 1.0
+
+
+@register_feature_map("relu")
+class ReluFeatureMap(FeatureMap):
+    """phi(x) = relu(x); a row whose weights are all zero returns 0 rather than NaN."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.num_features = dim
+
+    def forward(self, x, is_query):
+        return F.relu(x)
+
+
+@register_feature_map("taylor")
+class TaylorFeatureMap(FeatureMap):
+    """phi(x) = [1, x/|x|]: <phi(q), phi(k)> = 1 + q^.k^ in [0, 2] (first-order Taylor of exp,
+    seed 002)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.num_features = dim + 1
+
+    def forward(self, x, is_query):
+        xn = F.normalize(x, dim=-1, eps=1e-6)
+        return torch.cat([torch.ones_like(xn[..., :1]), xn], dim=-1)
+
+
+@register_feature_map("performer")
+class PerformerFeatureMap(FeatureMap):
+    """FAVOR+ positive orthogonal random features: phi(x) = exp(w.x - |x|^2/2) / sqrt(m),
+    E[<phi(q), phi(k)>] = exp(q.k).
+
+    Stabilisers: a query's row max is subtracted (a per-query constant, cancels in the
+    ratio). Keys get a *data-independent* shift c = max(0, max_j |w_j|^2/2 - 30): since
+    w.x - |x|^2/2 <= |w|^2/2, key features stay <= e^30 ~ 1e13 whatever the input, with
+    no dependence on other tokens (a max over the sequence would leak future tokens into
+    the float rounding of causal outputs and is impossible in recurrent decoding).
+    """
+
+    def __init__(self, heads: int, dim: int, num_features: int = 256, seed: int = 0):
+        super().__init__()
+        self.heads, self.dim, self.num_features, self.seed = heads, dim, num_features, seed
+        self.register_buffer("omega", torch.zeros(heads, 1, dim, num_features))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def redraw(self, seed: int | None = None) -> None:
+        """Draw new orthogonal features (from ``seed``, or the next seed)."""
+        self.seed = self.seed + 1 if seed is None else seed
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        gen = torch.Generator().manual_seed(self.seed)
+        d, m = self.dim, self.num_features
+        heads = []
+        for _ in range(self.heads):
+            blocks = []
+            for _ in range(-(-m // d)):
+                g = torch.randn(d, d, generator=gen, dtype=torch.float64)
+                q, _ = torch.linalg.qr(g)
+                blocks.append(q.T)
+            w = torch.cat(blocks, 0)[:m]
+            # rows of a Gaussian matrix have chi(d) norms: keep that marginal (FAVOR+).
+            norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=1)
+            heads.append((w * norms[:, None]).T)
+        self.omega.copy_(torch.stack(heads).unsqueeze(1).to(self.omega.dtype))
+
+    def forward(self, x, is_query):
+        return self.forward_with_log_scale(x, is_query)[0]
+
+    def forward_with_log_scale(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features divided by exp(c) and c (per row for queries, one constant for keys)."""
+        proj = torch.matmul(x, self.omega.to(x.dtype)) - 0.5 * (x * x).sum(-1, keepdim=True)
+        if is_query:
+            c = proj.amax(dim=-1, keepdim=True).detach()
+        else:
+            half_norm = 0.5 * self.omega.to(x.dtype).pow(2).sum(-2, keepdim=True).amax(-1, keepdim=True)
+            c = (half_norm - 30.0).clamp_min(0.0)
+        return torch.exp(proj - c) / math.sqrt(self.num_features), c
+
+
+@register_feature_map("polysketch")
+class PolySketchFeatureMap(FeatureMap):
+    """phi(x) = (x^{(p/2)} S)^{(2)}: a degree-p/2 sketch to r coordinates, then the
+    symmetric tensor square (r(r+1)/2 features). <phi(q), phi(k)> = <Sq, Sk>^2 >= 0 and
+    its mean over sketches is (q.k)^p (Theorem 2.5)."""
+
+    def __init__(self, heads: int, dim: int, degree: int = 4, sketch_size: int = 32, sketch: str = "gaussian",
+                 seed: int = 0):
+        super().__init__()
+        self.degree = degree
+        self.sketch = PolynomialSketch(heads, dim, degree // 2, sketch_size, sketch, seed)
+        self.num_features = sketch_size * (sketch_size + 1) // 2
+
+    def reset_parameters(self) -> None:
+        self.sketch.reset_parameters()
+
+    def forward(self, x, is_query):
+        z = self.sketch(x)
+        return symmetric_square(z)
+
+    def sketch_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The untensored z = x^{(p/2)} S (its dot products may be negative)."""
+        return self.sketch(x)
+
+
+def squared_polynomial_coefficients(a: torch.Tensor) -> torch.Tensor:
+    """b with (sum_i a_i x^i)^2 = sum_j b_j x^j (a discrete self-convolution)."""
+    n = a.shape[-1]
+    b = a.new_zeros(2 * n - 1)
+    for i in range(n):
+        b = b + F.pad(a[i] * a, (i, n - 1 - i))
+    return b
+
+
+def polynomial_num_features(dim: int, degrees: list[int]) -> int:
+    return sum(math.comb(dim + j - 1, j) for j in degrees)
+
+
+@register_feature_map("polynomial")
+class PolynomialFeatureMap(FeatureMap):
+    """Exact features of ((x.y + alpha)/beta)^p, or of (sum_i a_i (x.y)^i)^2.
+
+    alpha enters as one extra coordinate (sqrt|alpha| on the query, sign(alpha) sqrt|alpha|
+    on the key) and beta as 1/beta on the query side. Each monomial degree j contributes the
+    symmetric power x^{(j)} (C(d+j-1, j) features); a negative coefficient b_j keeps its sign
+    on the key side so <phi(q), phi(k)> is exactly the polynomial.
+    """
+
+    def __init__(self, dim: int, degree: int = 4, alpha: float = 0.0, beta: float = 1.0,
+                 coefficients: Callable[[], torch.Tensor] | None = None, num_coefficients: int = 0):
+        super().__init__()
+        self.dim, self.degree, self.alpha, self.beta = dim, degree, float(alpha), float(beta)
+        self._coefficients = coefficients
+        self.aug = 1 if self.alpha != 0.0 else 0
+        if coefficients is None:
+            self.num_features = polynomial_num_features(dim + self.aug, [degree])
+        else:
+            self.num_features = polynomial_num_features(dim, list(range(2 * num_coefficients - 1)))
+
+    def forward(self, x, is_query):
+        if self._coefficients is None:
+            if self.aug:
+                extra = math.sqrt(abs(self.alpha)) * (1.0 if is_query or self.alpha > 0 else -1.0)
+                x = torch.cat([x, torch.full_like(x[..., :1], extra)], dim=-1)
+            if is_query:
+                x = x / self.beta
+            return symmetric_power(x, self.degree)
+        b = squared_polynomial_coefficients(self._coefficients().to(x.dtype))
+        parts = []
+        for j in range(b.shape[0]):
+            scale = b[j].abs().sqrt()
+            if not is_query:
+                scale = scale * torch.sign(b[j])
+            parts.append(symmetric_power(x, j) * scale)
+        return torch.cat(parts, dim=-1)

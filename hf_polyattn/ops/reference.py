@@ -1,0 +1,85 @@
+"""Naive O(n^2) definitions of every kind: the ground truth the fast paths are tested against.
+
+Each builds the full (B, H, Lq, Lk) weight matrix from the definition — the exact kernel
+for 'polynomial', phi(q) . phi(k) for the feature kinds (the sketch / random features
+*are* the definition of the approximation), the exact kernel inside the diagonal blocks
+with ``local_exact`` — masks it (causal bottom-right aligned, key padding) and normalises.
+Slow and memory-hungry on purpose: no blocks, no prefix sums, no shared code paths with
+``attention.py`` beyond the module's parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import PolyAttention
+
+__all__ = ["reference_attention", "reference_weights"]
+
+
+def _kernel_inputs(module: PolyAttention, q: torch.Tensor, k: torch.Tensor):
+    b, h, lq, d = q.shape
+    q5 = q.reshape(b, module.num_kv_heads, module.groups, lq, d)
+    k5 = k.unsqueeze(2)
+    if module.config.qk_norm:
+        q5, k5 = module.q_norm(q5), module.k_norm(k5)
+    return q5, k5
+
+
+def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
+                      scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Unnormalised attention weights (B, H, Lq, Lk), masked entries 0."""
+    cfg = module.config
+    s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
+    q5, k5 = _kernel_inputs(module, q, k)
+    lq, lk = q.shape[2], k.shape[2]
+    x = (q5 @ k5.transpose(-1, -2)) * s
+
+    def exact(xx: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "softmax":
+            return torch.exp(xx)
+        if cfg.poly_coefficients is not None:
+            a = module.coefficients.to(xx.dtype)
+            return sum(a[i] * xx**i for i in range(a.shape[0])) ** 2
+        if cfg.kind == "polynomial":
+            return ((xx + cfg.alpha) / cfg.beta) ** cfg.degree
+        return xx**cfg.degree
+
+    if cfg.kind == "polynomial":
+        w = exact(x, "polynomial")
+    else:
+        root = 1.0 if cfg.kind == "linear" else math.sqrt(s)
+        if cfg.kind == "performer":
+            fq, cq = module.feature_map.forward_with_log_scale(q5 * root, True)
+            fq = fq * torch.exp(cq)  # undo the per-row stabiliser: the true FAVOR+ features
+        else:
+            fq = module.feature_map(q5 * root, True)
+        fk = module.feature_map(k5 * root, False)
+        w = fq @ fk.transpose(-1, -2)
+        local = cfg.resolved_local_kernel
+        if local is not None:
+            pos_q = torch.arange(lq, device=q.device) + (lk - lq if causal else 0)
+            pos_k = torch.arange(lk, device=q.device)
+            same_block = (pos_q[:, None] // cfg.block_size) == (pos_k[None, :] // cfg.block_size)
+            w = torch.where(same_block, exact(x, local), w)
+    w = w.reshape(q.shape[0], module.num_heads, lq, lk)
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if causal:
+        keep = torch.arange(lk, device=q.device)[None, :] <= (torch.arange(lq, device=q.device)[:, None] + lk - lq)
+    keep = keep[None, None]
+    if key_padding_mask is not None:
+        keep = keep & key_padding_mask[:, None, None, :]
+    return torch.where(keep, w, torch.zeros_like(w))
+
+
+def reference_attention(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, Lq, D): sum_j w_ij v_j / (offset + sum_j w_ij), 0 for a row with no weight."""
+    w = reference_weights(module, q, k, causal=causal, scaling=scaling, key_padding_mask=key_padding_mask)
+    g = module.groups
+    v_rep = v.repeat_interleave(g, dim=1)
+    num = w @ v_rep
+    den = w.sum(-1, keepdim=True) + module.config.denominator_offset
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
