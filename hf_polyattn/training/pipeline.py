@@ -1,0 +1,410 @@
+"""The retrofit pipeline behind the recipes: load -> convert -> transfer -> fine-tune -> evaluate -> save.
+
+``RetrofitArgs`` holds every option (HfArgumentParser reads it from the command line); ``run`` executes
+the stages whose step counts are > 0. Everything that can fail on bad input (data files, columns,
+model id, architecture, a checkpoint of another run in ``output_dir``) is checked in ``prepare`` before
+the first training step.
+
+Output folder layout::
+
+    output_dir/
+      run_config.json          the arguments that must match to resume
+      checkpoint-transfer/     resumable state of each stage (trainable params, optimizer, step)
+      checkpoint-finetune/
+      transfer_metrics.json, transfer_loss.png, finetune_metrics.json, finetune_loss.png
+      results.json             evaluation after each stage, times
+      model/                   Hub-ready: weights, config (with the attention settings), tokenizer, README.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import KINDS, PolyAttnConfig
+from .checkpoints import CheckpointError, check_supported, resolve_checkpoint
+from .data import (
+    DataError,
+    classification_batch,
+    lm_batch,
+    load_classification_data,
+    load_text_data,
+)
+from .loop import IncompatibleCheckpointError, LoopConfig, fingerprint_of, train_loop
+from .metrics import accuracy, perplexity
+from .transfer import distillation, polyattn_parameters, transfer_loss
+
+__all__ = ["RetrofitArgs", "Retrofit", "polyattn_config_from_args", "run"]
+
+TASKS = ("causal_lm", "classification")
+ATTENTIONS = ("softmax",) + KINDS
+
+
+@dataclass
+class RetrofitArgs:
+    """Arguments of the retrofit recipes (``--help`` lists them)."""
+
+    model: str = field(default="smollm2", metadata={"help": "local checkpoint dir, Hub id, or an offline alias: "
+                                                            "'smollm2', 'minilm'"})
+    task: str = field(default="causal_lm", metadata={"help": f"one of {list(TASKS)}"})
+    data: str = field(default="../shared/data/tinyshakespeare_train.txt",
+                      metadata={"help": "local .txt (causal_lm) / .csv/.tsv (classification) file, or Hub id"})
+    text_column: str | None = field(default=None, metadata={"help": "default: 'text' (causal_lm), 'sentence' "
+                                                                     "(classification)"})
+    label_column: str = field(default="label", metadata={"help": "classification label column (int ids)"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "causal_lm: held-out tail fraction of the lines"})
+    max_eval_tokens: int | None = field(default=8192, metadata={"help": "causal_lm: cap on held-out tokens"})
+    num_eval: int = field(default=2000, metadata={"help": "classification: size of the seeded validation split"})
+    attention: str = field(default="polysketch", metadata={"help": f"one of {list(ATTENTIONS)}"})
+    degree: int = field(default=4, metadata={"help": "PolyAttnConfig.degree"})
+    sketch: str = field(default="learned", metadata={"help": "PolyAttnConfig.sketch"})
+    sketch_size: int = field(default=32, metadata={"help": "PolyAttnConfig.sketch_size"})
+    feature_map: str = field(default="elu", metadata={"help": "PolyAttnConfig.feature_map (kind=linear)"})
+    num_features: int = field(default=256, metadata={"help": "PolyAttnConfig.num_features (kind=performer)"})
+    local_exact: bool = field(default=True, metadata={"help": "PolyAttnConfig.local_exact (ignored for polynomial)"})
+    local_kernel: str | None = field(default=None, metadata={"help": "PolyAttnConfig.local_kernel"})
+    block_size: int = field(default=64, metadata={"help": "PolyAttnConfig.block_size"})
+    qk_norm: bool = field(default=True, metadata={"help": "PolyAttnConfig.qk_norm"})
+    polyattn_json: str | None = field(default=None, metadata={"help": "a JSON dict of PolyAttnConfig fields that "
+                                                                      "overrides the options above"})
+    transfer_steps: int = field(default=0, metadata={"help": "attention-transfer steps (0: none)"})
+    transfer_lr: float = field(default=1e-2, metadata={"help": "attention-transfer learning rate"})
+    transfer_batch_size: int = field(default=4, metadata={"help": "per-process transfer batch size"})
+    attn_ce_weight: float = field(default=0.0, metadata={"help": "weight of the attention-weight cross-entropy "
+                                                                 "added to the transfer MSE (0: MSE only)"})
+    finetune_steps: int = field(default=0, metadata={"help": "fine-tuning optimizer steps (0: none)"})
+    finetune_lr: float = field(default=1e-4, metadata={"help": "fine-tuning learning rate"})
+    polyattn_lr: float | None = field(default=None, metadata={"help": "fine-tuning lr of the polyattn params "
+                                                                      "(default: finetune_lr)"})
+    batch_size: int = field(default=4, metadata={"help": "per-process fine-tuning micro-batch size"})
+    grad_accum: int = field(default=1, metadata={"help": "gradient accumulation steps"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps of each stage"})
+    lora: bool = field(default=False, metadata={"help": "fine-tune with LoRA (peft) instead of all weights"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    context: int = field(default=256, metadata={"help": "causal_lm: training window length (tokens)"})
+    max_length: int = field(default=128, metadata={"help": "classification: max tokens per example"})
+    eval_context: int = field(default=256, metadata={"help": "causal_lm: perplexity window length"})
+    eval_stride: int = field(default=256, metadata={"help": "causal_lm: perplexity window stride"})
+    eval_batch_size: int = field(default=8, metadata={"help": "evaluation batch size"})
+    eval_before: bool = field(default=True, metadata={"help": "also evaluate right after the swap, before training"})
+    mixed_precision: str = field(default="no", metadata={"help": "'no' (fp32) or 'bf16'"})
+    output_dir: str = field(default="runs/retrofit", metadata={"help": "where checkpoints, metrics, model/ go"})
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end and on "
+                                                         "interruption only)"})
+    resume: bool = field(default=True, metadata={"help": "resume from output_dir's checkpoints (--no_resume: start "
+                                                         "over, deleting them)"})
+    save_model: bool = field(default=True, metadata={"help": "write the Hub-ready folder output_dir/model"})
+    push_to_hub: bool = field(default=False, metadata={"help": "push output_dir/model to the Hub"})
+    hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
+    seed: int = field(default=0, metadata={"help": "seed of data sampling, splits and sketches"})
+    threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (default: torch's)"})
+    progress: bool = field(default=True, metadata={"help": "tqdm progress bars"})
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {list(ATTENTIONS)}, got {self.attention!r}")
+        if self.text_column is None:
+            self.text_column = "text" if self.task == "causal_lm" else "sentence"
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id")
+        if self.attention == "softmax" and self.transfer_steps:
+            raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
+        for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
+            v = getattr(self, name)
+            if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
+                raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
+
+
+def polyattn_config_from_args(a: RetrofitArgs) -> PolyAttnConfig | None:
+    if a.attention == "softmax":
+        return None
+    d: dict[str, Any] = {"kind": a.attention, "degree": a.degree, "seed": a.seed, "block_size": a.block_size,
+                         "qk_norm": a.qk_norm}
+    if a.attention == "polysketch":
+        d.update(sketch=a.sketch, sketch_size=a.sketch_size)
+    if a.attention == "linear":
+        d.update(feature_map=a.feature_map)
+    if a.attention == "performer":
+        d.update(num_features=a.num_features)
+    if a.attention != "polynomial":
+        d.update(local_exact=a.local_exact, local_kernel=a.local_kernel)
+    if a.polyattn_json:
+        d.update(json.loads(a.polyattn_json))
+    return PolyAttnConfig.from_dict(d)
+
+
+def _settings(a: RetrofitArgs) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote output_dir."""
+    cfg = polyattn_config_from_args(a)
+    return {
+        "model": a.model, "task": a.task, "data": a.data, "attention": cfg.to_dict() if cfg else "softmax",
+        "seed": a.seed, "context": a.context, "max_length": a.max_length, "lora": a.lora, "lora_r": a.lora_r,
+        "transfer_lr": a.transfer_lr, "transfer_batch_size": a.transfer_batch_size, "finetune_lr": a.finetune_lr,
+        "batch_size": a.batch_size, "grad_accum": a.grad_accum, "attn_ce_weight": a.attn_ce_weight,
+    }
+
+
+class Retrofit:
+    """State of one pipeline run; ``prepare()`` does every check, the stage methods train/evaluate."""
+
+    def __init__(self, args: RetrofitArgs, accelerator=None):
+        from accelerate import Accelerator
+
+        self.args = args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.acc = accelerator or Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+        self.out = Path(args.output_dir)
+        self.results: dict[str, Any] = {"args": asdict(args), "evaluations": {}, "stages": {}}
+        self.cpu0, self.wall0 = time.process_time(), time.time()
+
+    # ------------------------------------------------------------------ checks + loading
+    def log(self, msg: str) -> None:
+        if self.acc.is_main_process:
+            print(msg, flush=True)
+
+    def prepare(self) -> Retrofit:
+        a = self.args
+        from transformers import AutoConfig, AutoTokenizer
+
+        # 1. data (missing file / column / unreachable dataset id -> DataError)
+        # 2. model (unreachable id / unsupported architecture -> CheckpointError)
+        path = resolve_checkpoint(a.model)
+        mcfg = AutoConfig.from_pretrained(path)
+        check_supported(mcfg)
+        self.model_path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if a.task == "causal_lm":
+            self.data = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
+                                       text_column=a.text_column, max_eval_tokens=a.max_eval_tokens)
+            if self.data.train_ids.numel() <= a.context:
+                raise DataError(f"{a.data!r} has {self.data.train_ids.numel()} training tokens, need > {a.context}")
+        else:
+            self.data = load_classification_data(a.data, text_column=a.text_column, label_column=a.label_column,
+                                                  num_eval=a.num_eval, seed=a.seed)
+        self.results["data"] = self.data.describe()
+        # 3. a checkpoint of another run in output_dir -> IncompatibleCheckpointError
+        settings = _settings(a)
+        rc = self.out / "run_config.json"
+        if rc.exists() and a.resume:
+            old = json.loads(rc.read_text())
+            diffs = [f"{k}: {old.get(k)!r} there, {settings.get(k)!r} here" for k in sorted(set(old) | set(settings))
+                     if old.get(k) != settings.get(k)]
+            if diffs:
+                raise IncompatibleCheckpointError(
+                    f"{self.out} holds a run with other settings ({'; '.join(diffs)}); "
+                    "use another --output_dir or --no_resume"
+                )
+        if self.acc.is_main_process:
+            if not a.resume:
+                import shutil
+
+                for p in self.out.glob("checkpoint-*"):
+                    shutil.rmtree(p)
+            self.out.mkdir(parents=True, exist_ok=True)
+            rc.write_text(json.dumps(settings, indent=2))
+        self.acc.wait_for_everyone()
+        self.settings = settings
+        self.model = self._load_model(path, mcfg)
+        return self
+
+    def _load_model(self, path: str, mcfg):
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        a = self.args
+        if a.task == "causal_lm":
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            num_labels = self.data.num_labels
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels,
+                                                                       dtype=torch.float32)
+            if model.config.pad_token_id is None:
+                model.config.pad_token_id = self.tokenizer.pad_token_id
+        pcfg = polyattn_config_from_args(a)
+        existing = _converted_kind(model)
+        if existing is not None:
+            # a folder written by this pipeline / hf_polyattn.convert + save_pretrained: already swapped
+            if a.attention != existing:
+                raise CheckpointError(f"{path!r} was converted to attention {existing!r}; pass --attention {existing}")
+            saved = getattr(model.config, "polyattn", None)
+            self.pcfg = PolyAttnConfig.from_dict(saved) if isinstance(saved, dict) else pcfg
+            return model.to(self.acc.device)
+        if pcfg is not None:
+            import hf_polyattn
+
+            if not hasattr(hf_polyattn, "convert"):
+                raise CheckpointError("hf_polyattn.convert is not available (integration layer missing)")
+            model = hf_polyattn.convert(model, pcfg) or model
+        self.pcfg = pcfg
+        return model.to(self.acc.device)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        a = self.args
+        t0, c0 = time.time(), time.process_time()
+        model = self.acc.unwrap_model(self.model)
+        if a.task == "causal_lm":
+            r = perplexity(model, self.data.eval_ids, context=a.eval_context, stride=a.eval_stride,
+                           batch_size=a.eval_batch_size, progress=a.progress and self.acc.is_main_process,
+                           desc=f"eval {tag}")
+        else:
+            n = len(self.data.eval)
+            batches = (classification_batch(self.data, self.tokenizer, batch_size=a.eval_batch_size,
+                                            max_length=a.max_length, seed=a.seed, step=0, split="eval",
+                                            indices=list(range(i, min(n, i + a.eval_batch_size))))
+                       for i in range(0, n, a.eval_batch_size))
+            r = accuracy(model, batches, progress=a.progress and self.acc.is_main_process, desc=f"eval {tag}")
+        r["wall_s"], r["cpu_s"] = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
+        self.results["evaluations"][tag] = r
+        main = "perplexity" if a.task == "causal_lm" else "accuracy"
+        self.log(f"[eval {tag}] {main} = {r[main]:.4f}")
+        return r
+
+    # ------------------------------------------------------------------ stages
+    def _batch_fn(self, batch_size: int):
+        a = self.args
+        if a.task == "causal_lm":
+            ids = self.data.train_ids
+            return lambda step, micro, rank: lm_batch(ids, batch_size=batch_size, context=a.context, seed=a.seed,
+                                                      step=step, micro=micro, rank=rank)
+        return lambda step, micro, rank: classification_batch(
+            self.data, self.tokenizer, batch_size=batch_size, max_length=a.max_length, seed=a.seed, step=step,
+            micro=micro, rank=rank)
+
+    def transfer(self) -> dict[str, Any]:
+        a = self.args
+        model = self.model
+        with distillation(model, attn_ce_weight=a.attn_ce_weight) as coll:
+            params = polyattn_parameters(model)
+            base = self.acc.prepare(model.base_model)
+            cfg = LoopConfig(output_dir=str(self.out), max_steps=a.transfer_steps, lr=a.transfer_lr,
+                             warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=1,
+                             save_every=a.save_every, resume=a.resume, desc="transfer", progress=a.progress)
+            fp = fingerprint_of(params, stage="transfer", **{k: v for k, v in self.settings.items()})
+            summary = train_loop(self.acc, base, params, self._batch_fn(a.transfer_batch_size),
+                                 lambda m, b: transfer_loss(m, b, coll), cfg, fp)
+        self.results["stages"]["transfer"] = {k: v for k, v in summary.items() if k != "history"}
+        return summary
+
+    def finetune(self) -> dict[str, Any]:
+        a = self.args
+        model = self.model
+        if a.lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = _lora_targets(model)
+            task_type = "CAUSAL_LM" if a.task == "causal_lm" else "SEQ_CLS"
+            model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, target_modules=targets,
+                                                     task_type=task_type, lora_dropout=0.0))
+            for n, p in model.named_parameters():  # the retrofitted attention keeps training under LoRA
+                if ".polyattn." in n:
+                    p.requires_grad_(True)
+        else:
+            for p in model.parameters():
+                p.requires_grad_(True)
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        poly = [p for n, p in params if ".polyattn." in n]
+        rest = [p for n, p in params if ".polyattn." not in n]
+        cfg = LoopConfig(output_dir=str(self.out), max_steps=a.finetune_steps, lr=a.finetune_lr,
+                         warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=a.grad_accum,
+                         save_every=a.save_every, resume=a.resume, desc="finetune", progress=a.progress)
+        fp = fingerprint_of(params, stage="finetune", **self.settings)
+        wrapped = self.acc.prepare(model)
+        summary = train_loop(self.acc, wrapped, params, self._batch_fn(a.batch_size),
+                             lambda m, b: m(**b).loss, cfg, fp,
+                             param_groups=_groups(rest, poly, a.finetune_lr, a.polyattn_lr))
+        if a.lora:
+            model = self.acc.unwrap_model(wrapped).merge_and_unload()
+        self.model = model
+        self.results["stages"]["finetune"] = {k: v for k, v in summary.items() if k != "history"}
+        return summary
+
+    # ------------------------------------------------------------------ outputs
+    def save(self) -> Path | None:
+        a = self.args
+        self.results["total_cpu_s"] = round(time.process_time() - self.cpu0, 1)
+        self.results["total_wall_s"] = round(time.time() - self.wall0, 1)
+        self.results["polyattn"] = self.pcfg.to_dict() if self.pcfg else None
+        self.results["machine"] = _machine()
+        target = None
+        if self.acc.is_main_process:
+            (self.out / "results.json").write_text(json.dumps(self.results, indent=2))
+            if a.save_model:
+                from .card import write_card
+
+                target = self.out / "model"
+                model = self.acc.unwrap_model(self.model)
+                model.save_pretrained(target)
+                self.tokenizer.save_pretrained(target)
+                write_card(target, self.results, model_path=self.model_path)
+                if a.push_to_hub:
+                    from huggingface_hub import HfApi
+
+                    api = HfApi()
+                    api.create_repo(a.hub_model_id, exist_ok=True)
+                    api.upload_folder(folder_path=str(target), repo_id=a.hub_model_id)
+                    self.log(f"pushed {target} to https://huggingface.co/{a.hub_model_id}")
+        self.acc.wait_for_everyone()
+        return target
+
+
+def _converted_kind(model) -> str | None:
+    """The attention kind of an already converted model (it carries polyattn submodules), else None."""
+    for m in model.modules():
+        poly = getattr(m, "polyattn", None)
+        if poly is not None and hasattr(poly, "config"):
+            return poly.config.kind
+    return None
+
+
+def _groups(rest, poly, lr, poly_lr):
+    groups = []
+    if rest:
+        groups.append({"params": rest, "lr": lr})
+    if poly:
+        groups.append({"params": poly, "lr": poly_lr if poly_lr is not None else lr})
+    return groups
+
+
+def _lora_targets(model) -> list[str]:
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for cand in (["q_proj", "k_proj", "v_proj", "o_proj"], ["query", "key", "value"], ["c_attn", "c_proj"]):
+        if set(cand) <= names:
+            return cand
+    raise CheckpointError(f"no known attention projection names for LoRA among {sorted(names)}")
+
+
+def _machine() -> str:
+    import platform
+
+    dev = "CUDA " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{os.cpu_count()}-core CPU ({platform.machine()}), {dev}, torch {torch.__version__}, " \
+           f"{torch.get_num_threads()} threads"
+
+
+def run(args: RetrofitArgs) -> dict[str, Any]:
+    """The whole pipeline; returns the results dict (also written to output_dir/results.json)."""
+    r = Retrofit(args).prepare()
+    if args.eval_before:
+        r.evaluate("before" if args.attention == "softmax" else "swapped")
+    if args.transfer_steps:
+        r.transfer()
+        r.evaluate("after_transfer")
+    if args.finetune_steps:
+        r.finetune()
+        r.evaluate("after_finetune")
+    r.save()
+    return r.results

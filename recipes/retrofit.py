@@ -1,0 +1,17 @@
+"""Retrofit a pretrained checkpoint with polynomial / PolySketch / linear / Performer attention.
+
+Stages (each skipped when its step count is 0): swap the attention -> attention transfer (only the
+polyattn parameters train, to match each layer's softmax output) -> fine-tuning (full or LoRA) ->
+evaluation after each stage -> a Hub-ready folder in OUTPUT_DIR/model. See recipes/README.md.
+
+    accelerate launch recipes/retrofit.py --model smollm2 --attention polysketch \\
+        --transfer_steps 60 --finetune_steps 40 --output_dir runs/smollm2-polysketch
+"""
+
+from transformers import HfArgumentParser
+
+from hf_polyattn.training.pipeline import RetrofitArgs, run
+
+if __name__ == "__main__":
+    (args,) = HfArgumentParser(RetrofitArgs).parse_args_into_dataclasses()
+    run(args)
