@@ -1,0 +1,24 @@
+"""transformers integration: the only subpackage of hf_polyattn that imports transformers.
+
+Importing it registers every attention kind (``hf_polyattn.config.KINDS``) with
+``AttentionInterface`` and ``AttentionMaskInterface`` and installs the construction hook
+that gives polyattn models their per-layer ``polyattn`` submodules.
+"""
+
+from .cache import PolyAttnCache, PolyAttnCacheLayer
+from .convert import convert, get_polyattn_config
+from .hub import write_model_card
+from .modules import HFPolyAttention
+from .registry import register_all
+
+register_all()
+
+__all__ = [
+    "HFPolyAttention",
+    "PolyAttnCache",
+    "PolyAttnCacheLayer",
+    "convert",
+    "get_polyattn_config",
+    "register_all",
+    "write_model_card",
+]

@@ -1,0 +1,243 @@
+"""Model cards and push_to_hub for polyattn models.
+
+``save_pretrained`` of a polyattn model writes README.md next to the weights: YAML
+metadata (``library_name``, ``base_model``, ``tags`` with ``hf_polyattn`` and the kind,
+the settings under ``polyattn``, eval results when known) and a section rendered from
+``model_card_template.md`` between ``<!-- hf_polyattn:start/end -->`` markers, so an
+existing README keeps its own text and only our section is replaced.
+
+``library_name: transformers``: the checkpoint is a plain transformers checkpoint
+(config.json + safetensors, loaded by ``AutoModel*``), so the Hub's "use this model"
+snippet, download counting and widgets work; the ``hf_polyattn`` tag and the usage
+section say that ``import hf_polyattn`` is required.
+
+``push_to_hub`` follows the standard path (create the repo, ``save_pretrained`` into a
+folder, upload that folder in one commit); transformers' own ``push_to_hub`` would replace
+README.md with its generic card after saving, hence the per-instance override.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from torch import nn
+
+__all__ = ["hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained", "write_model_card"]
+
+_START, _END = "<!-- hf_polyattn:start -->", "<!-- hf_polyattn:end -->"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_KIND_TITLES = {
+    "polynomial": "polynomial attention ((q.k)^p, PolySketchFormer, arXiv:2310.01655)",
+    "polysketch": "PolySketch attention (sketched polynomial kernel in linear time, arXiv:2310.01655)",
+    "linear": "linear attention (Katharopoulos et al., arXiv:2006.16236)",
+    "performer": "Performer FAVOR+ attention (Choromanski et al., arXiv:2009.14794)",
+}
+
+
+def hub_model_id(name: str | None) -> str | None:
+    """``name`` if it looks like a Hub repo id (``org/model``) rather than a local path."""
+    if not name or not isinstance(name, str) or os.path.isdir(name) or not _HUB_ID.match(name):
+        return None
+    return name
+
+
+def template_path() -> str:
+    """The model-card template shipped inside the package (a copy of model_cards/)."""
+    return str(resources.files("hf_polyattn").joinpath("model_card_template.md"))
+
+
+def _as_eval_results(eval_results) -> list[EvalResult] | None:
+    if eval_results is None:
+        return None
+    out = []
+    for r in eval_results:
+        if isinstance(r, EvalResult):
+            out.append(r)
+        elif isinstance(r, dict):
+            out.append(EvalResult(**r))
+        else:
+            raise TypeError(f"eval_results items must be huggingface_hub.EvalResult or dicts of its fields, "
+                            f"got {type(r).__name__}")
+    return out
+
+
+def _memory_note(cfg) -> str:
+    if cfg.kind != "polynomial":
+        extra = f" plus the keys of the current {cfg.block_size}-token block" if cfg.local_exact else ""
+        return ("Generation keeps a constant-size recurrent state per layer" + extra
+                + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by `generate()`).")
+    return ("Exact polynomial attention: generation keeps tensor-power features (constant size) when they are "
+            f"few enough (max_tensor_features={cfg.max_tensor_features}); otherwise (the quadratic path) the "
+            "state keeps every key, like a softmax KV cache.")
+
+
+def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=None, tags: list[str] | None = None,
+                     base_model: str | None = None, model_name: str | None = None, repo_id: str | None = None,
+                     ) -> ModelCard:
+    """Create or update ``save_directory/README.md`` for a polyattn model; returns the card.
+
+    Args:
+        save_directory: folder holding (or about to hold) the checkpoint.
+        model: the polyattn model (or its transformers config).
+        eval_results: ``huggingface_hub.EvalResult`` objects or dicts of their fields
+            (task_type, dataset_type, dataset_name, metric_type, metric_value, ...).
+            ``None`` keeps the results already in the card.
+        tags: extra tags (``hf_polyattn`` and the kind are always added).
+        base_model: Hub id of the base checkpoint; default: recorded at conversion/loading.
+        model_name, repo_id: names shown in the card (default: the folder name).
+    """
+    from .convert import get_polyattn_config
+    from .modules import BASE_MODEL_KEY
+
+    config = model.config if isinstance(model, nn.Module) else model
+    cfg = get_polyattn_config(model)
+    if cfg is None:
+        raise ValueError("write_model_card needs a model converted to a hf_polyattn attention kind "
+                         "(config._attn_implementation is not one of them)")
+    save_directory = Path(save_directory)
+    save_directory.mkdir(parents=True, exist_ok=True)
+    readme = save_directory / "README.md"
+    existing = ModelCard.load(readme) if readme.exists() else None
+    old = existing.data.to_dict() if existing is not None else {}
+
+    name = model_name or old.get("model_name") or save_directory.resolve().name
+    repo = repo_id or name
+    base = base_model or getattr(config, BASE_MODEL_KEY, None) or hub_model_id(getattr(config, "_name_or_path", None))
+    model_tags = list(getattr(model, "model_tags", None) or []) if isinstance(model, nn.Module) else []
+    all_tags = []
+    for t in ["hf_polyattn", cfg.kind, *model_tags, *(tags or []), *(old.get("tags") or [])]:
+        if t not in all_tags:
+            all_tags.append(t)
+    evals = _as_eval_results(eval_results)
+    if evals is None and existing is not None:
+        evals = existing.data.eval_results
+    extra = {k: v for k, v in old.items()
+             if k not in {"library_name", "base_model", "tags", "model-index", "model_name", "polyattn"}}
+    data = ModelCardData(
+        library_name="transformers",
+        base_model=base if base is not None else old.get("base_model"),
+        tags=all_tags,
+        model_name=name if evals else None,
+        eval_results=evals or None,
+        polyattn=cfg.to_dict(),
+        **extra,
+    )
+    archs = getattr(config, "architectures", None) or []
+    auto_class = "AutoModelForCausalLM" if any("CausalLM" in a or "LMHead" in a for a in archs) else "AutoModel"
+    settings = [(k, v) for k, v in cfg.to_dict().items()]
+    rows = [vars(r) for r in (evals or [])]
+    rendered = ModelCard.from_template(
+        data,
+        template_path=template_path(),
+        model_name=name,
+        description=f"A transformers checkpoint with hf_polyattn `{cfg.kind}` attention.",
+        kind=cfg.kind,
+        kind_title=_KIND_TITLES[cfg.kind],
+        base_model=data.base_model,
+        auto_class=auto_class,
+        repo_id=repo,
+        settings=settings,
+        memory_note=_memory_note(cfg),
+        eval_rows=rows,
+    )
+    if existing is not None:
+        section = rendered.text[rendered.text.index(_START): rendered.text.index(_END) + len(_END)]
+        body = existing.text
+        if _START in body and _END in body:
+            body = body[: body.index(_START)] + section + body[body.index(_END) + len(_END):]
+        else:
+            body = body.rstrip() + "\n\n" + section + "\n"
+        card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    else:
+        card = rendered
+    card.save(readme)
+    return card
+
+
+# ----------------------------------------------------------- per-instance overrides
+def _check_all_ready(model) -> None:
+    from .modules import HFPolyAttention
+
+    for m in model.modules():
+        if isinstance(m, HFPolyAttention):
+            m.check_ready()
+
+
+def _save_checkpoint(model, save_directory, *args, **kwargs):
+    """The stock save_pretrained, after making config.json carry the attention settings."""
+    from .modules import sync_config
+
+    sync_config(model)
+    _check_all_ready(model)
+    return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+
+
+_HUB_KWARGS = ("repo_id", "commit_message", "commit_description", "create_pr", "private", "token", "revision")
+
+
+def polyattn_save_pretrained(self, save_directory, *args, push_to_hub: bool = False, eval_results=None,
+                             **kwargs):
+    """``save_pretrained`` that also records the attention settings and writes the model card.
+
+    Extra keyword: ``eval_results`` (see :func:`write_model_card`).
+    """
+    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs} if push_to_hub else {}
+    if "token" in hub:
+        kwargs["token"] = hub["token"]
+    result = _save_checkpoint(self, save_directory, *args, **kwargs)
+    is_main = kwargs.get("is_main_process", args[0] if args else True)
+    should_save = getattr(self, "should_save_on_this_rank", None)
+    if should_save is None or should_save(is_main):
+        write_model_card(save_directory, self, eval_results=eval_results,
+                         repo_id=hub.get("repo_id"))
+        if push_to_hub:
+            repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(os.fspath(save_directory))))
+            _upload_folder(save_directory, repo_id, **hub)
+    return result
+
+
+def _load_remote_card(repo_id: str, token) -> ModelCard | None:
+    try:
+        return ModelCard.load(repo_id, token=token)
+    except Exception:  # no card yet, no network, no access: write a fresh one
+        return None
+
+
+def _upload_folder(folder, repo_id: str, *, commit_message=None, commit_description=None, create_pr=False,
+                   private=None, token=None, revision=None):
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        commit_message=commit_message or "Upload model with hf_polyattn attention",
+        commit_description=commit_description,
+        revision=revision,
+        create_pr=create_pr,
+    )
+
+
+def polyattn_push_to_hub(self, repo_id: str, *, commit_message: str | None = None,
+                         commit_description: str | None = None, private: bool | None = None, token=None,
+                         revision: str | None = None, create_pr: bool = False, max_shard_size="50GB",
+                         tags: list[str] | None = None, eval_results: Any = None, **kwargs):
+    """Upload weights, config.json (with the attention settings) and the model card in one commit."""
+    if kwargs:
+        raise TypeError(f"push_to_hub() got unexpected arguments {sorted(kwargs)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        remote = _load_remote_card(repo_id, token)
+        if remote is not None:
+            remote.save(os.path.join(tmp, "README.md"))  # keep the existing card's text
+        _save_checkpoint(self, tmp, max_shard_size=max_shard_size)
+        write_model_card(tmp, self, eval_results=eval_results, tags=tags, repo_id=repo_id,
+                         model_name=repo_id.split("/")[-1])
+        return _upload_folder(tmp, repo_id, commit_message=commit_message, commit_description=commit_description,
+                              create_pr=create_pr, private=private, token=token, revision=revision)

@@ -1,0 +1,154 @@
+"""Registration of every kind with transformers' AttentionInterface and AttentionMaskInterface.
+
+One name per kind (``hf_polyattn.config.KINDS``), each registered twice under the same
+name: the attention function and the mask function. Without a mask function transformers
+passes ``attention_mask=None`` and padding is lost silently.
+
+The mask function returns the 2-D (batch, kv_len) bool key-padding mask, or None when
+nothing is padded, like ``flash_attention_mask``: never the (B, 1, Lq, Lk) tensor of the
+sdpa/eager masks (at 32k context that is 1 G booleans per sequence). Attention patterns a
+padding mask cannot express (sliding windows, packed sequences, chunked or custom
+overlays) arrive as a different ``mask_function`` and are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
+from transformers.modeling_utils import AttentionInterface
+
+from ..config import KINDS
+from . import modules
+
+__all__ = ["ATTENTION_FUNCTIONS", "polyattn_mask", "register_all"]
+
+# Flash-attention varlen kwargs: what DataCollatorWithFlattening adds for packed batches.
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k", "max_length_q", "max_length_k")
+_DROPOUT_NAMES = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "attn_dropout")
+
+
+def _describe_mask_function(fn: Callable | str) -> str:
+    name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+    if "packed_sequence" in name:
+        what = ("packed sequences (position_ids restart inside a row and attention_mask is None, e.g. "
+                "DataCollatorWithFlattening): pad the batch instead and pass an attention_mask")
+    elif "sliding" in name:
+        what = "a sliding-window mask: set sliding_window=None in the model config to use global attention"
+    elif "chunked" in name:
+        what = "a chunked-attention mask: set attention_chunk_size=None in the model config"
+    else:
+        what = (f"a custom mask pattern ({name}: or/and mask overlays, block overlays): only causal and "
+                "bidirectional attention with key padding are supported")
+    return f"hf_polyattn attention cannot apply {what}"
+
+
+def polyattn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """2-D (batch, kv_length) bool key-padding mask (True = keep), or None without padding."""
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        raise ValueError(_describe_mask_function(mask_function))
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"hf_polyattn needs a 2-D (batch, length) attention_mask, got shape "
+                         f"{tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    # One host sync per forward (not per layer) buys the all-valid fast path.
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def _dropout_hint(module) -> str:
+    config = getattr(module, "config", None)
+    names = [n for n in _DROPOUT_NAMES if config is not None and hasattr(config, n)]
+    name = names[0] if names else "the attention dropout"
+    return (f"attention-probability dropout has no linear-time equivalent (no n x n weights exist): set "
+            f"config.{name}=0.0 (e.g. from_pretrained(..., {name}=0.0)) or train in eval mode")
+
+
+def _key_padding_mask(attention_mask, kv_len: int):
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(
+            f"hf_polyattn attention received an attention_mask of shape {shape}; it needs the 2-D key-padding "
+            "mask its mask function builds. Pass a 2-D (batch, length) attention_mask to the model, not a "
+            "prepared 4-D mask."
+        )
+    if attention_mask.shape[1] < kv_len:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[1]} keys, the layer has {kv_len}")
+    mask = attention_mask[:, -kv_len:]
+    return mask if mask.dtype == torch.bool else mask.to(torch.bool)
+
+
+def _make_attention_function(kind: str) -> Callable:
+    def polyattn_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
+        pa = getattr(module, "polyattn", None)
+        if not isinstance(pa, modules.HFPolyAttention):
+            raise ValueError(
+                f"{type(module).__name__} has no polyattn state for attn_implementation={kind!r}. Load the model "
+                f"with from_pretrained(..., attn_implementation={kind!r}) or call hf_polyattn.convert(model, "
+                f"hf_polyattn.PolyAttnConfig(kind={kind!r}, ...)); set_attn_implementation alone does not create "
+                "the per-layer parameters."
+            )
+        if pa.config.kind != kind:
+            raise ValueError(
+                f"config._attn_implementation is {kind!r} but the polyattn modules were built for "
+                f"{pa.config.kind!r}: call hf_polyattn.convert(model, PolyAttnConfig(kind={kind!r})) to rebuild them"
+            )
+        pa.check_ready()
+        if kwargs.get("output_attentions"):
+            raise ValueError("output_attentions=True is not supported by hf_polyattn attention: the linear-time "
+                             "kernels never form the attention matrix. Use attn_implementation='eager' for that.")
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError(f"sliding_window={kwargs['sliding_window']} is not supported by hf_polyattn attention; "
+                             "set config.sliding_window=None to use global attention")
+        if any(kwargs.get(k) is not None for k in _PACKED_KWARGS):
+            raise ValueError(_describe_mask_function("packed_sequence"))
+        if dropout:
+            raise ValueError(f"dropout={dropout} in training mode: {_dropout_hint(module)}")
+        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+        mask = _key_padding_mask(attention_mask, key.shape[2])
+        layer = getattr(module, "_polyattn_cache_layer", None) if causal else None
+        if layer is not None:
+            state = layer.state if layer.state is not None else pa.init_state()
+            out, layer.state = pa(query, key, value, causal=True, scaling=scaling, key_padding_mask=mask, state=state)
+        else:
+            if not causal and pa.config.local_exact and query.shape[2] != key.shape[2]:
+                raise ValueError(
+                    f"{type(module).__name__}: cross-attention (q_len {query.shape[2]} != kv_len {key.shape[2]}) "
+                    "with local_exact=True is not supported (exact diagonal blocks need aligned queries and keys); "
+                    "use local_exact=False for models with cross-attention"
+                )
+            out = pa(query, key, value, causal=causal, scaling=scaling, key_padding_mask=mask)
+        # transformers reshapes the output blindly: (B, Lq, H, D) is the required layout.
+        return out.transpose(1, 2).contiguous(), None
+
+    polyattn_attention.__name__ = polyattn_attention.__qualname__ = f"polyattn_{kind}_attention"
+    return polyattn_attention
+
+
+ATTENTION_FUNCTIONS: dict[str, Callable] = {kind: _make_attention_function(kind) for kind in KINDS}
+_REGISTERED = False
+
+
+def register_all() -> None:
+    """Register every kind (idempotent) and install the construction hook."""
+    global _REGISTERED
+    for kind, fn in ATTENTION_FUNCTIONS.items():
+        AttentionInterface.register(kind, fn)
+        AttentionMaskInterface.register(kind, polyattn_mask)
+    modules.install_construction_hook()
+    _REGISTERED = True
