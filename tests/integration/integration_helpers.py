@@ -1,0 +1,144 @@
+"""Tiny models built in code (2 layers, hidden 64, vocab 100) for every supported architecture."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import hf_polyattn
+from hf_polyattn import PolyAttnConfig
+
+VOCAB = 100
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    make_config: Callable
+    model_cls: str
+    auto_cls: str
+    causal: bool
+    # RoBERTa derives positions from input_ids (pads = padding_idx): never pass position_ids there.
+    pass_position_ids: bool = True
+    pad_id: int = 0
+
+
+def _bert():
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0)
+
+
+def _roberta():
+    from transformers import RobertaConfig
+
+    return RobertaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128, max_position_embeddings=80, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, pad_token_id=1)
+
+
+def _distilbert():
+    from transformers import DistilBertConfig
+
+    return DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                            max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+
+
+def _gpt2():
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                      scale_attn_by_inverse_layer_idx=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _gpt_neox():
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128, max_position_embeddings=128, attention_dropout=0.0,
+                         hidden_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+ARCHS = {
+    "bert": Arch("bert", _bert, "BertForMaskedLM", "AutoModelForMaskedLM", causal=False),
+    "roberta": Arch("roberta", _roberta, "RobertaForMaskedLM", "AutoModelForMaskedLM", causal=False,
+                    pass_position_ids=False, pad_id=1),
+    "distilbert": Arch("distilbert", _distilbert, "DistilBertForMaskedLM", "AutoModelForMaskedLM", causal=False),
+    "gpt2": Arch("gpt2", _gpt2, "GPT2LMHeadModel", "AutoModelForCausalLM", causal=True),
+    "llama": Arch("llama", _llama, "LlamaForCausalLM", "AutoModelForCausalLM", causal=True),
+    "mistral": Arch("mistral", _mistral, "MistralForCausalLM", "AutoModelForCausalLM", causal=True),
+    "qwen2": Arch("qwen2", _qwen2, "Qwen2ForCausalLM", "AutoModelForCausalLM", causal=True),
+    "gpt_neox": Arch("gpt_neox", _gpt_neox, "GPTNeoXForCausalLM", "AutoModelForCausalLM", causal=True),
+}
+CAUSAL_ARCHS = [a for a in ARCHS if ARCHS[a].causal]
+
+# Small options of every kind, chosen to exercise the interesting code: learned sketches and
+# exact local blocks (block 4 < sequence 12), softmax local windows, q/k LayerNorms, FAVOR+.
+KIND_CONFIGS = {
+    "polynomial": PolyAttnConfig(kind="polynomial", degree=2, qk_norm=True),
+    "polysketch": PolyAttnConfig(kind="polysketch", degree=4, sketch="learned", sketch_size=8, local_exact=True,
+                                 block_size=4),
+    "linear": PolyAttnConfig(kind="linear", feature_map="elu", local_exact=True, block_size=4),
+    "performer": PolyAttnConfig(kind="performer", num_features=16, qk_norm=True),
+}
+
+
+def model_class(arch: Arch):
+    import transformers
+
+    return getattr(transformers, arch.model_cls)
+
+
+def auto_class(arch: Arch):
+    import transformers
+
+    return getattr(transformers, arch.auto_cls)
+
+
+def build(arch_name: str, kind: str | PolyAttnConfig | None = None, seed: int = 0):
+    """A fresh tiny model (own config object), converted to ``kind`` unless None."""
+    arch = ARCHS[arch_name]
+    torch.manual_seed(seed)
+    model = model_class(arch)(arch.make_config()).eval()
+    if kind is not None:
+        cfg = KIND_CONFIGS[kind] if isinstance(kind, str) else kind
+        hf_polyattn.convert(model, cfg)
+    return model
+
+
+def perturb_polyattn(model, seed: int = 1) -> None:
+    """Move every polyattn tensor off its seed value, so reload tests can fail."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if ".polyattn." in name and t.is_floating_point():
+                t.add_(0.05 * torch.randn(t.shape, generator=gen).to(t.dtype))

@@ -1,0 +1,144 @@
+"""generate() with the recurrent-state cache: equal to recomputing the full forward at every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from integration_helpers import KIND_CONFIGS, VOCAB, build
+from transformers import DynamicCache
+
+from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer, PolyAttnConfig
+
+GEN_ARCHS = ["llama", "gpt2"]
+GEN_MATRIX = [pytest.param(a, k, id=f"{a}-{k}") for a in GEN_ARCHS for k in KIND_CONFIGS]
+
+
+def _model(arch, kind):
+    model = build(arch, kind)
+    model.generation_config.eos_token_id = None  # random tiny models would stop at random
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _prompt(batch=1, length=10, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=gen)
+
+
+@pytest.mark.parametrize("arch,kind", GEN_MATRIX)
+def test_greedy_equals_full_forward_every_step(arch, kind):
+    model = _model(arch, kind)
+    ids = _prompt()
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, PolyAttnCache)  # picked automatically
+    seq = out.sequences
+    assert seq.shape[1] == ids.shape[1] + 8
+    for step, logits in enumerate(out.logits):
+        upto = ids.shape[1] + step
+        with torch.no_grad():
+            full = model(seq[:, :upto], use_cache=False).logits[:, -1]
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        assert torch.equal(full.argmax(-1), seq[:, upto])
+
+
+@pytest.mark.parametrize("kind", list(KIND_CONFIGS))
+def test_sampling_and_num_return_sequences_match_uncached(kind):
+    model = _model("llama", kind)
+    ids = _prompt(2)
+    kw = dict(max_new_tokens=6, do_sample=True, top_k=20, num_return_sequences=2)
+    torch.manual_seed(11)
+    cached = model.generate(ids, **kw)
+    torch.manual_seed(11)
+    uncached = model.generate(ids, use_cache=False, **kw)
+    assert cached.shape == (4, ids.shape[1] + 6)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", "polysketch"), ("gpt2", "performer"), ("llama", "polynomial")])
+def test_beam_search_reorders_states(arch, kind):
+    model = _model(arch, kind)
+    ids = _prompt(2)
+    kw = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2, early_stopping=False)
+    cached = model.generate(ids, **kw)
+    uncached = model.generate(ids, use_cache=False, **kw)
+    assert cached.shape == (4, ids.shape[1] + 6)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("arch,kind", GEN_MATRIX)
+def test_left_padded_batch_generation_equals_rows(arch, kind):
+    model = _model(arch, kind)
+    long, short = _prompt(1, 12, seed=1)[0], _prompt(1, 8, seed=2)[0]  # lengths differ by block_size 4
+    ids = torch.zeros((2, 12), dtype=torch.long)
+    mask = torch.zeros((2, 12), dtype=torch.long)
+    ids[0], mask[0] = long, 1
+    ids[1, 4:], mask[1, 4:] = short, 1
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    batch = model.generate(ids, attention_mask=mask, **kw)
+    for row, prompt in enumerate([long, short]):
+        alone = model.generate(prompt[None], **kw)
+        assert torch.equal(batch.sequences[row, 12:], alone.sequences[0, len(prompt):])
+        for a, b in zip(batch.logits, alone.logits):
+            torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)
+
+
+def _step_nbytes(model, ids, steps):
+    cache = PolyAttnCache(model)
+    model.generate(ids, max_new_tokens=steps, do_sample=False, past_key_values=cache)
+    return cache
+
+
+def test_cache_memory_independent_of_generated_length():
+    model = _model("llama", "performer")
+    ids = _prompt()
+    short, long = _step_nbytes(model, ids, 20), _step_nbytes(model, ids, 60)
+    assert short.get_seq_length() == ids.shape[1] + 19 and long.get_seq_length() == ids.shape[1] + 59
+    assert short.nbytes() == long.nbytes() > 0
+    # A softmax DynamicCache grows with every token.
+    soft = build("llama", None)
+    soft.generation_config.eos_token_id = None
+    d20, d60 = DynamicCache(), DynamicCache()
+    soft.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=d20)
+    soft.generate(ids, max_new_tokens=60, do_sample=False, past_key_values=d60)
+    size = [sum(layer.keys.numel() + layer.values.numel() for layer in c.layers) for c in (d20, d60)]
+    assert size[1] > size[0]
+
+
+def test_local_exact_cache_bounded_by_block():
+    cfg = KIND_CONFIGS["polysketch"]
+    model = _model("llama", "polysketch")
+    ids = _prompt()
+    sizes = []
+    for steps in (13, 21, 30, 47):
+        cache = _step_nbytes(model, ids, steps)
+        for layer in cache.layers:
+            assert isinstance(layer, PolyAttnCacheLayer)
+            kept = 0 if layer.state.k is None else layer.state.k.shape[2]
+            assert kept < cfg.block_size
+        sizes.append(cache.nbytes())
+    kv_only = sum(layer.state.kv.numel() * layer.state.kv.element_size() for layer in cache.layers)
+    # kv state + at most block_size - 1 raw keys/values (and their mask) per layer
+    per_key = 2 * 2 * 16 * 4 + 1  # k and v: (kv_heads 2, head_dim 16) float32, plus one mask byte
+    assert max(sizes) <= kv_only + len(cache.layers) * (cfg.block_size - 1) * per_key
+
+
+def test_forward_with_dynamic_cache_upgrades_layers():
+    """A plain forward with use_cache=True (DynamicCache made by the model) keeps states, not keys."""
+    model = _model("qwen2", "linear")
+    ids = _prompt(1, 12)
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        out = model(ids[:, :7], use_cache=True)
+        assert type(out.past_key_values) is DynamicCache
+        assert all(isinstance(layer, PolyAttnCacheLayer) for layer in out.past_key_values.layers)
+        assert out.past_key_values.get_seq_length() == 7
+        nxt = model(ids[:, 7:], past_key_values=out.past_key_values, use_cache=True).logits  # chunked prefill
+    torch.testing.assert_close(torch.cat([out.logits, nxt], 1), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_polynomial_quadratic_state_keeps_keys():
+    """Documented exception: the quadratic polynomial path has no constant-size state."""
+    model = _model("llama", PolyAttnConfig(kind="polynomial", degree=4, exact_path="quadratic"))
+    ids = _prompt()
+    a, b = _step_nbytes(model, ids, 5), _step_nbytes(model, ids, 15)
+    assert b.nbytes() > a.nbytes()
