@@ -81,8 +81,7 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     # set_attn_implementation validates the name against the registry and recurses into sub-configs.
     model.set_attn_implementation(cfg.kind)
     for c in [model.config, *configs.values()]:
-        c.attn_implementation = cfg.kind
-        setattr(c, modules.CONFIG_KEY, cfg.to_dict())
+        modules.persist_settings(c, cfg)
     for sub in model.modules():
         if isinstance(sub, PreTrainedModel):
             modules.prepare_model_instance(sub)

@@ -69,6 +69,17 @@ __all__ = [
 # Config attributes written to config.json (read back by from_pretrained / our hook).
 CONFIG_KEY = "polyattn"
 BASE_MODEL_KEY = "polyattn_base_model"
+# Without the plugin, transformers' error only names the kind ("Specified
+# attn_implementation="polysketch" is not supported"): config.json says what to import.
+REQUIRES_KEY = "polyattn_requires"
+REQUIRES_NOTE = "pip install hf_polyattn; `import hf_polyattn` before from_pretrained registers this attention"
+
+
+def persist_settings(config: PreTrainedConfig, cfg: PolyAttnConfig) -> None:
+    """Write the attention settings as config attributes that save_pretrained serialises."""
+    config.attn_implementation = cfg.kind  # read back by from_pretrained (PreTrainedConfig.__init__)
+    setattr(config, CONFIG_KEY, cfg.to_dict())
+    setattr(config, REQUIRES_KEY, REQUIRES_NOTE)
 
 _ATTENTION_CLASS_CACHE: dict[type, bool] = {}
 
@@ -294,13 +305,11 @@ def sync_config(model: PreTrainedModel) -> None:
     config = model.config
     kind = _polyattn_kind(config)
     if kind is None:
-        for key in ("attn_implementation", CONFIG_KEY):
+        for key in ("attn_implementation", CONFIG_KEY, REQUIRES_KEY):
             config.__dict__.pop(key, None)
         return
     pa = next((m for m in model.modules() if isinstance(m, HFPolyAttention)), None)
-    cfg = pa.config if pa is not None else resolve_polyattn_config(config)
-    config.attn_implementation = kind
-    setattr(config, CONFIG_KEY, cfg.to_dict())
+    persist_settings(config, pa.config if pa is not None else resolve_polyattn_config(config))
     if getattr(config, BASE_MODEL_KEY, None) is None:
         from .hub import hub_model_id
 
@@ -378,9 +387,7 @@ def _maybe_attach(module: nn.Module, idx: int) -> None:
     cfg = resolve_polyattn_config(config)
     check_supported_config(config)
     attach_polyattn(module, cfg, idx)
-    # Persist the settings in the config object the model will save.
-    config.attn_implementation = cfg.kind
-    setattr(config, CONFIG_KEY, cfg.to_dict())
+    persist_settings(config, cfg)  # in the config object the model will save
 
 
 _HOOK_HANDLE = None

@@ -29,8 +29,24 @@ _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_
 _DROPOUT_NAMES = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "attn_dropout")
 
 
+def _mask_function_names(fn, depth: int = 0) -> list[str]:
+    """Qualified names of a mask function and of the functions its closure combines
+    (``and_masks``/``or_masks`` wrap the packed-sequence and sliding-window functions)."""
+    names = [getattr(fn, "__qualname__", repr(fn))]
+    if depth < 4:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # empty cell
+                continue
+            for item in inner if isinstance(inner, (tuple, list)) else (inner,):
+                if callable(item) and hasattr(item, "__qualname__"):
+                    names += _mask_function_names(item, depth + 1)
+    return names
+
+
 def _describe_mask_function(fn: Callable | str) -> str:
-    name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+    name = fn if isinstance(fn, str) else " + ".join(_mask_function_names(fn))
     if "packed_sequence" in name:
         what = ("packed sequences (position_ids restart inside a row and attention_mask is None, e.g. "
                 "DataCollatorWithFlattening): pad the batch instead and pass an attention_mask")
