@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["results_markdown", "write_card"]
+__all__ = ["eval_results_for_card", "results_markdown", "write_card"]
 
 
 def results_markdown(results: dict[str, Any]) -> str:
@@ -21,15 +21,12 @@ def results_markdown(results: dict[str, Any]) -> str:
 def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str) -> Path:
     """Write README.md into ``folder`` with the attention settings and eval results.
 
-    Uses ``hf_polyattn.integration.hub.write_model_card`` when the integration layer provides it (for
-    the library's standard card: tags, attention settings, YAML metadata) and appends the recipe's
-    results; otherwise writes a self-contained card with ``huggingface_hub.ModelCard``.
+    A converted model's ``save_pretrained`` has already written the library's card (YAML metadata,
+    attention settings, eval results): the recipe's results section is appended to it (replaced on
+    a re-save). A softmax baseline gets a small card of its own.
     """
     folder = Path(folder)
     a = results["args"]
-    evals = results["evaluations"]
-    last = list(evals)[-1] if evals else None
-    metric = "perplexity" if a["task"] == "causal_lm" else "accuracy"
     body = [
         "",
         "## Retrofit results (hf_polyattn recipes)",
@@ -49,45 +46,41 @@ def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str) 
     body += ["", results_markdown(results), "", f"Machine: {results.get('machine', '?')}; total wall time "
              f"{results.get('total_wall_s', '?')} s, CPU time {results.get('total_cpu_s', '?')} s.", ""]
     text = "\n".join(body)
-    try:
-        from hf_polyattn.integration import hub  # noqa: F401  (helper API, optional)
-
-        wrote = _integration_card(folder, results, metric, evals[last][metric] if last else None, text)
-        if wrote:
-            return wrote
-    except ImportError:
-        pass
-    return _plain_card(folder, results, metric, evals[last][metric] if last else None, text)
-
-
-def _integration_card(folder, results, metric, value, text):
-    from hf_polyattn.integration import hub
-
-    fn = getattr(hub, "write_model_card", None)
-    if fn is None:
-        return None
-    try:
-        path = fn(folder)
-    except TypeError:
-        return None
-    path = Path(path) if path else folder / "README.md"
-    if path.is_dir():
-        path = path / "README.md"
-    if not path.exists():
-        return None
-    path.write_text(path.read_text() + "\n" + text)
-    return path
+    readme = folder / "README.md"
+    if readme.exists():  # the library's card (hf_polyattn.write_model_card via save_pretrained): append
+        old = readme.read_text()
+        marker = "## Retrofit results (hf_polyattn recipes)"
+        if marker in old:
+            old = old[: old.index(marker)].rstrip() + "\n"
+        readme.write_text(old.rstrip() + "\n" + text)
+        return readme
+    return _plain_card(folder, results, text)
 
 
-def _plain_card(folder, results, metric, value, text):
+def eval_results_for_card(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """huggingface_hub.EvalResult fields of the last evaluation (for the card's model-index)."""
+    a = results["args"]
+    evals = results["evaluations"]
+    if not evals:
+        return []
+    last = evals[list(evals)[-1]]
+    if a["task"] == "causal_lm":
+        return [{"task_type": "text-generation", "dataset_type": "text", "dataset_name": Path(a["data"]).name,
+                 "metric_type": "perplexity", "metric_value": round(last["perplexity"], 4),
+                 "metric_config": f"context {a['eval_context']}, stride {a['eval_stride']}, held-out tail"}]
+    return [{"task_type": "text-classification", "dataset_type": "csv", "dataset_name": Path(a["data"]).name,
+             "metric_type": "accuracy", "metric_value": round(last["accuracy"], 4),
+             "metric_config": f"seeded validation split of {last['examples']} rows"}]
+
+
+def _plain_card(folder: Path, results: dict[str, Any], text: str) -> Path:
+    """Card of a softmax (unconverted) result folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
     a = results["args"]
-    data = ModelCardData(library_name="transformers", tags=["hf_polyattn", f"attention-{a['attention']}"],
-                         base_model=None)
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n# {a['model']} with {a['attention']} attention\n"
-                     "\nLoad with `import hf_polyattn` before `from_pretrained` (it registers the attention).\n"
-                     + text)
-    path = Path(folder) / "README.md"
+    data = ModelCardData(library_name="transformers", tags=["hf_polyattn-baseline", "softmax"])
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n# {a['model']} fine-tuned with softmax attention\n"
+                     "\nThe softmax baseline of an hf_polyattn retrofit comparison.\n" + text)
+    path = folder / "README.md"
     card.save(str(path))
     return path

@@ -27,6 +27,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "cache_dir",
     "check_supported",
+    "hub_reachable",
     "convert_smollm2_gguf",
     "package_dir",
     "resolve_checkpoint",
@@ -99,6 +100,21 @@ def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> 
     return target
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Can the Hub endpoint be reached at all? (huggingface_hub retries for ~1 minute before failing.)"""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def resolve_checkpoint(name: str) -> str:
     """A local directory for ``name`` (see module docstring), or the Hub id after checking it is reachable."""
     if os.path.isdir(name):
@@ -114,9 +130,16 @@ def resolve_checkpoint(name: str) -> str:
         return str(convert_smollm2_gguf())
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise CheckpointError(f"checkpoint directory {name!r} does not exist")
-    try:
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=True)  # in the local HF cache: fine offline
+        return name
+    except Exception:
+        pass
+    try:
+        if not hub_reachable():
+            raise OSError("the Hugging Face Hub cannot be reached (no network?) and the id is not in the local cache")
         AutoConfig.from_pretrained(name)
     except Exception as e:
         hint = ""

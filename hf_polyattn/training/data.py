@@ -38,9 +38,10 @@ class DataError(ValueError):
 
 
 def _looks_like_path(source: str) -> bool:
+    """A file path rather than a Hub dataset id ('owner/name' or 'name')."""
     return (
-        os.sep in source
-        or source.startswith(".")
+        source.startswith((".", "/", "~"))
+        or source.count("/") > 1
         or source.endswith((".txt", ".csv", ".tsv", ".json", ".jsonl", ".parquet"))
     )
 
@@ -68,7 +69,13 @@ def _load(source: str, *, kind: str, split: str = "train", **kwargs: Any):
         return datasets.load_dataset(builder, data_files={"train": source}, split="train", **extra)
     if _looks_like_path(source):
         raise DataError(f"data file {source!r} does not exist (cwd: {os.getcwd()})")
+    from .checkpoints import hub_reachable
+
+    offline = os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "") or os.environ.get(
+        "HF_HUB_OFFLINE", "0") not in ("0", "")
     try:
+        if not offline and not hub_reachable():
+            raise ConnectionError("the Hugging Face Hub cannot be reached (no network?)")
         return datasets.load_dataset(source, split=split, **kwargs)
     except Exception as e:  # ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
         raise DataError(

@@ -164,7 +164,7 @@ class Retrofit:
         self.args = args
         if args.threads:
             torch.set_num_threads(args.threads)
-        self.acc = accelerator or Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+        self.acc = accelerator or Accelerator(mixed_precision=args.mixed_precision)
         self.out = Path(args.output_dir)
         self.results: dict[str, Any] = {"args": asdict(args), "evaluations": {}, "stages": {}}
         self.cpu0, self.wall0 = time.process_time(), time.time()
@@ -343,11 +343,14 @@ class Retrofit:
         if self.acc.is_main_process:
             (self.out / "results.json").write_text(json.dumps(self.results, indent=2))
             if a.save_model:
-                from .card import write_card
+                from .card import eval_results_for_card, write_card
 
                 target = self.out / "model"
                 model = self.acc.unwrap_model(self.model)
-                model.save_pretrained(target)
+                if self.pcfg is not None:  # hf_polyattn's save_pretrained also writes the model card
+                    model.save_pretrained(target, eval_results=eval_results_for_card(self.results))
+                else:
+                    model.save_pretrained(target)
                 self.tokenizer.save_pretrained(target)
                 write_card(target, self.results, model_path=self.model_path)
                 if a.push_to_hub:
