@@ -244,7 +244,9 @@ def _cache_pre_hook(module, args, kwargs):
     """Hand the per-layer recurrent state to the attention function (it never sees the cache)."""
     layer = None
     cache = _find_cache(args, kwargs)
-    if cache is not None and getattr(module, "is_causal", True):
+    # Only while the model runs a polyattn kind: after set_attn_implementation("sdpa") (or a
+    # distillation attention) the cache must keep real keys/values.
+    if cache is not None and getattr(module, "is_causal", True) and _polyattn_kind(module.config) is not None:
         # Only causal self-attention folds a state; cross-attention re-reads encoder keys.
         if isinstance(cache, EncoderDecoderCache):
             cache = cache.self_attention_cache
@@ -303,10 +305,9 @@ def sync_config(model: PreTrainedModel) -> None:
     ``ValueError: Specified attn_implementation="polysketch" is not supported``.
     """
     config = model.config
-    kind = _polyattn_kind(config)
-    if kind is None:
-        for key in ("attn_implementation", CONFIG_KEY, REQUIRES_KEY):
-            config.__dict__.pop(key, None)
+    if _polyattn_kind(config) is None:
+        # Temporarily on another implementation (e.g. a distillation teacher): keep what
+        # convert()/loading recorded, the polyattn weights are still in the model.
         return
     pa = next((m for m in model.modules() if isinstance(m, HFPolyAttention)), None)
     persist_settings(config, pa.config if pa is not None else resolve_polyattn_config(config))

@@ -142,3 +142,15 @@ def test_polynomial_quadratic_state_keeps_keys():
     ids = _prompt()
     a, b = _step_nbytes(model, ids, 5), _step_nbytes(model, ids, 15)
     assert b.nbytes() > a.nbytes()
+
+
+def test_switching_back_to_sdpa_keeps_a_real_kv_cache():
+    """After set_attn_implementation('sdpa') the hooks leave the cache alone (no silent truncation)."""
+    soft = _model("llama", None)
+    poly = _model("llama", "linear")  # same seed: same base weights
+    poly.set_attn_implementation("sdpa")
+    ids = _prompt()
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    a, b = soft.generate(ids, **kw), poly.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert type(b.past_key_values) is DynamicCache and b.past_key_values.get_seq_length() == ids.shape[1] + 5

@@ -1,0 +1,113 @@
+"""Per-token decode latency and cache memory: polysketch + PolyAttnCache vs sdpa + DynamicCache.
+
+Same run, same weights (a small Llama built in code), contexts 1k / 4k / 16k:
+
+    python recipes/benchmark_decode.py              # full: contexts 1024 4096 16384
+    python recipes/benchmark_decode.py --quick      # contexts 256 1024, fewer steps
+
+For each context the prompt is prefilled once, then ``--steps`` single-token forwards
+are timed (after ``--warmup`` untimed ones); the table reports the median milliseconds per
+token and the bytes held by the cache after the last step, and the sdpa / polysketch
+ratios. A softmax cache grows by 2 * layers * kv_heads * head_dim * 4 bytes per token;
+the polysketch state is F x (head_dim + 1) per kv head (F = r(r+1)/2 features), whatever
+the context.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+
+import hf_polyattn
+from hf_polyattn import PolyAttnCache, PolyAttnConfig
+
+
+@dataclass
+class BenchArgs:
+    contexts: list[int] = field(default_factory=lambda: [1024, 4096, 16384],
+                                metadata={"help": "prompt lengths to decode after"})
+    steps: int = field(default=24, metadata={"help": "timed decode steps per context"})
+    warmup: int = field(default=3, metadata={"help": "untimed decode steps before timing"})
+    threads: int = field(default=2, metadata={"help": "torch threads"})
+    layers: int = field(default=4, metadata={"help": "decoder layers"})
+    hidden: int = field(default=256, metadata={"help": "hidden size"})
+    heads: int = field(default=4, metadata={"help": "attention heads (head_dim = hidden / heads)"})
+    kv_heads: int = field(default=4, metadata={"help": "key/value heads"})
+    sketch_size: int = field(default=32, metadata={"help": "polysketch sketch size r"})
+    local_exact: bool = field(default=False, metadata={"help": "polysketch with exact local blocks"})
+    prefill_chunk: int = field(default=4096, metadata={"help": "prefill in chunks of this many tokens"})
+    quick: bool = field(default=False, metadata={"help": "contexts 256 1024, 8 steps: a smoke run"})
+
+
+def build(args: BenchArgs) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.contexts) + 64,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, PolyAttnCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
+@torch.inference_mode()
+def decode_latency(model, cache, context: int, args: BenchArgs) -> tuple[float, int]:
+    gen = torch.Generator().manual_seed(context)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
+    for start in range(0, context, args.prefill_chunk):  # chunked prefill keeps sdpa's memory in check
+        out = model(prompt[:, start:start + args.prefill_chunk], past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), cache_bytes(cache)
+
+
+def main(args: BenchArgs) -> list[dict]:
+    if args.quick:
+        args.contexts, args.steps, args.warmup = [256, 1024], 8, 2
+    torch.set_num_threads(args.threads)
+    softmax = build(args)
+    poly = build(args)
+    hf_polyattn.convert(poly, PolyAttnConfig(kind="polysketch", sketch_size=args.sketch_size,
+                                             local_exact=args.local_exact))
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv heads "
+          f"(head_dim {args.hidden // args.heads}); polysketch degree 4, sketch {args.sketch_size}, "
+          f"local_exact={args.local_exact}; median of {args.steps} decode steps")
+    rows = []
+    for context in args.contexts:
+        sdpa_ms, sdpa_b = decode_latency(softmax, DynamicCache(), context, args)
+        poly_ms, poly_b = decode_latency(poly, PolyAttnCache(poly), context, args)
+        rows.append(dict(context=context, sdpa_ms=sdpa_ms, poly_ms=poly_ms, sdpa_bytes=sdpa_b, poly_bytes=poly_b))
+    print()
+    print("| context | sdpa+DynamicCache ms/token | polysketch+PolyAttnCache ms/token | speed-up | "
+          "sdpa cache | polysketch cache | cache ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['context']} | {r['sdpa_ms']:.2f} | {r['poly_ms']:.2f} | {r['sdpa_ms'] / r['poly_ms']:.1f}x | "
+              f"{r['sdpa_bytes'] / 2**20:.1f} MiB | {r['poly_bytes'] / 2**20:.2f} MiB | "
+              f"{r['sdpa_bytes'] / r['poly_bytes']:.1f}x |")
+    return rows
+
+
+if __name__ == "__main__":
+    (parsed,) = HfArgumentParser(BenchArgs).parse_args_into_dataclasses()
+    main(parsed)
