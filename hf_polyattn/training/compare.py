@@ -65,7 +65,7 @@ def _final(run: dict[str, Any], metric: str):
 def table_markdown(table: dict[str, Any]) -> str:
     m = table["metric"]
     ratio = "final / softmax" if m == "perplexity" else "final / softmax (accuracy ratio)"
-    head = ["attention", "swapped (no training)", "after transfer", "after fine-tuning", ratio,
+    head = ["attention", "as loaded / swapped (no training)", "after transfer", "after fine-tuning", ratio,
             "transfer CPU s", "fine-tune CPU s", "total CPU s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 

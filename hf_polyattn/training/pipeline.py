@@ -164,7 +164,8 @@ class Retrofit:
         self.args = args
         if args.threads:
             torch.set_num_threads(args.threads)
-        self.acc = accelerator or Accelerator(mixed_precision=args.mixed_precision)
+        # cpu=True without CUDA: otherwise a `--multi_gpu` launch on a CPU machine gives two unconnected processes
+        self.acc = accelerator or Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
         self.out = Path(args.output_dir)
         self.results: dict[str, Any] = {"args": asdict(args), "evaluations": {}, "stages": {}}
         self.cpu0, self.wall0 = time.process_time(), time.time()

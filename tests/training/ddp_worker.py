@@ -1,0 +1,30 @@
+"""Run by test_multiprocess.py under `accelerate launch --multi_gpu --num_processes 2` (gloo on CPU)."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_polyattn.training.pipeline import Retrofit, RetrofitArgs
+
+if __name__ == "__main__":
+    model_dir, text_file, out = sys.argv[1:4]
+    args = RetrofitArgs(model=model_dir, data=text_file, attention="polysketch", sketch_size=8, block_size=16,
+                        transfer_steps=3, finetune_steps=2, context=32, eval_context=32, eval_stride=32,
+                        max_eval_tokens=256, eval_before=False, save_model=False, progress=False, output_dir=out,
+                        threads=1)
+    r = Retrofit(args).prepare()
+    r.transfer()
+    r.finetune()
+    model = r.acc.unwrap_model(r.model)
+    h = hashlib.sha256()
+    for n, p in sorted(model.named_parameters()):
+        h.update(n.encode())
+        h.update(p.detach().to(torch.float64).cpu().numpy().tobytes())
+    rank = r.acc.process_index
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "world": r.acc.num_processes, "sha": h.hexdigest(),
+        "polyattn_sum": float(sum(p.double().sum() for n, p in model.named_parameters() if ".polyattn." in n)),
+    }))
