@@ -226,12 +226,18 @@ class Retrofit:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         a = self.args
+        # Attention-probability dropout has no linear-time equivalent (no n x n weights exist), so the polyattn
+        # kinds refuse it in training; it is switched off for every run, softmax included, to keep the
+        # comparison like for like (MiniLM/BERT: attention_probs_dropout_prob 0.1, GPT-2: attn_pdrop 0.1).
+        kw = {k: 0.0 for k in ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
+              if float(getattr(mcfg, k, 0.0) or 0.0) > 0}
+        self.results["attention_dropout_disabled"] = sorted(kw)
         if a.task == "causal_lm":
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
         else:
             num_labels = self.data.num_labels
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels,
-                                                                       dtype=torch.float32)
+                                                                       dtype=torch.float32, **kw)
             if model.config.pad_token_id is None:
                 model.config.pad_token_id = self.tokenizer.pad_token_id
         pcfg = polyattn_config_from_args(a)

@@ -1,0 +1,102 @@
+"""Train a small GPT-2 with softmax attention from scratch (no pretrained GPT-2 weights are installable
+offline); the saved folder is then retrofitted like any checkpoint (recipes/retrofit.py --model DIR)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .data import lm_batch, load_text_data
+from .loop import LoopConfig, fingerprint_of, train_loop
+from .metrics import perplexity
+
+__all__ = ["ScratchArgs", "train_bpe_tokenizer", "train_gpt2"]
+
+
+@dataclass
+class ScratchArgs:
+    data: str = field(default="../shared/data/tinyshakespeare_train.txt", metadata={"help": "text file or Hub id"})
+    vocab_size: int = field(default=2048, metadata={"help": "byte-level BPE vocabulary trained on the train part"})
+    n_layer: int = field(default=4, metadata={"help": "GPT-2 layers"})
+    n_embd: int = field(default=256, metadata={"help": "GPT-2 width"})
+    n_head: int = field(default=4, metadata={"help": "GPT-2 heads"})
+    context: int = field(default=256, metadata={"help": "training window and n_positions"})
+    steps: int = field(default=600, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=16, metadata={"help": "per-process batch size"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (cosine, 5% warm-up)"})
+    eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens for the final perplexity"})
+    output_dir: str = field(default="runs/gpt2-scratch", metadata={"help": "checkpoints, metrics, model/"})
+    save_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})
+    resume: bool = field(default=True, metadata={"help": "resume from output_dir's checkpoint"})
+    seed: int = field(default=0, metadata={"help": "seed"})
+    threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads"})
+    progress: bool = field(default=True, metadata={"help": "progress bar"})
+
+
+def train_bpe_tokenizer(text_file: str, vocab_size: int, out_dir: Path):
+    """A byte-level BPE trained on the training part of ``text_file`` (the held-out tail is excluded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    lines = Path(text_file).read_text().splitlines()
+    lines = lines[: int(round(len(lines) * 0.9))]  # same cut as load_text_data(eval_fraction=0.1)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def train_gpt2(a: ScratchArgs) -> dict:
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    out = Path(a.output_dir)
+    if not Path(a.data).exists():
+        raise FileNotFoundError(f"{a.data} does not exist (the from-scratch tokenizer is trained on a local file)")
+    tok_dir = out / "tokenizer"
+    if acc.is_main_process and not (tok_dir / "tokenizer.json").exists():
+        train_bpe_tokenizer(a.data, a.vocab_size, tok_dir)
+    acc.wait_for_everyone()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    data = load_text_data(a.data, tok, eval_fraction=0.1, max_eval_tokens=a.eval_tokens)
+    torch.manual_seed(a.seed)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=a.context, n_embd=a.n_embd, n_layer=a.n_layer,
+                     n_head=a.n_head, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id)
+    model = GPT2LMHeadModel(cfg)
+    params = list(model.named_parameters())
+    wrapped = acc.prepare(model)
+    loop = LoopConfig(output_dir=str(out), max_steps=a.steps, lr=a.lr, weight_decay=0.1,
+                      warmup_steps=max(1, a.steps // 20), save_every=a.save_every, resume=a.resume,
+                      desc="pretrain", progress=a.progress)
+    fp = fingerprint_of(params, stage="pretrain", **{k: v for k, v in asdict(a).items()
+                                                     if k in ("data", "vocab_size", "n_layer", "n_embd", "n_head",
+                                                              "context", "batch_size", "lr", "seed")})
+    summary = train_loop(acc, wrapped, params,
+                         lambda s, m, r: lm_batch(data.train_ids, batch_size=a.batch_size, context=a.context,
+                                                  seed=a.seed, step=s, micro=m, rank=r),
+                         lambda m, b: m(**b).loss, loop, fp)
+    model = acc.unwrap_model(wrapped)
+    ev = perplexity(model, data.eval_ids, context=a.context, stride=a.context, progress=a.progress)
+    result = {"args": asdict(a), "pretrain": {k: v for k, v in summary.items() if k != "history"},
+              "eval": ev, "data": data.describe()}
+    if acc.is_main_process:
+        model.save_pretrained(out / "model")
+        tok.save_pretrained(out / "model")
+        (out / "results.json").write_text(json.dumps(result, indent=2))
+        print(f"held-out perplexity {ev['perplexity']:.2f}; retrofit: recipes/retrofit.py --model {out / 'model'}")
+    return result

@@ -1,0 +1,14 @@
+"""Train a small GPT-2 (softmax attention) from scratch on Tiny Shakespeare, then retrofit it like the others.
+
+    accelerate launch recipes/train_gpt2_scratch.py --steps 600 --output_dir runs/gpt2-scratch
+    accelerate launch recipes/retrofit.py --model runs/gpt2-scratch/model --attention polysketch \\
+        --transfer_steps 100 --finetune_steps 100 --output_dir runs/gpt2-polysketch
+"""
+
+from transformers import HfArgumentParser
+
+from hf_polyattn.training.scratch import ScratchArgs, train_gpt2
+
+if __name__ == "__main__":
+    (args,) = HfArgumentParser(ScratchArgs).parse_args_into_dataclasses()
+    train_gpt2(args)

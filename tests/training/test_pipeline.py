@@ -1,0 +1,50 @@
+import json
+
+import pytest
+import torch
+
+import hf_polyattn  # noqa: F401  (registers the kinds: needed to reload the saved folders)
+from hf_polyattn.training.pipeline import RetrofitArgs, run
+
+
+def test_classification_transfer_finetune_hub_folder(tiny_dirs, tsv_file, tmp_path):
+    """BERT + SST-2 excerpt: transfer, full fine-tuning, accuracy, a Hub-ready folder that reloads."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "bert"
+    res = run(RetrofitArgs(model=tiny_dirs["bert"], task="classification", data=tsv_file, num_eval=40,
+                           attention="linear", local_exact=False, transfer_steps=2, transfer_batch_size=8,
+                           finetune_steps=2, batch_size=8, max_length=32, eval_batch_size=20, progress=False,
+                           output_dir=str(out)))
+    assert set(res["evaluations"]) == {"swapped", "after_transfer", "after_finetune"}
+    assert res["evaluations"]["after_finetune"]["examples"] == 40
+    folder = out / "model"
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+        assert (folder / f).exists(), f
+    card = (folder / "README.md").read_text()
+    assert "Retrofit results" in card and "accuracy" in card and "hf_polyattn" in card
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["attn_implementation"] == "linear" and cfg["attention_probs_dropout_prob"] == 0.0
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert model.config._attn_implementation == "linear"
+    assert any(".polyattn." in n for n, _ in model.named_parameters())
+
+
+def test_causal_lm_lora_softmax_and_evaluate_only(tiny_dirs, text_file, tmp_path):
+    """LoRA fine-tuning (merged before saving) of a softmax baseline; the evaluate recipe's path."""
+    from transformers import AutoModelForCausalLM
+
+    common = dict(model=tiny_dirs["llama"], data=text_file, context=32, eval_context=32, eval_stride=16,
+                  max_eval_tokens=256, progress=False)
+    res = run(RetrofitArgs(**common, attention="softmax", finetune_steps=3, lora=True, lora_r=4,
+                           output_dir=str(tmp_path / "soft")))
+    ft = res["stages"]["finetune"]
+    assert ft["steps"] == 3 and ft["fingerprint"]["num_trainable"] < 20_000  # LoRA adapters only
+    before, after = res["evaluations"]["before"]["perplexity"], res["evaluations"]["after_finetune"]["perplexity"]
+    assert after != before
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "soft" / "model")
+    assert not any("lora" in n for n, _ in reloaded.named_parameters())  # merged
+    again = run(RetrofitArgs(**{**common, "model": str(tmp_path / "soft" / "model")}, attention="softmax",
+                             save_model=False, output_dir=str(tmp_path / "eval")))
+    assert again["evaluations"]["before"]["perplexity"] == pytest.approx(after, rel=1e-4)
+    assert torch.isfinite(torch.tensor(after))
