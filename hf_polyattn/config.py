@@ -114,6 +114,9 @@ class PolyAttnConfig:
                              "kind='polynomial' is exact everywhere already")
         if self.local_exact and self.causal_algorithm == "cumsum":
             raise ValueError("local_exact needs causal_algorithm='block' (the exact part lives in the diagonal blocks)")
+        if self.kind != "polynomial" and (self.alpha != 0.0 or self.beta != 1.0):
+            raise ValueError("alpha and beta shape the exact polynomial kernel ((s q.k + alpha)/beta)^p: "
+                             "kind='polynomial' only")
         if float(self.beta) == 0.0:
             raise ValueError("beta must be non-zero")
         if self.denominator_offset < 0:

@@ -52,15 +52,12 @@ def _gaussian(gen: torch.Generator, heads: int, n_in: int, n_out: int) -> torch.
 
 
 def _srht_factor(gen: torch.Generator, heads: int, n_in: int, n_out: int) -> torch.Tensor:
-    """D H P restricted to the first n_in rows (zero padding to a power of two)."""
+    """D H P restricted to the first n_in rows (zero padding to a power of two), per head."""
     h = _next_pow2(n_in)
-    had = hadamard(h)
-    mats = []
-    for _ in range(heads):
-        signs = torch.randint(0, 2, (h,), generator=gen, dtype=torch.int64).to(torch.float64) * 2 - 1
-        cols = torch.randint(0, h, (n_out,), generator=gen)
-        mats.append((signs[:, None] * had)[:n_in, cols])
-    return torch.stack(mats).unsqueeze(1)
+    signs = torch.randint(0, 2, (heads, h, 1), generator=gen).to(torch.float64) * 2 - 1
+    cols = torch.randint(0, h, (heads, 1, n_out), generator=gen)
+    dh = (signs * hadamard(h))[:, :n_in, :]
+    return torch.gather(dh, 2, cols.expand(heads, n_in, n_out)).unsqueeze(1)
 
 
 class _Factor(nn.Module):
@@ -129,6 +126,9 @@ class PolynomialSketch(nn.Module):
             else:
                 m = _gaussian(gen, self.heads, f.n_in, r)
             f.weight.copy_(m.to(f.weight.dtype))
+        # the learned branch draws after every main matrix: same seed -> same main matrices
+        # as the Gaussian sketch, so an untrained learned sketch equals it exactly.
+        for f in self.factors:
             if f.learned:
                 f.hidden.copy_(_gaussian(gen, self.heads, f.n_in, r).to(f.hidden.dtype) / math.sqrt(f.n_in))
                 f.out.zero_()

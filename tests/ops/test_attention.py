@@ -1,0 +1,184 @@
+"""Every fast path against its naive O(n^2) twin in ops/reference.py: outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_polyattn import PolyAttnConfig
+from hf_polyattn.ops import PolyAttention, reference_attention
+
+D = 8
+BLOCK = 16
+
+# (id, config kwargs): every kind and option of the kernels issue.
+KINDS = [
+    ("poly4-quadratic", dict(kind="polynomial", degree=4, exact_path="quadratic")),
+    ("poly2-tensor", dict(kind="polynomial", degree=2, exact_path="tensor")),
+    ("poly2-tensor-alpha-beta-norm", dict(kind="polynomial", degree=2, alpha=0.5, beta=2.0, qk_norm=True,
+                                          exact_path="tensor")),
+    ("poly4-plus-one", dict(kind="polynomial", degree=4, denominator_offset=1.0, qk_norm=True)),
+    ("sqpoly-learned-tensor", dict(kind="polynomial", poly_coefficients=(1.0, -0.5), learn_coefficients=True,
+                                   exact_path="tensor")),
+    ("sqpoly3-quadratic", dict(kind="polynomial", poly_coefficients=(1.0, 1.0, 1.0, 1.0), exact_path="quadratic")),
+    ("ps4-gaussian", dict(kind="polysketch", degree=4, sketch="gaussian")),
+    ("ps2-srht", dict(kind="polysketch", degree=2, sketch="srht")),
+    ("ps8-srht", dict(kind="polysketch", degree=8, sketch="srht", sketch_size=8)),
+    ("ps4-learned-local-poly", dict(kind="polysketch", sketch="learned", local_exact=True, qk_norm=True)),
+    ("ps4-gaussian-local-softmax", dict(kind="polysketch", local_exact=True, local_kernel="softmax")),
+    ("ps4-cumsum-plus-one", dict(kind="polysketch", causal_algorithm="cumsum", denominator_offset=1.0)),
+    ("linear-elu", dict(kind="linear", feature_map="elu")),
+    ("linear-relu", dict(kind="linear", feature_map="relu")),
+    ("linear-taylor-local", dict(kind="linear", feature_map="taylor", local_exact=True)),
+    ("performer", dict(kind="performer", num_features=32)),
+    ("performer-local", dict(kind="performer", num_features=32, local_exact=True)),
+]
+
+# (id, batch, heads, kv_heads, q_len, kv_len, causal, padding)
+SHAPES = [
+    ("causal-n1", 1, 2, 2, 1, 1, True, None),
+    ("causal-n7-lt-block", 2, 2, 2, 7, 7, True, None),
+    ("causal-n37-odd-gqa", 2, 4, 2, 37, 37, True, None),
+    ("causal-n32-multiple-padleft", 2, 2, 2, 32, 32, True, "left"),
+    ("causal-n37-padright", 2, 2, 1, 37, 37, True, "right"),
+    ("causal-q5-after-past37", 2, 4, 2, 5, 37, True, "left"),
+    ("bidir-n37-padright-gqa", 2, 4, 2, 37, 37, False, "right"),
+    ("bidir-n20-padleft", 2, 2, 2, 20, 20, False, "left"),
+    ("bidir-q9-kv37", 2, 2, 2, 9, 37, False, "right"),
+]
+
+
+def _padding_mask(batch: int, n: int, side: str | None) -> torch.Tensor | None:
+    if side is None:
+        return None
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    if side == "left":
+        mask[0, : n // 3] = False
+    else:
+        mask[0, n - n // 3 :] = False
+    return mask
+
+
+def _module(kwargs, heads, kv_heads, dtype=torch.float64):
+    cfg = PolyAttnConfig(**{"block_size": BLOCK, "sketch_size": 6, **kwargs})
+    mod = PolyAttention(cfg, num_heads=heads, head_dim=D, num_kv_heads=kv_heads, layer_idx=1).to(dtype)
+    with torch.no_grad():  # move learnable parameters off their neutral init so their gradients matter
+        for name, p in mod.named_parameters():
+            if "norm" in name or name.endswith(".out"):
+                p.add_(0.1 * torch.randn_like(p))
+    return mod
+
+
+def _inputs(batch, heads, kv_heads, lq, lk, dtype=torch.float64, scale=1.0):
+    q = (scale * torch.randn(batch, heads, lq, D, dtype=dtype)).requires_grad_()
+    k = (scale * torch.randn(batch, kv_heads, lk, D, dtype=dtype)).requires_grad_()
+    v = torch.randn(batch, kv_heads, lk, D, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_fast_path_matches_reference(kind, shape):
+    _, kwargs = kind
+    _, batch, heads, kv_heads, lq, lk, causal, pad = shape
+    mod = _module(kwargs, heads, kv_heads)
+    if mod.config.local_exact and not causal and lq != lk:
+        with pytest.raises(ValueError, match="q_len == kv_len"):
+            mod(*_inputs(batch, heads, kv_heads, lq, lk), causal=causal)
+        return
+    q, k, v = _inputs(batch, heads, kv_heads, lq, lk)
+    mask = _padding_mask(batch, lk, pad)
+    out = mod(q, k, v, causal=causal, key_padding_mask=mask, scaling=0.4)
+    ref = reference_attention(mod, q, k, v, causal=causal, key_padding_mask=mask, scaling=0.4)
+    assert out.shape == (batch, heads, lq, D)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    grad = torch.randn_like(out)
+    params = [p for p in mod.parameters() if p.requires_grad]
+    fast = torch.autograd.grad((out * grad).sum(), [q, k, v, *params], allow_unused=True)
+    slow = torch.autograd.grad((ref * grad).sum(), [q, k, v, *params], allow_unused=True)
+    names = ["dq", "dk", "dv"] + [n for n, p in mod.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, fast, slow):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_causality(kind):
+    """Changing tokens >= t leaves outputs < t (and their gradients w.r.t. earlier tokens) unchanged."""
+    mod = _module(kind[1], 4, 2)
+    n, t = 45, 19  # t inside a block of 16: the diagonal block mixes positions < t and >= t
+    q, k, v = _inputs(2, 4, 2, n, n)
+    out = mod(q, k, v, causal=True)
+    q2, k2, v2 = (x.detach().clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :, t:] = 5.0 * torch.randn_like(x[:, :, t:])
+    out2 = mod(q2, k2, v2, causal=True)
+    torch.testing.assert_close(out2[:, :, :t], out[:, :, :t], rtol=0, atol=1e-12)
+    assert (out2[:, :, t:] - out[:, :, t:]).abs().max() > 1e-3  # the change did reach later rows
+    # no gradient flows from earlier outputs into later inputs
+    gq, gk, gv = torch.autograd.grad(out[:, :, :t].sum(), (q, k, v))
+    for g in (gq, gk, gv):
+        assert g[:, :, t:].abs().max() == 0
+
+
+STATE_KINDS = [k for k in KINDS if k[1].get("causal_algorithm") != "cumsum"]
+
+
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=[k[0] for k in STATE_KINDS])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "padleft"])
+def test_chunked_prefill_and_steps_equal_full_causal(kind, padded):
+    mod = _module(kind[1], 4, 2)
+    n = 41
+    q, k, v = _inputs(2, 4, 2, n, n)
+    mask = _padding_mask(2, n, "left") if padded else None
+    full = mod(q, k, v, causal=True, key_padding_mask=mask)
+    state = mod.init_state()
+    outs = []
+    # prefill chunks that straddle block boundaries (16), then token-by-token
+    for s, e in [(0, 11), (11, 30)] + [(i, i + 1) for i in range(30, n)]:
+        m = None if mask is None else mask[:, s:e]
+        o, state = mod(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], causal=True, key_padding_mask=m, state=state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-9, atol=1e-10)
+    assert state.length == n
+
+
+def test_recurrent_state_is_constant_size():
+    mod = _module(dict(kind="polysketch"), 2, 2)
+    q, k, v = _inputs(1, 2, 2, 200, 200)
+    state = mod.init_state()
+    sizes = []
+    for i in range(200):
+        _, state = mod(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], causal=True, state=state)
+        sizes.append(state.nbytes())
+    assert len(set(sizes)) == 1 and state.k is None
+    loc = _module(dict(kind="polysketch", local_exact=True), 2, 2)
+    state = loc.init_state()
+    peak = 0
+    for i in range(200):
+        _, state = loc(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], causal=True, state=state)
+        peak = max(peak, 0 if state.k is None else state.k.shape[2])
+    assert peak == BLOCK - 1  # the buffer never holds a full block: it is folded at the boundary
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k[0] in {"ps4-gaussian", "ps4-learned-local-poly",
+                                                              "linear-elu", "performer-local", "poly4-quadratic"}],
+                         ids=lambda k: k[0])
+def test_half_precision_matches_fp32(kind, dtype):
+    mod = _module(kind[1], 2, 2, dtype=torch.float32)
+    q, k, v = _inputs(2, 2, 2, 40, 40, dtype=torch.float32, scale=2.0)
+    ref = mod(q, k, v, causal=True)
+    out = mod(q.to(dtype), k.to(dtype), v.to(dtype), causal=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_reference_kinds_differ():
+    """Guard against a reference that silently ignores the kind (the tests above would pass)."""
+    q, k, v = _inputs(1, 2, 2, 20, 20)
+    outs = [reference_attention(_module(kw, 2, 2), q, k, v, causal=True) for _, kw in KINDS[:10]]
+    for i in range(len(outs)):
+        for j in range(i + 1, len(outs)):
+            assert not torch.allclose(outs[i], outs[j]), (KINDS[i][0], KINDS[j][0])
