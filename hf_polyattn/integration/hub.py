@@ -67,6 +67,22 @@ def _as_eval_results(eval_results) -> list[EvalResult] | None:
     return out
 
 
+_AUTO_CLASSES = (
+    (("ForCausalLM", "LMHeadModel"), "AutoModelForCausalLM"),
+    (("ForMaskedLM",), "AutoModelForMaskedLM"),
+    (("ForSequenceClassification",), "AutoModelForSequenceClassification"),
+    (("ForTokenClassification",), "AutoModelForTokenClassification"),
+    (("ForQuestionAnswering",), "AutoModelForQuestionAnswering"),
+)
+
+
+def _auto_class(architectures: list[str]) -> str:
+    for suffixes, auto in _AUTO_CLASSES:
+        if any(a.endswith(s) for a in architectures for s in suffixes):
+            return auto
+    return "AutoModel"
+
+
 def _memory_note(cfg) -> str:
     if cfg.kind != "polynomial":
         extra = f" plus the keys of the current {cfg.block_size}-token block" if cfg.local_exact else ""
@@ -128,8 +144,7 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         polyattn=cfg.to_dict(),
         **extra,
     )
-    archs = getattr(config, "architectures", None) or []
-    auto_class = "AutoModelForCausalLM" if any("CausalLM" in a or "LMHead" in a for a in archs) else "AutoModel"
+    auto_class = _auto_class(getattr(config, "architectures", None) or [])
     settings = [(k, v) for k, v in cfg.to_dict().items()]
     rows = [vars(r) for r in (evals or [])]
     rendered = ModelCard.from_template(

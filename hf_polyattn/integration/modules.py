@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import types
 from itertools import chain
 
 import torch
@@ -327,12 +326,50 @@ def prepare_model_instance(model: PreTrainedModel) -> None:
     """
     if model.__dict__.get("_polyattn_prepared"):
         return
-    from .hub import polyattn_push_to_hub, polyattn_save_pretrained
-
-    model.save_pretrained = types.MethodType(polyattn_save_pretrained, model)
-    model.push_to_hub = types.MethodType(polyattn_push_to_hub, model)
-    model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    for name in _OVERRIDES:
+        setattr(model, name, _ModelMethod(name, model))
     model.__dict__["_polyattn_prepared"] = True
+
+
+def _override(name: str):
+    from . import hub
+
+    return {"save_pretrained": hub.polyattn_save_pretrained, "push_to_hub": hub.polyattn_push_to_hub,
+            "_prepare_cache_for_generation": _prepare_cache_for_generation}[name]
+
+
+_OVERRIDES = ("save_pretrained", "push_to_hub", "_prepare_cache_for_generation")
+
+
+class _ModelMethod:
+    """A per-instance method that survives deepcopy and pickling (torch.save(model)).
+
+    A ``types.MethodType`` would pickle as ``getattr(model, "<function name>")``, which
+    fails (or, named like the attribute, silently re-binds the class method) when the
+    model is unpickled.
+    """
+
+    __slots__ = ("name", "model")
+
+    def __init__(self, name: str, model):
+        self.name, self.model = name, model
+
+    def __call__(self, *args, **kwargs):
+        return _override(self.name)(self.model, *args, **kwargs)
+
+    def __reduce__(self):
+        return _ModelMethod, (self.name, self.model)
+
+    @property
+    def __doc__(self):
+        return _override(self.name).__doc__
+
+    @property
+    def __name__(self):
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<hf_polyattn {self.name} of {type(self.model).__name__}>"
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -358,7 +395,8 @@ def _registration_hook(parent: nn.Module, name: str, child):
         return None
     if isinstance(parent, PreTrainedModel) and _polyattn_kind(parent.config) is not None:
         if not parent.__dict__.get("_polyattn_prepared"):
-            if not type(parent)._can_set_attn_implementation():
+            # transformers' own test for 'this class dispatches through AttentionInterface'
+            if not getattr(type(parent), "_can_set_attn_implementation", lambda: True)():
                 raise ValueError(
                     f"{type(parent).__name__} does not route its attention through transformers' "
                     f"AttentionInterface, so attn_implementation={parent.config._attn_implementation!r} would be "
