@@ -220,14 +220,19 @@ class HFPolyAttention(PolyAttention):
         self._polyattn_ready = True
 
     def check_ready(self) -> None:
-        if not self._polyattn_ready:
-            self.finish_loading()
-        if not self._polyattn_ready:
-            raise RuntimeError(
-                f"the polyattn parameters of layer {self.layer_idx} were never initialised after loading (still on "
-                "the meta device): this transformers version skipped the weight-initialisation pass hf_polyattn "
-                "relies on. Please report it; hf_polyattn.convert(model, config) re-creates them."
-            )
+        if self._polyattn_ready:
+            return
+        if not any(t.is_meta for t in chain(self.parameters(), self.buffers())):
+            # Materialised by a loader other than from_pretrained (accelerate's
+            # load_checkpoint_and_dispatch, to_empty + load_state_dict): its values are the
+            # loaded ones; re-drawing them here would overwrite a checkpoint.
+            self._polyattn_ready = True
+            return
+        raise RuntimeError(
+            f"the polyattn parameters of layer {self.layer_idx} are still on the meta device (never loaded or "
+            "initialised): load the model with from_pretrained, or call hf_polyattn.convert(model, config) to "
+            "re-create them"
+        )
 
 
 # ----------------------------------------------------------------------------- hooks

@@ -226,3 +226,16 @@ def test_polynomial_learned_coefficients_roundtrip(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = auto_class(ARCHS["qwen2"]).from_pretrained(tmp_path)
     torch.testing.assert_close(_logits(loaded, ARCHS["qwen2"], ids), ref, rtol=0, atol=1e-5)
+
+
+def test_meta_module_refuses_to_run_and_other_loaders_are_trusted():
+    with torch.device("meta"):
+        pa = hf_polyattn.HFPolyAttention(PolyAttnConfig(kind="performer", num_features=8), 4, 16, 2, 0)
+    with pytest.raises(RuntimeError, match="still on the meta device"):
+        pa.check_ready()
+    pa = pa.to_empty(device="cpu")
+    want = hf_polyattn.HFPolyAttention(PolyAttnConfig(kind="performer", num_features=8), 4, 16, 2, 0).state_dict()
+    loaded = {k: v + 1.0 for k, v in want.items()}
+    pa.load_state_dict(loaded)  # e.g. accelerate's load_checkpoint_and_dispatch
+    pa.check_ready()
+    torch.testing.assert_close(pa.state_dict()["feature_map.omega"], loaded["feature_map.omega"])
