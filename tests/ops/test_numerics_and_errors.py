@@ -114,6 +114,8 @@ def test_bad_tensors():
         mod(q, k.double(), k, causal=True)
     with pytest.raises(TypeError, match="floating point"):
         mod(q.long(), k.long(), k.long(), causal=True)
+    with pytest.raises(ValueError, match="one device"):
+        mod(q, k.to("meta"), k.to("meta"), causal=True)
     with pytest.raises(ValueError, match="4-D"):
         mod(q[0], k, k, causal=True)
     with pytest.raises(ValueError, match="q_len <= kv_len"):
