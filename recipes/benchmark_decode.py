@@ -5,8 +5,9 @@ Same run, same weights (a small Llama built in code), contexts 1k / 4k / 16k:
     python recipes/benchmark_decode.py              # full: contexts 1024 4096 16384
     python recipes/benchmark_decode.py --quick      # contexts 256 1024, fewer steps
 
-For each context the prompt is prefilled once, then ``--steps`` single-token forwards
-are timed (after ``--warmup`` untimed ones); the table reports the median milliseconds per
+For each context the prompt is prefilled once per model, then ``--steps`` single-token
+forwards of the two models are timed alternately (after ``--warmup`` untimed ones); the
+table reports the median milliseconds per
 token and the bytes held by the cache after the last step, and the sdpa / polysketch
 ratios. A softmax cache grows by 2 * layers * kv_heads * head_dim * 4 bytes per token;
 the polysketch state is F x (head_dim + 1) per kv head (F = r(r+1)/2 features), whatever
@@ -32,7 +33,7 @@ from hf_polyattn import PolyAttnCache, PolyAttnConfig
 class BenchArgs:
     contexts: list[int] = field(default_factory=lambda: [1024, 4096, 16384],
                                 metadata={"help": "prompt lengths to decode after"})
-    steps: int = field(default=24, metadata={"help": "timed decode steps per context"})
+    steps: int = field(default=32, metadata={"help": "timed decode steps per context"})
     warmup: int = field(default=3, metadata={"help": "untimed decode steps before timing"})
     threads: int = field(default=2, metadata={"help": "torch threads"})
     layers: int = field(default=4, metadata={"help": "decoder layers"})
@@ -62,21 +63,32 @@ def cache_bytes(cache) -> int:
 
 
 @torch.inference_mode()
-def decode_latency(model, cache, context: int, args: BenchArgs) -> tuple[float, int]:
+def prefill(model, cache, context: int, args: BenchArgs) -> torch.Tensor:
     gen = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
     for start in range(0, context, args.prefill_chunk):  # chunked prefill keeps sdpa's memory in check
         out = model(prompt[:, start:start + args.prefill_chunk], past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)
-    times = []
+    return out.logits[:, -1:].argmax(-1)
+
+
+@torch.inference_mode()
+def decode_latency(runs: dict, context: int, args: BenchArgs) -> dict[str, tuple[float, int]]:
+    """Median ms per decoded token and cache bytes, for each (model, cache) of ``runs``.
+
+    The models' steps are interleaved (a, b, a, b, ...): on a shared machine both see the
+    same background load, so the ratio stays meaningful even when absolute times drift.
+    """
+    tokens = {name: prefill(model, cache, context, args) for name, (model, cache) in runs.items()}
+    times = {name: [] for name in runs}
     for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times), cache_bytes(cache)
+        for name, (model, cache) in runs.items():
+            t0 = time.perf_counter()
+            out = model(tokens[name], past_key_values=cache, use_cache=True)
+            tokens[name] = out.logits[:, -1:].argmax(-1)
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: (1e3 * statistics.median(times[name]), cache_bytes(cache)) for name, (_, cache) in runs.items()}
 
 
 def main(args: BenchArgs) -> list[dict]:
@@ -94,8 +106,8 @@ def main(args: BenchArgs) -> list[dict]:
           f"local_exact={args.local_exact}; median of {args.steps} decode steps")
     rows = []
     for context in args.contexts:
-        sdpa_ms, sdpa_b = decode_latency(softmax, DynamicCache(), context, args)
-        poly_ms, poly_b = decode_latency(poly, PolyAttnCache(poly), context, args)
+        res = decode_latency({"sdpa": (softmax, DynamicCache()), "poly": (poly, PolyAttnCache(poly))}, context, args)
+        (sdpa_ms, sdpa_b), (poly_ms, poly_b) = res["sdpa"], res["poly"]
         rows.append(dict(context=context, sdpa_ms=sdpa_ms, poly_ms=poly_ms, sdpa_bytes=sdpa_b, poly_bytes=poly_b))
     print()
     print("| context | sdpa+DynamicCache ms/token | polysketch+PolyAttnCache ms/token | speed-up | "
