@@ -16,11 +16,13 @@ the context.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
@@ -44,6 +46,7 @@ class BenchArgs:
     local_exact: bool = field(default=False, metadata={"help": "polysketch with exact local blocks"})
     prefill_chunk: int = field(default=4096, metadata={"help": "prefill in chunks of this many tokens"})
     quick: bool = field(default=False, metadata={"help": "contexts 256 1024, 8 steps: a smoke run"})
+    out: str = field(default="recipes/results/benchmark_decode", metadata={"help": "where the table goes ('' = none)"})
 
 
 def build(args: BenchArgs) -> LlamaForCausalLM:
@@ -109,14 +112,30 @@ def main(args: BenchArgs) -> list[dict]:
         res = decode_latency({"sdpa": (softmax, DynamicCache()), "poly": (poly, PolyAttnCache(poly))}, context, args)
         (sdpa_ms, sdpa_b), (poly_ms, poly_b) = res["sdpa"], res["poly"]
         rows.append(dict(context=context, sdpa_ms=sdpa_ms, poly_ms=poly_ms, sdpa_bytes=sdpa_b, poly_bytes=poly_b))
-    print()
-    print("| context | sdpa+DynamicCache ms/token | polysketch+PolyAttnCache ms/token | speed-up | "
-          "sdpa cache | polysketch cache | cache ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+             f"{torch.__version__}, {torch.get_num_threads()} threads; load average before the run: "
+             f"{os.getloadavg()[0]:.1f}",
+             f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv "
+             f"heads; polysketch degree 4, sketch {args.sketch_size}, local_exact={args.local_exact}; median of "
+             f"{args.steps} decode steps", "",
+             "| context | sdpa+DynamicCache ms/token | polysketch+PolyAttnCache ms/token | speed-up | "
+             "sdpa cache | polysketch cache | cache ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        print(f"| {r['context']} | {r['sdpa_ms']:.2f} | {r['poly_ms']:.2f} | {r['sdpa_ms'] / r['poly_ms']:.1f}x | "
-              f"{r['sdpa_bytes'] / 2**20:.1f} MiB | {r['poly_bytes'] / 2**20:.2f} MiB | "
-              f"{r['sdpa_bytes'] / r['poly_bytes']:.1f}x |")
+        speedup = r["sdpa_ms"] / r["poly_ms"]
+        lines.append(f"| {r['context']} | {r['sdpa_ms']:.2f} | {r['poly_ms']:.2f} | {speedup:.1f}x | "
+                     f"{r['sdpa_bytes'] / 2**20:.1f} MiB | {r['poly_bytes'] / 2**20:.2f} MiB | "
+                     f"{r['sdpa_bytes'] / r['poly_bytes']:.1f}x |")
+    print()
+    print("\n".join(lines[3:]))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"cpu-{args.threads}threads{'-quick' if args.quick else ''}"
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        (out / f"{name}.md").write_text(f"Run {stamp}: `python recipes/benchmark_decode.py --threads {args.threads}"
+                                        f"{' --quick' if args.quick else ''}`\n\n" + "\n".join(lines) + "\n")
+        (out / f"{name}.json").write_text(json.dumps({"date": stamp, "rows": rows}, indent=1))
     return rows
 
 

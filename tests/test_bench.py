@@ -26,3 +26,20 @@ def test_cli(capsys):
     assert cli_main(["kinds"]) == 0
     assert "polysketch" in capsys.readouterr().out
     assert cli_main(["nope"]) == 2
+
+
+def test_decode_benchmark_small(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_decode", Path(__file__).resolve().parents[1] / "recipes" / "benchmark_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.BenchArgs(contexts=[64, 128], steps=2, warmup=1, threads=1, layers=1, hidden=64, heads=2, kv_heads=2,
+                         sketch_size=4, out=str(tmp_path))
+    rows = mod.main(args)
+    assert [r["context"] for r in rows] == [64, 128]
+    # the recurrent cache does not grow with the context; the KV cache does
+    assert rows[0]["poly_bytes"] == rows[1]["poly_bytes"] and rows[1]["sdpa_bytes"] > rows[0]["sdpa_bytes"]
+    assert (tmp_path / "cpu-1threads.md").exists()

@@ -1,0 +1,44 @@
+"""Assemble recipes/RESULTS.md from the generated result files (no number is typed by hand).
+
+    python recipes/build_results.py
+
+Sections come from ``recipes/results/SECTION_*.md`` (each written with its commands, machine
+and date by the run that produced it) and the benchmark tables the benchmark scripts write
+under ``recipes/results/benchmark_*/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+HEADER = """# Results
+
+Every figure below was produced by the command quoted with it, on the machine named with it.
+Regenerate this file with `python recipes/build_results.py` after rerunning any of them.
+"""
+
+
+def main() -> int:
+    parts = [HEADER]
+    for name, title in (("benchmark_attention", "Attention kernels: causal forward+backward against SDPA"),
+                        ("benchmark_decode", "Generation: decode step against SDPA + DynamicCache")):
+        folder = RESULTS / name
+        tables = sorted(p for p in folder.glob("*.md") if "quick" not in p.name) if folder.exists() else []
+        if tables:
+            parts.append(f"## {title}\n")
+            parts += [p.read_text().strip() + "\n" for p in tables]
+    for section in sorted(RESULTS.glob("SECTION_*.md")):
+        parts.append(section.read_text().strip() + "\n")
+    pending = RESULTS / "PENDING.md"
+    if pending.exists():
+        parts.append(pending.read_text().strip() + "\n")
+    (HERE / "RESULTS.md").write_text("\n".join(parts))
+    print(f"wrote {HERE / 'RESULTS.md'} from {len(parts) - 1} parts")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
