@@ -30,11 +30,13 @@ def test_cli(capsys):
 
 def test_decode_benchmark_small(tmp_path):
     import importlib.util
+    import sys
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
         "benchmark_decode", Path(__file__).resolve().parents[1] / "recipes" / "benchmark_decode.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["benchmark_decode"] = mod  # dataclasses look their module up in sys.modules
     spec.loader.exec_module(mod)
     args = mod.BenchArgs(contexts=[64, 128], steps=2, warmup=1, threads=1, layers=1, hidden=64, heads=2, kv_heads=2,
                          sketch_size=4, out=str(tmp_path))
