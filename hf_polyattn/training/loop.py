@@ -227,6 +227,8 @@ def train_loop(
         save(step)
         if accelerator.is_main_process:
             print(f"\n[{cfg.desc}] interrupted: checkpoint at step {step} in {ckpt}; rerun to resume")
+        if interrupted["flag"]:
+            raise SystemExit(143) from None  # SIGTERM: exit non-zero so wrappers see the run did not finish
         raise
     finally:
         if bar is not None:
