@@ -182,3 +182,18 @@ def test_reference_kinds_differ():
     for i in range(len(outs)):
         for j in range(i + 1, len(outs)):
             assert not torch.allclose(outs[i], outs[j]), (KINDS[i][0], KINDS[j][0])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k[1].get("local_exact")], ids=lambda k: k[0])
+def test_local_blocks_in_several_rematerialised_groups(kind, causal):
+    """n spans several groups of exact diagonal blocks (8 blocks of 16 per group)."""
+    mod = _module(kind[1], 2, 1)
+    q, k, v = _inputs(1, 2, 1, 300, 300)
+    mask = _padding_mask(1, 300, "right")
+    out = mod(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_attention(mod, q, k, v, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (q, k, v)), torch.autograd.grad((ref * g).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
