@@ -139,7 +139,8 @@ def machine(args) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"CPU {cpu}, {os.cpu_count()} cores, {args.threads} threads ({args.dtype})"
+    return (f"CPU {cpu}, {os.cpu_count()} cores, {args.threads} threads ({args.dtype}); load average at start "
+            f"{os.getloadavg()[0]:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
 
 
 def main(argv=None) -> int:
@@ -169,6 +170,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     common = ["--heads", str(args.heads), "--head-dim", str(args.head_dim), "--threads", str(args.threads),
               "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype]
+    where = machine(args)  # read the load average before the runs add to it
     gflops_mm = mm_gflops(args)
     rows = []
     try:
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
             continue
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
     by = {(r["kind"], r["n"]): r for r in rows}
-    lines = [f"Machine: {machine(args)}; B=1, H={args.heads}, d={args.head_dim}; causal forward+backward; "
+    lines = [f"Machine: {where}; B=1, H={args.heads}, d={args.head_dim}; causal forward+backward; "
              f"best of {args.repeats}; torch.mm 2048^2: {gflops_mm:.1f} GFLOP/s", "",
              "| kind | n | time (s) | SDPA time / time | peak memory (MiB) | memory / SDPA memory |",
              "|---|---|---|---|---|---|"]
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
     tag = f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
     (args.out / f"{tag}.md").write_text(f"Run {stamp}: `python recipes/benchmark_attention.py {cmd}`\n\n{table}\n")
-    (args.out / f"{tag}.json").write_text(json.dumps({"machine": machine(args), "date": stamp, "mm_gflops": gflops_mm,
+    (args.out / f"{tag}.json").write_text(json.dumps({"machine": where, "date": stamp, "mm_gflops": gflops_mm,
                                                       "rows": rows}, indent=1))
     try:
         import matplotlib
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
         axes[0].set(xlabel="context length n", ylabel="forward+backward (s)", title="time")
         axes[1].set(xlabel="context length n", ylabel="peak extra memory (MiB)", title="memory")
         axes[0].legend(fontsize=7)
-        fig.suptitle(machine(args), fontsize=8)
+        fig.suptitle(where, fontsize=8)
         fig.tight_layout()
         fig.savefig(args.out / f"{tag}.png", dpi=110)
     except ImportError:
