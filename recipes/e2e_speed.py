@@ -1,0 +1,318 @@
+"""End-to-end speed of whole transformers models: training steps and decoding, polyattn kinds vs sdpa.
+
+(a) Training step time: one optimizer step (forward + backward + AdamW step, batch 1) of a GPT-2-shaped
+    ``GPT2LMHeadModel`` (hidden 768, 12 heads; ``--layers``, default 2: 12 layers at 8k tokens do not fit
+    the time budget of a 2-core CPU, and the per-layer cost is what the comparison is about) at sequence
+    lengths n, for
+
+      sdpa                 softmax, torch scaled_dot_product_attention
+      polysketch_local     PolyAttnConfig(kind="polysketch", local_exact=True)  (defaults: p=4, r=32, b=256)
+      polysketch           PolyAttnConfig(kind="polysketch")                    (p=4, r=32, b=256)
+      linear               PolyAttnConfig(kind="linear")                        (elu + 1)
+      performer            PolyAttnConfig(kind="performer")                     (FAVOR+, m=256)
+
+    All models share the same initial weights and are timed in the same process, interleaved
+    (sdpa, kind1, kind2, ... per repetition), so background load hits every kind alike. Reported:
+    the fastest of ``--reps`` (default 1) timed steps after ``--warmup`` (default 0) untimed ones at every n
+    (plus one untimed step per model at ``--warmup_n`` tokens first), and sdpa / kind.
+(b) Decoding: a small GPT-2 (``--dec_layers`` 4, hidden 256, 4 heads) prefills n tokens, then
+    ``--dec_steps`` single-token forwards are timed (median ms / token). sdpa uses an explicit
+    ``DynamicCache``; the polysketch models get no cache argument: the model's own ``DynamicCache`` is
+    upgraded to hf_polyattn's recurrent ``PolyAttnCacheLayer`` state automatically (checked and recorded).
+
+The crossover length is the smallest measured n from which on the kind is faster than sdpa.
+
+  python recipes/e2e_speed.py                       # the record run (2 threads)
+  nice -n -20 python recipes/e2e_speed.py           # on a shared machine
+  python recipes/e2e_speed.py --quick --out /tmp/e2e   # tiny smoke run (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_polyattn  # noqa: E402
+from hf_polyattn import PolyAttnConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_KINDS = {
+    "polysketch_local": dict(kind="polysketch", local_exact=True),
+    "polysketch": dict(kind="polysketch"),
+    "linear": dict(kind="linear", feature_map="elu"),
+    "performer": dict(kind="performer"),
+}
+DECODE_KINDS = {
+    "polysketch": dict(kind="polysketch"),
+    "polysketch_local": dict(kind="polysketch", local_exact=True),
+}
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def gpt2(layers: int, hidden: int, heads: int, vocab: int, positions: int, polyattn: dict | None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)  # the same initial weights for every kind
+    cfg = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads,
+                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa",
+                     bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    if polyattn is not None:
+        hf_polyattn.convert(model, PolyAttnConfig(**polyattn))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def train_speed(args) -> dict:
+    kinds = ["sdpa", *args.kinds]
+    models = {k: gpt2(args.layers, args.hidden, args.heads, args.vocab, max(args.train_lengths),
+                      None if k == "sdpa" else TRAIN_KINDS[k]) for k in kinds}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    for m in models.values():
+        m.train()
+    if args.warmup_n:  # one untimed step per model at a short length (lazy initialisation, optimizer state)
+        x = torch.randint(0, args.vocab, (1, args.warmup_n), generator=torch.Generator().manual_seed(1))
+        for k in kinds:
+            models[k](input_ids=x, labels=x, use_cache=False).loss.backward()
+            opts[k].step()
+            opts[k].zero_grad(set_to_none=True)
+    rows = []
+    for n in args.train_lengths:
+        x = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n))
+        times = {k: [] for k in kinds}
+        losses = {}
+        for rep in range(args.warmup + args.reps):
+            for k in kinds:
+                t0 = time.perf_counter()
+                loss = models[k](input_ids=x, labels=x, use_cache=False).loss
+                loss.backward()
+                opts[k].step()
+                opts[k].zero_grad(set_to_none=True)
+                dt = time.perf_counter() - t0
+                losses[k] = loss.item()
+                if rep >= args.warmup:
+                    times[k].append(dt)
+        row = {"n": n, "seconds": {k: min(v) for k, v in times.items()}, "all_seconds": times, "loss": losses}
+        row["sdpa_over_kind"] = {k: row["seconds"]["sdpa"] / row["seconds"][k] for k in args.kinds}
+        rows.append(row)
+        print(f"[train n={n:>5}] " + "  ".join(f"{k} {row['seconds'][k]:.2f}s" for k in kinds)
+              + f"   ({uptime().split('load')[-1].strip()})", flush=True)
+    return {"rows": rows, "kinds": kinds, "crossover": {k: crossover(rows, k) for k in args.kinds}}
+
+
+def crossover(rows: list[dict], kind: str) -> int | None:
+    """Smallest measured n from which on ``kind`` is faster than sdpa at every larger measured n."""
+    best = None
+    for r in reversed(rows):
+        if r["sdpa_over_kind"][kind] > 1.0:
+            best = r["n"]
+        else:
+            break
+    return best
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+
+
+def cache_bytes(cache) -> int:
+    from hf_polyattn import PolyAttnCacheLayer
+
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, PolyAttnCacheLayer):
+            total += layer.nbytes()
+        else:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+    return total
+
+
+@torch.inference_mode()
+def decode_speed(args) -> dict:
+    from transformers import DynamicCache
+
+    from hf_polyattn import PolyAttnCacheLayer
+
+    positions = max(args.decode_lengths) + args.dec_warmup + args.dec_steps + 8
+    kinds = ["sdpa", *DECODE_KINDS]
+    models = {k: gpt2(args.dec_layers, args.dec_hidden, args.dec_heads, args.vocab, positions,
+                      None if k == "sdpa" else DECODE_KINDS[k]).eval() for k in kinds}
+    rows = []
+    for n in args.decode_lengths:
+        prompt = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n))
+        caches, tokens, prefill_s = {}, {}, {}
+        for k, m in models.items():
+            t0 = time.perf_counter()
+            # sdpa: an explicit DynamicCache. polysketch: no cache given; the model's DynamicCache is upgraded.
+            out = m(prompt, past_key_values=DynamicCache() if k == "sdpa" else None, use_cache=True, logits_to_keep=1)
+            prefill_s[k] = time.perf_counter() - t0
+            caches[k], tokens[k] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        recurrent = {k: all(isinstance(layer, PolyAttnCacheLayer) for layer in caches[k].layers) for k in kinds}
+        if not all(recurrent[k] for k in DECODE_KINDS) or recurrent["sdpa"]:
+            raise RuntimeError(f"unexpected cache types: {recurrent}")
+        times = {k: [] for k in kinds}
+        for step in range(args.dec_warmup + args.dec_steps):
+            for k, m in models.items():  # interleaved: the same background load for every kind
+                t0 = time.perf_counter()
+                out = m(tokens[k], past_key_values=caches[k], use_cache=True)
+                dt = time.perf_counter() - t0
+                caches[k], tokens[k] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                if step >= args.dec_warmup:
+                    times[k].append(dt)
+        row = {"n": n, "ms_per_token": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+               "all_ms": {k: [1e3 * t for t in v] for k, v in times.items()}, "prefill_s": prefill_s,
+               "cache_bytes": {k: cache_bytes(caches[k]) for k in kinds},
+               "cache_type": {k: type(caches[k]).__name__ + ("[PolyAttnCacheLayer]" if recurrent[k] else "")
+                              for k in kinds}}
+        row["sdpa_over_kind"] = {k: row["ms_per_token"]["sdpa"] / row["ms_per_token"][k] for k in DECODE_KINDS}
+        rows.append(row)
+        print(f"[decode n={n:>5}] " + "  ".join(f"{k} {row['ms_per_token'][k]:.2f}ms" for k in kinds), flush=True)
+    return {"rows": rows, "kinds": kinds, "crossover": {k: crossover(rows, k) for k in DECODE_KINDS}}
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+
+def markdown(res: dict, args) -> str:
+    tr, de = res["train"], res["decode"]
+    fewer = "" if args.layers == 12 or args.quick else " (not 12: see the note)"
+    md = (f"**(a) Training step time** (forward + backward + AdamW, batch 1), GPT-2 shape: {args.layers} layers"
+          f"{fewer}, hidden {args.hidden}, {args.heads} heads (head_dim {args.hidden // args.heads}), "
+          f"vocab {args.vocab}; best of {args.reps} interleaved step(s) after {args.warmup} warm-up step(s) per n "
+          f"(+ one untimed step per model at n={args.warmup_n} first); "
+          f"{args.threads} threads. Seconds per step, and speed-up = sdpa time / kind time (> 1: faster).\n\n")
+    md += "| n | " + " | ".join(tr["kinds"]) + " | " + " | ".join(f"speed-up {k}" for k in args.kinds) + " |\n"
+    md += "|---:|" + "---:|" * (len(tr["kinds"]) + len(args.kinds)) + "\n"
+    for r in tr["rows"]:
+        md += (f"| {r['n']} | " + " | ".join(f"{r['seconds'][k]:.3f}" for k in tr["kinds"]) + " | "
+               + " | ".join(f"{r['sdpa_over_kind'][k]:.2f}x" for k in args.kinds) + " |\n")
+    md += "\nTraining crossover (smallest measured n from which the kind beats sdpa): " + "; ".join(
+        f"{k}: {c if c is not None else f'not reached up to {max(args.train_lengths)}'}"
+        for k, c in tr["crossover"].items()) + "\n\n"
+    if not tr["rows"]:
+        md = "(a) skipped (--skip_train).\n\n"
+    md += (f"**(b) Decoding latency per token** after a prefill of n tokens: GPT-2 {args.dec_layers} layers, hidden "
+           f"{args.dec_hidden}, {args.dec_heads} heads (head_dim {args.dec_hidden // args.dec_heads}); median of "
+           f"{args.dec_steps} steps after {args.dec_warmup} warm-up, interleaved; sdpa + DynamicCache vs polysketch "
+           "(p=4, r=32; local: + exact blocks b=256) with the recurrent cache hf_polyattn installs by itself.\n\n")
+    md += ("| n | " + " | ".join(f"{k} ms/token" for k in de["kinds"]) + " | "
+           + " | ".join(f"speed-up {k}" for k in DECODE_KINDS) + " | "
+           + " | ".join(f"{k} cache MiB" for k in de["kinds"]) + " |\n")
+    md += "|---:|" + "---:|" * (2 * len(de["kinds"]) + len(DECODE_KINDS)) + "\n"
+    for r in de["rows"]:
+        md += (f"| {r['n']} | " + " | ".join(f"{r['ms_per_token'][k]:.2f}" for k in de["kinds"]) + " | "
+               + " | ".join(f"{r['sdpa_over_kind'][k]:.2f}x" for k in DECODE_KINDS) + " | "
+               + " | ".join(f"{r['cache_bytes'][k] / 2**20:.2f}" for k in de["kinds"]) + " |\n")
+    md += "\nDecoding crossover (smallest measured n from which the kind beats sdpa): " + "; ".join(
+        f"{k}: {c if c is not None else f'not reached up to {max(args.decode_lengths)}'}"
+        for k, c in de["crossover"].items()) + "\n"
+    return md
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    tr, de = res["train"], res["decode"]
+    for k in tr["kinds"]:
+        a.plot([r["n"] for r in tr["rows"]], [r["seconds"][k] for r in tr["rows"]], "o-", label=k)
+    a.set_title("training step (fwd+bwd+AdamW, batch 1)")
+    a.set_ylabel("seconds / step")
+    for k in de["kinds"]:
+        b.plot([r["n"] for r in de["rows"]], [r["ms_per_token"][k] for r in de["rows"]], "o-", label=k)
+    b.set_title("decoding after a prefill of n tokens")
+    b.set_ylabel("ms / token")
+    if not tr["rows"]:
+        a.set_axis_off()
+    for ax in (a, b) if tr["rows"] else (b,):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kinds", nargs="+", default=list(TRAIN_KINDS), choices=list(TRAIN_KINDS))
+    p.add_argument("--train_lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    p.add_argument("--layers", type=int, default=2, help="GPT-2 layers for (a); 12 = GPT-2 small")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=1024, help="small vocabulary: the LM head is not what is compared")
+    p.add_argument("--warmup_n", type=int, default=256, help="one untimed step per model at this length first")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps per model at every n")
+    p.add_argument("--reps", type=int, default=1, help="timed steps per model at every n (the fastest counts)")
+    p.add_argument("--decode_lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--dec_layers", type=int, default=4)
+    p.add_argument("--dec_hidden", type=int, default=256)
+    p.add_argument("--dec_heads", type=int, default=4)
+    p.add_argument("--dec_steps", type=int, default=16)
+    p.add_argument("--dec_warmup", type=int, default=3)
+    p.add_argument("--skip_train", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "recipes/results/e2e_speed"))
+    p.add_argument("--quick", action="store_true", help="tiny models and lengths: a smoke run (tests)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.train_lengths, args.layers, args.hidden, args.heads, args.warmup_n = [128, 256], 1, 64, 2, 32
+        args.decode_lengths, args.dec_layers, args.dec_hidden, args.dec_heads = [64, 256], 1, 64, 2
+        args.dec_steps, args.dec_warmup, args.vocab = 4, 1, 128
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = {"uptime": uptime(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "nice": os.nice(0)}
+    print(f"{start['date']}  {start['uptime']}  nice {start['nice']}  threads {args.threads}", flush=True)
+    t0 = time.time()
+    res = {"command": "python recipes/e2e_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "args": vars(args), "start": start,
+           "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "gpu": False,
+                       "torch": torch.__version__, "threads": torch.get_num_threads()}}
+    res["train"] = ({"rows": [], "kinds": ["sdpa", *args.kinds], "crossover": {}} if args.skip_train
+                    else train_speed(args))
+    res["decode"] = decode_speed(args)
+    res["end"] = {"uptime": uptime(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    res["wall_s"] = time.time() - t0
+    note = (f"Command: `{res['command']}` (nice {start['nice']})  \nMachine: 2-core CPU, no GPU, {args.threads} torch "
+            f"threads, torch {torch.__version__}; load at start `{start['uptime']}`, at end `{res['end']['uptime']}`; "
+            f"{start['date']}; wall {res['wall_s']:.0f} s.  \n")
+    if args.layers != 12 and not args.quick and not args.skip_train:
+        note += (f"Note: (a) uses {args.layers} layers instead of GPT-2 small's 12: 12 layers at n = 8192 do not fit "
+                 "the ~15-minute budget on this CPU. Every layer is identical, so per-layer ratios carry over; "
+                 "the fixed cost (embeddings, LM head) is a larger share with fewer layers.\n")
+    md = note + "\n" + markdown(res, args)
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    (out / "tables.md").write_text(md)
+    plot(res, out / "e2e_speed.png")
+    print("\n" + md)
+    return res
+
+
+if __name__ == "__main__":
+    main()
