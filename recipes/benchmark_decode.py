@@ -95,6 +95,7 @@ def decode_latency(runs: dict, context: int, args: BenchArgs) -> dict[str, tuple
 
 
 def main(args: BenchArgs) -> list[dict]:
+    load_before = os.getloadavg()[0]
     if args.quick:
         args.contexts, args.steps, args.warmup = [256, 1024], 8, 2
     torch.set_num_threads(args.threads)
@@ -114,7 +115,7 @@ def main(args: BenchArgs) -> list[dict]:
         rows.append(dict(context=context, sdpa_ms=sdpa_ms, poly_ms=poly_ms, sdpa_bytes=sdpa_b, poly_bytes=poly_b))
     lines = [f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
              f"{torch.__version__}, {torch.get_num_threads()} threads; load average before the run: "
-             f"{os.getloadavg()[0]:.1f}",
+             f"{load_before:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
              f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv "
              f"heads; polysketch degree 4, sketch {args.sketch_size}, local_exact={args.local_exact}; median of "
              f"{args.steps} decode steps", "",
