@@ -19,6 +19,7 @@ part is the linear-time kernel product phi(Q) phi(K)^T [V 1] (block algorithm of
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,26 @@ def _int_power(x: torch.Tensor, p: int) -> torch.Tensor:
         if p:
             base = base * base
     return torch.ones_like(x) if result is None else result
+
+
+_WARNED_LEFT_PADDING = False
+
+
+def _warn_if_misaligned_left_padding(mask: torch.Tensor, block: int) -> None:
+    """local_exact blocks sit at absolute positions: say so once when left padding shifts them."""
+    global _WARNED_LEFT_PADDING
+    if _WARNED_LEFT_PADDING:
+        return
+    pads = (~mask).cumprod(dim=1).sum(dim=1)  # leading padded keys per row
+    if bool(((pads % block) != 0).any()):
+        _WARNED_LEFT_PADDING = True
+        warnings.warn(
+            "local_exact with left padding that is not a multiple of block_size: the exact diagonal blocks are "
+            "aligned to absolute positions, so a left-padded row is computed with shifted block boundaries and "
+            "differs from the same row unpadded. Pad on the right (or by a multiple of block_size) for "
+            "padding-invariant outputs.",
+            stacklevel=3,
+        )
 
 
 def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -436,6 +457,8 @@ class PolyAttention(nn.Module):
             vext = vext * mask[:, None, None, :, None].to(vext.dtype)
         local = cfg.resolved_local_kernel
         block = cfg.block_size
+        if local is not None and mask is not None and kv0 is None:
+            _warn_if_misaligned_left_padding(mask, block)
         if causal:
             if lq < lk:
                 fq = F.pad(fq, (0, 0, lk - lq, 0))

@@ -197,3 +197,22 @@ def test_local_blocks_in_several_rematerialised_groups(kind, causal):
     g = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad((out * g).sum(), (q, k, v)), torch.autograd.grad((ref * g).sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+
+
+def test_local_exact_warns_once_on_misaligned_left_padding():
+    import hf_polyattn.ops.attention as att
+
+    att._WARNED_LEFT_PADDING = False
+    mod = _module(dict(kind="polysketch", local_exact=True), 2, 2)
+    q, k, v = _inputs(2, 2, 2, 40, 40)
+    aligned = torch.ones(2, 40, dtype=torch.bool)
+    aligned[0, :BLOCK] = False
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mod(q, k, v, causal=True, key_padding_mask=aligned)  # a multiple of the block: exact, no warning
+    shifted = torch.ones(2, 40, dtype=torch.bool)
+    shifted[0, :3] = False
+    with pytest.warns(UserWarning, match="left padding"):
+        mod(q, k, v, causal=True, key_padding_mask=shifted)
