@@ -28,7 +28,7 @@ from hf_polyattn.training.pipeline import RetrofitArgs, run
 class DemoArgs:
     model: str = field(default="smollm2", metadata={"help": "'smollm2' (offline package) or a Hub id / local dir"})
     data: str = field(default="../shared/data/tinyshakespeare_train.txt", metadata={"help": "text file or Hub id"})
-    transfer_steps: int = field(default=12, metadata={"help": "attention-transfer steps (4 x 256 tokens each)"})
+    transfer_steps: int = field(default=60, metadata={"help": "attention-transfer steps (4 x 256 tokens each)"})
     eval_tokens: int = field(default=2048, metadata={"help": "held-out tokens evaluated (context 256, stride 256)"})
     output_dir: str = field(default="runs/demo", metadata={"help": "where the two runs and the table go"})
     threads: int = field(default=2, metadata={"help": "torch threads"})
