@@ -24,6 +24,7 @@ Regenerate this file with `python recipes/build_results.py` after rerunning any 
 def main() -> int:
     parts = [HEADER]
     for name, title in (("benchmark_attention", "Attention kernels: causal forward+backward against SDPA"),
+                        ("benchmark_attention_idle", "Attention kernels on the idle machine (default OpenMP waits)"),
                         ("benchmark_decode", "Generation: decode step against SDPA + DynamicCache")):
         folder = RESULTS / name
         tables = sorted(p for p in folder.glob("*.md") if "quick" not in p.name) if folder.exists() else []
