@@ -10,6 +10,7 @@
 import sys
 from dataclasses import dataclass, field
 
+from _defaults import TINY_SHAKESPEARE
 from transformers import HfArgumentParser
 
 from hf_polyattn.training.compare import compare_runs, table_markdown, write_table
@@ -30,7 +31,9 @@ if __name__ == "__main__":
         print(table_markdown(table))
         print(f"wrote {j} and {md}")
     else:
-        (args,) = HfArgumentParser(RetrofitArgs).parse_args_into_dataclasses()
+        parser = HfArgumentParser(RetrofitArgs)
+        parser.set_defaults(data=TINY_SHAKESPEARE)
+        (args,) = parser.parse_args_into_dataclasses()
         args.transfer_steps = args.finetune_steps = 0
         args.eval_before = True
         run(args)

@@ -11,12 +11,15 @@
         --data ../shared/data/sst2_train.tsv --attention softmax --lora --finetune_steps 200 --output_dir runs/sst2
 """
 
+from _defaults import TINY_SHAKESPEARE
 from transformers import HfArgumentParser
 
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 if __name__ == "__main__":
-    (args,) = HfArgumentParser(RetrofitArgs).parse_args_into_dataclasses()
+    parser = HfArgumentParser(RetrofitArgs)
+    parser.set_defaults(data=TINY_SHAKESPEARE)
+    (args,) = parser.parse_args_into_dataclasses()
     if args.finetune_steps <= 0:
         raise SystemExit("recipes/finetune.py: set --finetune_steps N (> 0)")
     args.transfer_steps = 0

@@ -5,10 +5,13 @@
         --transfer_steps 100 --finetune_steps 100 --output_dir runs/gpt2-polysketch
 """
 
+from _defaults import TINY_SHAKESPEARE
 from transformers import HfArgumentParser
 
 from hf_polyattn.training.scratch import ScratchArgs, train_gpt2
 
 if __name__ == "__main__":
-    (args,) = HfArgumentParser(ScratchArgs).parse_args_into_dataclasses()
+    parser = HfArgumentParser(ScratchArgs)
+    parser.set_defaults(data=TINY_SHAKESPEARE)
+    (args,) = parser.parse_args_into_dataclasses()
     train_gpt2(args)

@@ -6,12 +6,15 @@
 The result folder OUTPUT_DIR/model can then be fine-tuned with recipes/finetune.py --model OUTPUT_DIR/model.
 """
 
+from _defaults import TINY_SHAKESPEARE
 from transformers import HfArgumentParser
 
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 if __name__ == "__main__":
-    (args,) = HfArgumentParser(RetrofitArgs).parse_args_into_dataclasses()
+    parser = HfArgumentParser(RetrofitArgs)
+    parser.set_defaults(data=TINY_SHAKESPEARE)
+    (args,) = parser.parse_args_into_dataclasses()
     if args.transfer_steps <= 0:
         raise SystemExit("recipes/transfer.py: set --transfer_steps N (> 0)")
     args.finetune_steps = 0

@@ -80,7 +80,7 @@ def _load(source: str, *, kind: str, split: str = "train", **kwargs: Any):
     except Exception as e:  # ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
         raise DataError(
             f"could not load dataset {source!r} (split {split!r}): {type(e).__name__}: {e}. "
-            "Without network access pass a local file instead (e.g. ../shared/data/sst2_train.tsv)."
+            "Without network access pass a local file instead (e.g. a .tsv of sentence<TAB>label rows)."
         ) from e
 
 

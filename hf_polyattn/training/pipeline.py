@@ -53,8 +53,9 @@ class RetrofitArgs:
     model: str = field(default="smollm2", metadata={"help": "local checkpoint dir, Hub id, or an offline alias: "
                                                             "'smollm2', 'minilm'"})
     task: str = field(default="causal_lm", metadata={"help": f"one of {list(TASKS)}"})
-    data: str = field(default="../shared/data/tinyshakespeare_train.txt",
-                      metadata={"help": "local .txt (causal_lm) / .csv/.tsv (classification) file, or Hub id"})
+    data: str | None = field(default=None, metadata={"help": "local .txt (causal_lm) / .csv/.tsv (classification) "
+                                                             "file, or Hub id (required; the recipes default to "
+                                                             "the repository's Tiny Shakespeare copy)"})
     text_column: str | None = field(default=None, metadata={"help": "default: 'text' (causal_lm), 'sentence' "
                                                                      "(classification)"})
     label_column: str = field(default="label", metadata={"help": "classification label column (int ids)"})
@@ -188,6 +189,8 @@ class Retrofit:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        if not a.data:
+            raise DataError("data is required: a local .txt/.csv/.tsv file or a Hub dataset id (--data ...)")
         if a.task == "causal_lm":
             self.data = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
                                        text_column=a.text_column, max_eval_tokens=a.max_eval_tokens)

@@ -18,7 +18,8 @@ __all__ = ["ScratchArgs", "train_bpe_tokenizer", "train_gpt2"]
 
 @dataclass
 class ScratchArgs:
-    data: str = field(default="../shared/data/tinyshakespeare_train.txt", metadata={"help": "text file or Hub id"})
+    data: str | None = field(default=None, metadata={"help": "local text file (required; the recipe defaults to "
+                                                             "the repository's Tiny Shakespeare copy)"})
     vocab_size: int = field(default=2048, metadata={"help": "byte-level BPE vocabulary trained on the train part"})
     n_layer: int = field(default=4, metadata={"help": "GPT-2 layers"})
     n_embd: int = field(default=256, metadata={"help": "GPT-2 width"})
@@ -63,7 +64,7 @@ def train_gpt2(a: ScratchArgs) -> dict:
         torch.set_num_threads(a.threads)
     acc = Accelerator(cpu=not torch.cuda.is_available())
     out = Path(a.output_dir)
-    if not Path(a.data).exists():
+    if not a.data or not Path(a.data).exists():
         raise FileNotFoundError(f"{a.data} does not exist (the from-scratch tokenizer is trained on a local file)")
     tok_dir = out / "tokenizer"
     if acc.is_main_process and not (tok_dir / "tokenizer.json").exists():

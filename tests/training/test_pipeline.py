@@ -48,3 +48,14 @@ def test_causal_lm_lora_softmax_and_evaluate_only(tiny_dirs, text_file, tmp_path
                              save_model=False, output_dir=str(tmp_path / "eval")))
     assert again["evaluations"]["before"]["perplexity"] == pytest.approx(after, rel=1e-4)
     assert torch.isfinite(torch.tensor(after))
+
+
+def test_missing_data_is_a_clear_error_before_training(tiny_dirs, tmp_path):
+    """The installed package has no default corpus (the recipes supply the repository's copy)."""
+    from hf_polyattn.training.data import DataError
+
+    assert RetrofitArgs().data is None
+    with pytest.raises(DataError, match="data is required"):
+        run(RetrofitArgs(model=tiny_dirs["llama"], attention="polysketch", transfer_steps=1,
+                         output_dir=str(tmp_path / "x")))
+    assert not (tmp_path / "x" / "model").exists()
