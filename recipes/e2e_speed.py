@@ -63,7 +63,14 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def gpt2(layers: int, hidden: int, heads: int, vocab: int, positions: int, polyattn: dict | None):
+def sync(device: str) -> None:
+    """Wait for queued GPU work, so the timer measures the step and not the launch."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def gpt2(layers: int, hidden: int, heads: int, vocab: int, positions: int, polyattn: dict | None,
+         device: str = "cpu", dtype: str = "float32"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)  # the same initial weights for every kind
@@ -73,7 +80,7 @@ def gpt2(layers: int, hidden: int, heads: int, vocab: int, positions: int, polya
     model = GPT2LMHeadModel(cfg)
     if polyattn is not None:
         hf_polyattn.convert(model, PolyAttnConfig(**polyattn))
-    return model
+    return model.to(device=device, dtype=getattr(torch, dtype))
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -82,28 +89,30 @@ def gpt2(layers: int, hidden: int, heads: int, vocab: int, positions: int, polya
 def train_speed(args) -> dict:
     kinds = ["sdpa", *args.kinds]
     models = {k: gpt2(args.layers, args.hidden, args.heads, args.vocab, max(args.train_lengths),
-                      None if k == "sdpa" else TRAIN_KINDS[k]) for k in kinds}
+                      None if k == "sdpa" else TRAIN_KINDS[k], args.device, args.dtype) for k in kinds}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     for m in models.values():
         m.train()
     if args.warmup_n:  # one untimed step per model at a short length (lazy initialisation, optimizer state)
-        x = torch.randint(0, args.vocab, (1, args.warmup_n), generator=torch.Generator().manual_seed(1))
+        x = torch.randint(0, args.vocab, (1, args.warmup_n), generator=torch.Generator().manual_seed(1)).to(args.device)
         for k in kinds:
             models[k](input_ids=x, labels=x, use_cache=False).loss.backward()
             opts[k].step()
             opts[k].zero_grad(set_to_none=True)
     rows = []
     for n in args.train_lengths:
-        x = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n))
+        x = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(args.device)
         times = {k: [] for k in kinds}
         losses = {}
         for rep in range(args.warmup + args.reps):
             for k in kinds:
+                sync(args.device)
                 t0 = time.perf_counter()
                 loss = models[k](input_ids=x, labels=x, use_cache=False).loss
                 loss.backward()
                 opts[k].step()
                 opts[k].zero_grad(set_to_none=True)
+                sync(args.device)
                 dt = time.perf_counter() - t0
                 losses[k] = loss.item()
                 if rep >= args.warmup:
@@ -151,15 +160,17 @@ def decode_speed(args) -> dict:
     positions = max(args.decode_lengths) + args.dec_warmup + args.dec_steps + 8
     kinds = ["sdpa", *DECODE_KINDS]
     models = {k: gpt2(args.dec_layers, args.dec_hidden, args.dec_heads, args.vocab, positions,
-                      None if k == "sdpa" else DECODE_KINDS[k]).eval() for k in kinds}
+                      None if k == "sdpa" else DECODE_KINDS[k], args.device, args.dtype).eval() for k in kinds}
     rows = []
     for n in args.decode_lengths:
-        prompt = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n))
+        prompt = torch.randint(0, args.vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(args.device)
         caches, tokens, prefill_s = {}, {}, {}
         for k, m in models.items():
+            sync(args.device)
             t0 = time.perf_counter()
             # sdpa: an explicit DynamicCache. polysketch: no cache given; the model's DynamicCache is upgraded.
             out = m(prompt, past_key_values=DynamicCache() if k == "sdpa" else None, use_cache=True, logits_to_keep=1)
+            sync(args.device)
             prefill_s[k] = time.perf_counter() - t0
             caches[k], tokens[k] = out.past_key_values, out.logits[:, -1:].argmax(-1)
         recurrent = {k: all(isinstance(layer, PolyAttnCacheLayer) for layer in caches[k].layers) for k in kinds}
@@ -168,8 +179,10 @@ def decode_speed(args) -> dict:
         times = {k: [] for k in kinds}
         for step in range(args.dec_warmup + args.dec_steps):
             for k, m in models.items():  # interleaved: the same background load for every kind
+                sync(args.device)
                 t0 = time.perf_counter()
                 out = m(tokens[k], past_key_values=caches[k], use_cache=True)
+                sync(args.device)
                 dt = time.perf_counter() - t0
                 caches[k], tokens[k] = out.past_key_values, out.logits[:, -1:].argmax(-1)
                 if step >= args.dec_warmup:
@@ -272,9 +285,14 @@ def parse(argv=None):
     p.add_argument("--dec_steps", type=int, default=16)
     p.add_argument("--dec_warmup", type=int, default=3)
     p.add_argument("--skip_train", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="model weights (polyattn kernels accumulate in float32 either way)")
     p.add_argument("--out", default=str(ROOT / "recipes/results/e2e_speed"))
     p.add_argument("--quick", action="store_true", help="tiny models and lengths: a smoke run (tests)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch.cuda.is_available() is False on this machine")
     if args.quick:
         args.train_lengths, args.layers, args.hidden, args.heads, args.warmup_n = [128, 256], 1, 64, 2, 32
         args.decode_lengths, args.dec_layers, args.dec_hidden, args.dec_heads = [64, 256], 1, 64, 2
@@ -292,7 +310,8 @@ def main(argv=None) -> dict:
     t0 = time.time()
     res = {"command": "python recipes/e2e_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "args": vars(args), "start": start,
-           "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "gpu": False,
+           "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                       "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else False,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}}
     res["train"] = ({"rows": [], "kinds": ["sdpa", *args.kinds], "crossover": {}} if args.skip_train
                     else train_speed(args))

@@ -18,9 +18,13 @@ Data:
             sqrt(sum_s ||E_s||^2) / sqrt(sum_s ||A_s||^2); the table reports the mean over heads.
 
 The relative error is scale invariant, so the 1/sqrt(d) score scaling does not matter here.
-"learned after transfer" needs a retrofitted checkpoint: pass --checkpoint FILE, a torch.save'd
-dict {"config": PolyAttnConfig.to_dict(), "state_dict": PolyAttention.state_dict(),
-"layer": L} of a learned-sketch PolyAttention for MiniLM layer L (12 heads, head_dim 32).
+"learned after transfer": pass --transferred DIR ..., folders of MiniLM models retrofitted with a learned
+polysketch (``recipes/retrofit.py --model minilm --attention polysketch --sketch learned ... --transfer_steps N``,
+the saved ``model/`` folder). For each layer of --transferred_layers the layer's polyattn module is rebuilt from
+the checkpoint and measured on that layer's q/k exactly as the module sees them: q' = LayerNorm_h(q) (when
+qk_norm) times s^(1/2), s = 1/sqrt(head_dim), against (q'.k')^p. The same module with its sketch put back to
+initialisation (same seed, same q/k LayerNorm) is measured alongside: the difference is what transfer did to
+the sketch. Transfer fits the layer's *softmax* output, not (q.k)^p, so the error need not fall.
 
 Usage:
   python recipes/sketch_accuracy.py                 # r in 8 16 32 64, p in 2 4 8, 20 seeds, random + layers 0, 3
@@ -141,6 +145,31 @@ def block_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.nda
     return rel, amm
 
 
+def attention_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per head, two errors blind to what attention ignores.
+
+    Attention divides by each row's sum, so phi(Q)phi(K)^T = c (QK^T)^p gives the same output for any
+    c > 0 (and transfer is free to drift in c). ``scale_free``: the relative error after the best single
+    scale c, sqrt(1 - cos^2) with cos the cosine of the two matrices. ``rows``: the relative error of the
+    row-normalised weights (the attention probabilities the layer actually uses).
+    """
+    dot = aa = ee = 0.0
+    rerr2 = rref2 = 0.0
+    with torch.no_grad():
+        for q, k in blocks:
+            exact = torch.matmul(q, k.transpose(-1, -2)) ** p
+            approx = torch.matmul(features(mod, q, True), features(mod, k, False).transpose(-1, -2))
+            dot = dot + (approx * exact).sum((-1, -2))
+            aa = aa + (approx**2).sum((-1, -2))
+            ee = ee + (exact**2).sum((-1, -2))
+            pe = exact / exact.sum(-1, keepdim=True)
+            pa = approx / approx.sum(-1, keepdim=True)
+            rerr2 = rerr2 + ((pa - pe) ** 2).sum((-1, -2))
+            rref2 = rref2 + (pe**2).sum((-1, -2))
+    cos2 = (dot * dot / (aa * ee)).clamp(max=1.0)
+    return (1.0 - cos2).sqrt().numpy(), (rerr2 / rref2).sqrt().numpy()
+
+
 def ci(values: list[float]) -> dict:
     a = np.asarray(values, dtype=np.float64)
     n = len(a)
@@ -197,9 +226,7 @@ def run(args) -> dict:
                     rows.append(row)
                     print(f"{name:10s} p={p} {sketch:8s} r={r:3d}: rel {row['rel']['mean']:.4f} ± "
                           f"{row['rel']['ci95']:.4f}  amm {row['amm']['mean']:.2e}", flush=True)
-    transferred = None
-    if args.checkpoint:
-        transferred = evaluate_checkpoint(args.checkpoint, args)
+    transferred = [row for path in args.transferred or [] for row in evaluate_transferred(path, args)]
     checks = [learned_equals_gaussian(p, 16, 2, 32) for p in args.degrees]
     data_info = {name: {"blocks": len(b), "heads": h, "head_dim": d,
                         "tokens_per_head": int(sum(q.shape[-2] for q, _ in b))}
@@ -207,17 +234,65 @@ def run(args) -> dict:
     return {"rows": rows, "transferred": transferred, "learned_init_checks": checks, "data": data_info}
 
 
-def evaluate_checkpoint(path: str, args) -> dict:
-    ck = torch.load(path, map_location="cpu", weights_only=False)
-    cfg = PolyAttnConfig.from_dict(ck["config"])
-    layer = int(ck.get("layer", 0))
-    blocks = minilm_data([layer], args.sentences)[layer]
-    heads, hd = blocks[0][0].shape[0], blocks[0][0].shape[-1]
-    mod = PolyAttention(cfg, num_heads=heads, head_dim=hd)
-    mod.load_state_dict(ck["state_dict"])
-    rel, amm = block_errors(mod.double(), blocks, cfg.degree)
-    return {"checkpoint": path, "layer": layer, "p": cfg.degree, "r": cfg.sketch_size, "sketch": cfg.sketch,
-            "rel": float(rel.mean()), "amm": float(amm.mean()), "rel_per_head": rel.tolist()}
+def transferred_module(model_dir: str | Path, layer: int) -> tuple[PolyAttention, PolyAttention]:
+    """(module after transfer, the same module with its sketch at initialisation) of one MiniLM layer."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"--transferred {model_dir}: no config.json (pass the run's saved model/ folder)")
+    hf = json.loads((model_dir / "config.json").read_text())
+    if "polyattn" not in hf:
+        raise ValueError(f"--transferred {model_dir}: config.json has no 'polyattn' settings (not a retrofit)")
+    cfg = PolyAttnConfig.from_dict(hf["polyattn"])
+    if cfg.kind != "polysketch":
+        raise ValueError(f"--transferred {model_dir}: kind {cfg.kind!r}, need 'polysketch'")
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    tag = f"layer.{layer}.attention.self.polyattn."
+    own = {k.split(tag, 1)[1]: v for k, v in weights.items() if tag in k}
+    if not own:
+        raise ValueError(f"--transferred {model_dir}: no '{tag}*' weights (layers of a BERT-style model expected)")
+    heads = hf["num_attention_heads"]
+    hd = hf["hidden_size"] // heads
+    trained = PolyAttention(cfg, num_heads=heads, head_dim=hd, layer_idx=layer)
+    trained.load_state_dict(own)
+    init = PolyAttention(cfg, num_heads=heads, head_dim=hd, layer_idx=layer)
+    init.load_state_dict({k: v for k, v in own.items() if not k.startswith("feature_map.")}, strict=False)
+    return trained.double().eval(), init.double().eval()
+
+
+def module_inputs(mod: PolyAttention, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    """x (heads, n, d) as the module's feature map receives it: per-head LayerNorm, then s^(1/2)."""
+    y = x[None, :, None]
+    if mod.config.qk_norm:
+        y = (mod.q_norm if is_query else mod.k_norm)(y)
+    return y[0, :, 0] * (1.0 / math.sqrt(mod.head_dim)) ** 0.5
+
+
+def evaluate_transferred(model_dir: str, args) -> list[dict]:
+    rows = []
+    data = minilm_data(args.transferred_layers, args.sentences)
+    for layer in args.transferred_layers:
+        trained, init = transferred_module(model_dir, layer)
+        blocks = [(module_inputs(trained, q, True), module_inputs(trained, k, False)) for q, k in data[layer]]
+        cfg = trained.config
+        with torch.no_grad():
+            rel_t, amm_t = block_errors(trained, blocks, cfg.degree)
+            rel_i, amm_i = block_errors(init, blocks, cfg.degree)
+            sf_t, rows_t = attention_errors(trained, blocks, cfg.degree)
+            sf_i, rows_i = attention_errors(init, blocks, cfg.degree)
+        rows.append({"model": str(model_dir), "layer": layer, "p": cfg.degree, "r": cfg.sketch_size,
+                     "sketch": cfg.sketch, "qk_norm": cfg.qk_norm,
+                     "rel_after_transfer": float(rel_t.mean()), "rel_init": float(rel_i.mean()),
+                     "amm_after_transfer": float(amm_t.mean()), "amm_init": float(amm_i.mean()),
+                     "scale_free_after_transfer": float(sf_t.mean()), "scale_free_init": float(sf_i.mean()),
+                     "rows_after_transfer": float(rows_t.mean()), "rows_init": float(rows_i.mean()),
+                     "rel_per_head_after_transfer": rel_t.tolist(), "rel_per_head_init": rel_i.tolist()})
+        print(f"transferred {model_dir} L{layer} p={cfg.degree} r={cfg.sketch_size}: rel {rel_t.mean():.4f} "
+              f"(init {rel_i.mean():.4f})", flush=True)
+    return rows
 
 
 def markdown(res: dict) -> str:
@@ -244,11 +319,28 @@ def markdown(res: dict) -> str:
                 label = "learned (init)" if sk == "learned" else sk
                 out.append(f"| {p} | {label} | " + " | ".join(cells) + " |")
         out.append("")
-    t = res["transferred"]
-    out.append("Learned sketch after transfer: " + (
-        f"layer {t['layer']}, p={t['p']}, r={t['r']}: rel {t['rel']:.3f} ({t['checkpoint']})" if t else
-        "pending (needs a retrofitted checkpoint, pass --checkpoint)") + "\n")
+    out.extend(transferred_markdown(res.get("transferred") or []))
     return "\n".join(out)
+
+
+def transferred_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["Learned sketch after transfer: not measured (pass --transferred)\n"]
+    out = ["**Learned sketch after attention transfer** (MiniLM layers, q/k as the module sees them: per-head "
+           "LayerNorm when qk_norm, times s^(1/2)); errors against (q'.k')^p, mean over the 12 heads; 'init' = "
+           "the same module with its sketch reset to initialisation (same seed). rel = ||A' - A||_F / ||A||_F; "
+           "best-scale = the same after the best single scale of A' (attention ignores a common scale); "
+           "rows = relative error of the row-normalised weights (the probabilities the layer uses)\n",
+           "| model | layer | p | r | rel: init → after | best-scale: init → after | rows: init → after |",
+           "|---|---|---|---|---|---|---|"]
+    for t in rows:
+        sf = (f"{t['scale_free_init']:.3g} → {t['scale_free_after_transfer']:.3g}" if "scale_free_init" in t
+              else "–")
+        rw = f"{t['rows_init']:.3g} → {t['rows_after_transfer']:.3g}" if "rows_init" in t else "–"
+        out.append(f"| `{t['model']}` | {t['layer']} | {t['p']} | {t['r']} | {t['rel_init']:.3g} → "
+                   f"{t['rel_after_transfer']:.3g} | {sf} | {rw} |")
+    out.append("")
+    return out
 
 
 def plot(res: dict, path: Path) -> None:
@@ -299,15 +391,26 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--h", type=int, default=64)
     ap.add_argument("--sentences", type=int, default=64)
-    ap.add_argument("--checkpoint", default=None, help="learned-sketch checkpoint after transfer (see docstring)")
+    ap.add_argument("--transferred", nargs="+", default=None,
+                    help="saved MiniLM polysketch (learned) retrofit folders to measure after transfer (see docstring)")
+    ap.add_argument("--transferred_layers", "--transferred-layers", type=int, nargs="+", default=[0, 3])
+    ap.add_argument("--transferred-only", action="store_true",
+                    help="measure only --transferred and add the rows to an existing results.json in --out")
     ap.add_argument("--out", default="recipes/results/sketch_accuracy")
     ap.add_argument("--quick", action="store_true", help="tiny run (tests): r 8 64, p 4, 4 seeds, n 128")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tables-only", action="store_true", help="rewrite table.md and the plot from results.json")
     args = ap.parse_args(argv)
-    if args.tables_only:
+    if args.tables_only or args.transferred_only:
         out = Path(args.out)
         res = json.loads((out / "results.json").read_text())
+        if args.transferred_only:
+            if not args.transferred:
+                ap.error("--transferred-only needs --transferred DIR ...")
+            torch.set_num_threads(args.threads)
+            res["transferred"] = [row for path in args.transferred for row in evaluate_transferred(path, args)]
+            res["settings"]["transferred_command"] = " ".join(sys.argv)
+            (out / "results.json").write_text(json.dumps(res, indent=1))
         (out / "table.md").write_text(markdown(res))
         plot(res, out / "error_vs_r.png")
         print(markdown(res))

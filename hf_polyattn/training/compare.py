@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare_runs", "table_markdown", "write_table"]
+__all__ = ["attention_label", "compare_runs", "mcnemar_exact", "table_markdown", "wilson_interval", "write_table"]
 
 STAGES = ("before", "swapped", "after_transfer", "after_finetune")
 
@@ -45,8 +46,18 @@ def compare_runs(run_dirs: list[str | Path]) -> dict[str, Any]:
             "total_cpu_s": r.get("total_cpu_s"),
             "total_wall_s": r.get("total_wall_s"),
         }
+        row["label"] = attention_label(a["attention"], r.get("polyattn"))
         if base_final is not None and final is not None:
             row["vs_softmax"] = final / base_final
+        if metric == "accuracy":
+            last = _final_eval(r)
+            row["ci95"] = wilson_interval(last["correct"], last["examples"])
+            base_hits = _final_eval(soft[0]).get("hits") if soft else None
+            if base_hits and last.get("hits") and len(base_hits) == len(last["hits"]) and r is not soft[0]:
+                only_base = sum(b == "1" and h == "0" for b, h in zip(base_hits, last["hits"]))
+                only_this = sum(b == "0" and h == "1" for b, h in zip(base_hits, last["hits"]))
+                row["paired_vs_softmax"] = {"only_softmax_right": only_base, "only_this_right": only_this,
+                                            "mcnemar_p": mcnemar_exact(only_base, only_this)}
         rows.append(row)
     return {"task": task, "metric": metric, "model": runs[0]["args"]["model"], "data": runs[0].get("data"),
             "machine": runs[0].get("machine"), "rows": rows,
@@ -54,12 +65,59 @@ def compare_runs(run_dirs: list[str | Path]) -> dict[str, Any]:
                      if task == "causal_lm" else {"examples": runs[0]["args"]["num_eval"]})}
 
 
-def _final(run: dict[str, Any], metric: str):
+def _final_eval(run: dict[str, Any]) -> dict[str, Any] | None:
     ev = run["evaluations"]
     for s in reversed(STAGES):
         if s in ev:
-            return ev[s][metric]
+            return ev[s]
     return None
+
+
+def _final(run: dict[str, Any], metric: str):
+    last = _final_eval(run)
+    return None if last is None else last[metric]
+
+
+def attention_label(attention: str, polyattn: dict[str, Any] | None) -> str:
+    """'polysketch (learned r=32, p=4, exact polynomial 16-token blocks, qk LayerNorm)' and the like."""
+    if not polyattn:
+        return attention
+    c = polyattn
+    parts = []
+    if c.get("kind") == "polysketch":
+        parts.append(f"{c.get('sketch')} r={c.get('sketch_size')}, p={c.get('degree')}")
+    elif c.get("kind") == "polynomial":
+        parts.append(f"p={c.get('degree')}")
+    elif c.get("kind") == "linear":
+        parts.append(str(c.get("feature_map")))
+    elif c.get("kind") == "performer":
+        parts.append(f"{c.get('num_features')} features")
+    if c.get("local_exact"):
+        local = c.get("local_kernel") or ("polynomial" if c.get("kind") == "polysketch" else "softmax")
+        parts.append(f"exact {local} {c.get('block_size')}-token blocks")
+    if c.get("qk_norm"):
+        parts.append("qk LayerNorm")
+    return f"{attention} ({', '.join(parts)})"
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (sane near 0 and 1, unlike p +- 1.96 SE)."""
+    if n <= 0:
+        raise ValueError(f"n must be > 0, got {n}")
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (centre - half, centre + half)
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value: the b + c discordant pairs under H0 are Binomial(b + c, 1/2)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
 
 
 def table_markdown(table: dict[str, Any]) -> str:
@@ -67,6 +125,8 @@ def table_markdown(table: dict[str, Any]) -> str:
     ratio = "final / softmax" if m == "perplexity" else "final / softmax (accuracy ratio)"
     head = ["attention", "as loaded / swapped (no training)", "after transfer", "after fine-tuning", ratio,
             "transfer CPU s", "fine-tune CPU s", "total CPU s"]
+    if m == "accuracy":
+        head[4:4] = ["95% CI (Wilson)", "paired vs softmax: only softmax right / only this right (McNemar p)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(x, nd=2):
@@ -77,10 +137,16 @@ def table_markdown(table: dict[str, Any]) -> str:
     nd = 2 if m == "perplexity" else 4
     for r in table["rows"]:
         first = r.get("swapped", r.get("before"))
-        lines.append("| " + " | ".join([
-            r["attention"], f(first, nd), f(r.get("after_transfer"), nd), f(r.get("after_finetune"), nd),
-            f(r.get("vs_softmax"), 4), f(r.get("transfer_cpu_s"), 0), f(r.get("finetune_cpu_s"), 0),
-            f(r.get("total_cpu_s"), 0)]) + " |")
+        cells = [r.get("label", r["attention"]), f(first, nd), f(r.get("after_transfer"), nd),
+                 f(r.get("after_finetune"), nd), f(r.get("vs_softmax"), 4), f(r.get("transfer_cpu_s"), 0),
+                 f(r.get("finetune_cpu_s"), 0), f(r.get("total_cpu_s"), 0)]
+        if m == "accuracy":
+            ci = r.get("ci95")
+            pv = r.get("paired_vs_softmax")
+            cells[4:4] = ["–" if ci is None else f"{ci[0]:.3f}–{ci[1]:.3f}",
+                          "–" if pv is None else f"{pv['only_softmax_right']} / {pv['only_this_right']} "
+                          f"(p = {pv['mcnemar_p']:.2g})"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -97,6 +97,7 @@ def accuracy(model, batches, *, progress: bool = False, desc: str = "accuracy") 
     was_training = model.training
     model.eval()
     correct = total = 0
+    hits: list[str] = []
     if progress:
         from tqdm.auto import tqdm
 
@@ -106,10 +107,14 @@ def accuracy(model, batches, *, progress: bool = False, desc: str = "accuracy") 
             labels = batch["labels"].to(device)
             inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
             pred = model(**inputs).logits.argmax(-1)
-            correct += (pred == labels).sum().item()
+            right = (pred == labels).flatten()
+            correct += right.sum().item()
             total += labels.numel()
+            hits.extend("1" if x else "0" for x in right.tolist())
     finally:
         model.train(was_training)
     if total == 0:
         raise ValueError("accuracy over an empty set of batches")
-    return {"accuracy": correct / total, "correct": correct, "examples": total}
+    # hits: per-example correctness in evaluation order, so two models scored on the same
+    # rows can be compared pairwise (McNemar), which is far tighter than two separate intervals.
+    return {"accuracy": correct / total, "correct": correct, "examples": total, "hits": "".join(hits)}

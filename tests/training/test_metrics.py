@@ -66,3 +66,4 @@ def test_accuracy():
     batches = [{"input_ids": torch.tensor([[1], [0], [1]]), "labels": torch.tensor([0, 1, 1])}]
     r = accuracy(Fixed(), batches)
     assert r["correct"] == 2 and r["examples"] == 3 and r["accuracy"] == pytest.approx(2 / 3)
+    assert r["hits"] == "110"  # per example, in evaluation order
