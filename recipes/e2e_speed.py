@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_polyattn  # noqa: E402
 from hf_polyattn import PolyAttnConfig  # noqa: E402
+from recipes._machine import machine, uptime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KINDS = {
@@ -57,10 +56,6 @@ DECODE_KINDS = {
     "polysketch": dict(kind="polysketch"),
     "polysketch_local": dict(kind="polysketch", local_exact=True),
 }
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def sync(device: str) -> None:
@@ -310,9 +305,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     res = {"command": "python recipes/e2e_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "args": vars(args), "start": start,
-           "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                       "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else False,
-                       "torch": torch.__version__, "threads": torch.get_num_threads()}}
+           "machine": machine(args.device)}
     res["train"] = ({"rows": [], "kinds": ["sdpa", *args.kinds], "crossover": {}} if args.skip_train
                     else train_speed(args))
     res["decode"] = decode_speed(args)

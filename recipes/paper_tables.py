@@ -36,9 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +49,7 @@ from hf_polyattn import PolyAttnConfig  # noqa: E402
 from hf_polyattn.training.data import lm_batch, load_text_data  # noqa: E402
 from hf_polyattn.training.loop import LoopConfig, fingerprint_of, train_loop  # noqa: E402
 from hf_polyattn.training.metrics import perplexity  # noqa: E402
+from recipes._machine import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["softmax", "polynomial", "polysketch_random", "polysketch_learned", "polysketch_local", "performer"]
@@ -232,13 +230,6 @@ def plot(results: list[dict], kinds: list[str], contexts: list[int], path: Path)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def machine() -> dict:
-    up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    return {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "gpu": False,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "uptime": up,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def parse(argv=None):

@@ -125,6 +125,12 @@ def features(mod: PolyAttention, x: torch.Tensor, is_query: bool) -> torch.Tenso
     return mod.feature_map(x[None, :, None], is_query)[0, :, 0]
 
 
+def scores(mod: PolyAttention, q: torch.Tensor, k: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(QK^T)^p and its polysketch estimate phi(Q) phi(K)^T for one block."""
+    exact = torch.matmul(q, k.transpose(-1, -2)) ** p
+    return exact, torch.matmul(features(mod, q, True), features(mod, k, False).transpose(-1, -2))
+
+
 def block_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.ndarray]:
     """Per head: relative Frobenius error over all blocks, and the AMM-normalised error."""
     err2 = 0.0
@@ -133,8 +139,7 @@ def block_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.nda
     kn2 = 0.0
     with torch.no_grad():
         for q, k in blocks:
-            exact = torch.matmul(q, k.transpose(-1, -2)) ** p
-            approx = torch.matmul(features(mod, q, True), features(mod, k, False).transpose(-1, -2))
+            exact, approx = scores(mod, q, k, p)
             err2 = err2 + ((approx - exact) ** 2).sum((-1, -2))
             ref2 = ref2 + (exact**2).sum((-1, -2))
             # ||Q^{(p)}||_F^2 = sum_i |q_i|^{2p}
@@ -157,8 +162,7 @@ def attention_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np
     rerr2 = rref2 = 0.0
     with torch.no_grad():
         for q, k in blocks:
-            exact = torch.matmul(q, k.transpose(-1, -2)) ** p
-            approx = torch.matmul(features(mod, q, True), features(mod, k, False).transpose(-1, -2))
+            exact, approx = scores(mod, q, k, p)
             dot = dot + (approx * exact).sum((-1, -2))
             aa = aa + (approx**2).sum((-1, -2))
             ee = ee + (exact**2).sum((-1, -2))

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..config import PolyAttnConfig
+
 __all__ = ["attention_label", "compare_runs", "mcnemar_exact", "table_markdown", "wilson_interval", "write_table"]
 
 STAGES = ("before", "swapped", "after_transfer", "after_finetune")
@@ -28,7 +30,9 @@ def compare_runs(run_dirs: list[str | Path]) -> dict[str, Any]:
     task = tasks.pop()
     metric = "perplexity" if task == "causal_lm" else "accuracy"
     soft = [r for r in runs if r["args"]["attention"] == "softmax"]
-    base_final = _final(soft[0], metric) if soft else None
+    base = soft[0] if soft else None
+    base_final = _final(base, metric) if base else None
+    base_hits = _final_eval(base).get("hits") if base and metric == "accuracy" else None
     rows = []
     for r in runs:
         a = r["args"]
@@ -52,8 +56,7 @@ def compare_runs(run_dirs: list[str | Path]) -> dict[str, Any]:
         if metric == "accuracy":
             last = _final_eval(r)
             row["ci95"] = wilson_interval(last["correct"], last["examples"])
-            base_hits = _final_eval(soft[0]).get("hits") if soft else None
-            if base_hits and last.get("hits") and len(base_hits) == len(last["hits"]) and r is not soft[0]:
+            if base_hits and last.get("hits") and len(base_hits) == len(last["hits"]) and r is not base:
                 only_base = sum(b == "1" and h == "0" for b, h in zip(base_hits, last["hits"]))
                 only_this = sum(b == "0" and h == "1" for b, h in zip(base_hits, last["hits"]))
                 row["paired_vs_softmax"] = {"only_softmax_right": only_base, "only_this_right": only_this,
@@ -93,7 +96,7 @@ def attention_label(attention: str, polyattn: dict[str, Any] | None) -> str:
     elif c.get("kind") == "performer":
         parts.append(f"{c.get('num_features')} features")
     if c.get("local_exact"):
-        local = c.get("local_kernel") or ("polynomial" if c.get("kind") == "polysketch" else "softmax")
+        local = PolyAttnConfig.from_dict(c).resolved_local_kernel
         parts.append(f"exact {local} {c.get('block_size')}-token blocks")
     if c.get("qk_norm"):
         parts.append("qk LayerNorm")
