@@ -82,9 +82,11 @@ def main() -> int:
             lines.append(f"Softmax itself moves {100 * (max(soft) / min(soft) - 1):.1f}% between seeds at context {c}: "
                          "the scale against which the gaps above are read.")
             lines.append("")
-    lines.append("Still early training (600 steps x 2048 characters, about 1.3 passes over the training text): the "
-                 "models have only started to leave the unigram/bigram plateau, one seed pair cannot separate a few-% "
-                 "gap from noise, and contexts 1024-2048 were not trained this long. Pending, with a GPU or more CPU time.")
+    passes = setup["steps"] * setup["tokens_per_step"] / setup["data"]["train_tokens"]
+    lines.append(f"Still early training ({setup['steps']} steps x {setup['tokens_per_step']} characters, {passes:.2f} "
+                 "passes over the training text): the models have only started to leave the unigram/bigram plateau, "
+                 "one seed pair cannot separate a few-% gap from noise, and contexts 1024-2048 were not trained this "
+                 "long. Pending, with a GPU or more CPU time.")
     lines.append("")
     lines.append("Loss curves: `recipes/results/paper_tables_long/seed*/loss_curves.png`; per-run records "
                  "(loss curve, timing, eval tokens): `seed*/results.json`.")
