@@ -224,7 +224,7 @@ def summarise(results: list[dict], kinds: list[str]) -> dict:
             "n_nonfinite": int((~np.isfinite(finals)).sum()),
             # "solved": every one of the 50 positions right (a single position at chance adds ln 10 / 50 = 0.046)
             "solved": int((ok < SOLVED).sum()),
-            "seconds_per_iteration": float(np.mean([r["seconds"] / r["iterations"] for r in rs])),
+            "seconds_per_iteration": float(np.mean([seconds_per_iteration(r) for r in rs])),
             "thesis_final": THESIS_FINAL.get(kind),
         }
     return summary
@@ -252,6 +252,14 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seconds_per_iteration(r: dict) -> float:
+    """Training time per iteration of a run, its first iteration excluded (that one includes the compilation
+    with --compile; runs recorded before first_iteration_seconds existed keep the plain mean)."""
+    its = r["iterations"] if r["nonfinite_at"] is None else r["nonfinite_at"] + 1
+    first = r.get("first_iteration_seconds")
+    if first is None or its < 2:
+        return r["seconds"] / its
+    return (r["seconds"] - first) / (its - 1)
 
 
 def first_below(r: dict, threshold: float) -> int | None:
@@ -280,12 +288,10 @@ def runs_table(results: list[dict]) -> str:
     order = {k: i for i, k in enumerate(ALL_KINDS)}
     for r in sorted(results, key=lambda r: (order[r["kind"]], r["seed"])):
         first = r.get("first_iteration_seconds")
-        its = r["iterations"] if r["nonfinite_at"] is None else r["nonfinite_at"] + 1
-        ms = 1000 * (r["seconds"] - (first or 0.0)) / max(its - (1 if first is not None else 0), 1)
         reached = first_below(r, 0.01)
         lines.append(f"| {LABELS[r['kind']]} | {r['seed']} | {fmt(r['final_loss'])} | "
                      f"{r['final_loss'] / CHANCE_PER_POSITION:.2f} | {reached if reached else 'never'} | "
-                     f"{ms:.1f} | {'-' if first is None else f'{first:.1f}'} |")
+                     f"{1000 * seconds_per_iteration(r):.1f} | {'-' if first is None else f'{first:.1f}'} |")
     return "\n".join(lines) + "\n"
 
 

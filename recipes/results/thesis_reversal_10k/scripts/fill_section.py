@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "recipes"))
-from thesis_reversal import ALL_KINDS, CHANCE_PER_POSITION, LABELS, SOLVED, fmt  # noqa: E402
+from thesis_reversal import ALL_KINDS, CHANCE_PER_POSITION, LABELS, SOLVED, fmt, seconds_per_iteration  # noqa: E402
 
 D = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def fields() -> dict:
             if p.exists():
                 for r in json.loads(p.read_text())["runs"]:
                     if r["kind"] == kind:
-                        t[mode] = 1000 * (r["seconds"] - r["first_iteration_seconds"]) / (r["iterations"] - 1)
+                        t[mode] = 1000 * seconds_per_iteration(r)
         if len(t) == 2:
             gains.append(f"{LABELS[kind]} {t['eager']:.1f} ms/it eager, {t['compile']:.1f} compiled")
     f["COMPILE_GAIN"] = "; ".join(gains) if gains else "eager/compiled check not run"
