@@ -26,11 +26,20 @@ def _load(name: str):
     return mod
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="Tiny Shakespeare not available")
-def test_paper_tables_quick(tmp_path):
+@pytest.fixture(scope="module")
+def quick_tables(tmp_path_factory):
+    """One tiny paper_tables.py grid (all kinds, context 64), shared by the tests below."""
+    if not DATA.exists():
+        pytest.skip("Tiny Shakespeare not available")
+    out = tmp_path_factory.mktemp("paper_tables")
     mod = _load("paper_tables")
     rec = mod.main(["--quick", "--contexts", "64", "--steps", "16", "--eval_tokens", "512", "--threads", "1",
-                    "--out", str(tmp_path)])
+                    "--out", str(out)])
+    return mod, rec, out
+
+
+def test_paper_tables_quick(quick_tables):
+    mod, rec, tmp_path = quick_tables
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["kinds"] == mod.KINDS
@@ -45,6 +54,56 @@ def test_paper_tables_quick(tmp_path):
         assert r["final_loss"] < r["initial_loss"] - 0.5, (r["kind"], r["initial_loss"], r["final_loss"])
         # a character model beats the uniform distribution over its 66 symbols
         assert r["perplexity"] < 66
+
+
+def test_paper_tables_long_section(quick_tables, tmp_path):
+    """fill_section.py lays a seed x context grid of real paper_tables records out as Tables 1-2 and computes the
+    gaps, the paper comparison, the speed crossover and the non-finite list from them (numbers set here)."""
+    _, rec, _ = quick_tables
+    spec = importlib.util.spec_from_file_location(
+        "fill_long", ROOT / "recipes/results/paper_tables_long/scripts/fill_section.py")
+    fill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fill)
+    # seed -> kind -> (perplexity, steps per CPU-s); softmax 10 in both seeds
+    chosen = {0: {"softmax": (10.0, 4.0), "polysketch_learned": (10.8, 2.0), "performer": (9.5, 5.0)},
+              1: {"softmax": (10.0, 4.0), "polysketch_learned": (11.2, 2.0), "performer": (10.1, 4.5)}}
+    for seed, per_kind in chosen.items():
+        r = json.loads(json.dumps(rec))
+        r["results"] = [x for x in r["results"] if x["kind"] in per_kind and x["context"] == 64]
+        for x in r["results"]:
+            x["perplexity"], x["steps_per_s"]["per_cpu_s"] = per_kind[x["kind"]]
+            x["finite"] = not (seed == 1 and x["kind"] == "performer")
+        (tmp_path / f"seed{seed}/ctx64").mkdir(parents=True)
+        (tmp_path / f"seed{seed}/ctx64/results.json").write_text(json.dumps(r))
+    # longer runs at one context, one call per seed and kind: softmax 9, learned polysketch 9.9 (+10 %)
+    for kind, value in (("softmax", 9.0), ("polysketch_learned", 9.9)):
+        r = json.loads(json.dumps(rec))
+        r["setup"]["steps"] = 48
+        r["results"] = [x for x in r["results"] if x["kind"] == kind and x["context"] == 64]
+        r["results"][0]["perplexity"] = value
+        (tmp_path / f"long2048/seed0/{kind}").mkdir(parents=True)
+        (tmp_path / f"long2048/seed0/{kind}/results.json").write_text(json.dumps(r))
+    out = tmp_path / "SECTION.md"
+    assert fill.main(["--dir", str(tmp_path), "--out", str(out)]) == 0
+    md = out.read_text()
+    assert "| Polysketch (learned) | 11.000 (10.800 / 11.200) |" in md
+    assert "| Polysketch (learned) | +10.0% (+8.0 / +12.0) |" in md
+    assert "| Performer | -2.0% (-5.0 / +1.0) |" in md
+    assert "| Performer | 4.75 (1.19x) |" in md and "| Polysketch (learned) | 2.00 (0.50x) |" in md
+    assert "+8.0% to +12.0%, mean +10.0%; 1 of 2 inside the paper's 6-10 %" in md
+    assert "Performer at 64 faster than softmax (sdpa)" in md
+    assert "Non-finite losses or perplexities: Performer @ 64, seed 1." in md
+    assert (tmp_path / "ppl_vs_context.png").stat().st_size > 0
+    assert "**Trained longer at context 64: 48 steps**" in md
+    # seed 0, mean, gap, then the grid's value for the same seed (10.8) next to it
+    assert "| Polysketch (learned) | 9.900 | 9.900 | +10.0% | 10.800 |" in md
+    assert (tmp_path / "long2048/loss_curves_longer.png").stat().st_size > 0
+    # runs with different setups (besides the seed) are not averaged together
+    r = json.loads((tmp_path / "seed1/ctx64/results.json").read_text())
+    r["setup"]["lr"] = 1.0
+    (tmp_path / "seed1/ctx64/results.json").write_text(json.dumps(r))
+    with pytest.raises(SystemExit, match="differ in their setup"):
+        fill.main(["--dir", str(tmp_path), "--out", str(out)])
 
 
 def test_e2e_speed_quick(tmp_path):
