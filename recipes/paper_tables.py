@@ -203,6 +203,11 @@ def tables(results: list[dict], kinds: list[str], contexts: list[int]) -> str:
     return md
 
 
+def running_mean(values, w: int) -> list[float]:
+    """Mean of each value and the w - 1 before it (fewer at the start), for readable loss curves."""
+    return [sum(values[max(0, i - w + 1): i + 1]) / len(values[max(0, i - w + 1): i + 1]) for i in range(len(values))]
+
+
 def plot(results: list[dict], kinds: list[str], contexts: list[int], path: Path) -> None:
     import matplotlib
 
@@ -217,9 +222,7 @@ def plot(results: list[dict], kinds: list[str], contexts: list[int], path: Path)
                 continue
             steps = [s for s, _ in r["loss_curve"]]
             loss = [v for _, v in r["loss_curve"]]
-            w = max(1, len(loss) // 30)  # running mean over ~3 % of the run
-            smooth = [sum(loss[max(0, i - w + 1): i + 1]) / len(loss[max(0, i - w + 1): i + 1])
-                      for i in range(len(loss))]
+            smooth = running_mean(loss, max(1, len(loss) // 30))  # over ~3 % of the run
             ax.plot(steps, smooth, lw=1.2, label=f"{LABELS[k]} (ppl {r['perplexity']:.2f})")
         ax.set_title(f"context {c}")
         ax.set_xlabel("optimizer step")

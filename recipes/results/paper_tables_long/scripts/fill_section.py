@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "recipes"))
-from paper_tables import KINDS, LABELS  # noqa: E402
+from paper_tables import KINDS, LABELS, running_mean  # noqa: E402
 
 D = Path(__file__).resolve().parents[1]
 PLATEAU = 12  # perplexity per character: all kinds sat at 12.5-12.9 after 150 steps (the 150-step tables)
@@ -152,8 +152,7 @@ def long_part(folder: Path, grid: dict) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for (s, k, _), (_, r) in sorted(recs.items(), key=lambda kv: (KINDS.index(kv[0][1]), kv[0][0])):
         steps_, loss = zip(*r["loss_curve"])
-        w = 50  # running mean over 50 steps: batch 1 at this context makes single-step losses noisy
-        smooth = [sum(loss[max(0, i - w + 1): i + 1]) / len(loss[max(0, i - w + 1): i + 1]) for i in range(len(loss))]
+        smooth = running_mean(loss, 50)  # batch 1 at this context makes single-step losses noisy
         ax.plot(steps_, smooth, lw=1.1, ls="-" if s == seeds[0] else "--",
                 color=f"C{KINDS.index(k)}", label=f"{LABELS[k]}, seed {s} (ppl {r['perplexity']:.2f})")
     ax.set_xlabel("optimizer step")
