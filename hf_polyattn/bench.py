@@ -1,16 +1,26 @@
 """Causal attention speed and memory: every kind against SDPA, measured in the same run.
 
-    hf-polyattn bench                  # = python recipes/benchmark_attention.py
-    hf-polyattn bench --quick          # n = 1k, 2k, one repeat (a minute)
-    hf-polyattn bench --device cuda    # bf16 on a GPU, against SDPA's flash path
+    hf-polyattn bench                  # = python recipes/benchmark_attention.py (CPU)
+    hf-polyattn bench --quick          # the two shortest lengths, one repeat (a smoke run)
+    hf-polyattn bench --device cuda    # the GPU grid below, against SDPA's flash path
 
-Defaults: n = 1k..32k, B=1, H=4, d=64, fp32, 2 threads.
+Defaults per device (every one can be overridden):
+
+    cpu:  fp32, B=1, H=4,  d=64, n = 1k..32k,  best of 3,  2 threads -> cpu-fp32.{md,json,png}
+    cuda: bf16, B=1, H=16, d=64, n = 2k..128k, best of 10          -> cuda-bf16.{md,json,png}
+
+On CUDA the grid also has the row ``fla-linear-elu``: fla-core's Triton kernel
+``fla.ops.linear_attn.chunk_linear_attn`` with elu+1 features (the same attention as the
+``linear-elu`` row), when fla-core is installed (``pip install fla-core``); otherwise the row
+says "not installed".
 
 Each (kind, n) runs in its own subprocess so its peak memory can be read cleanly: on CPU the
 peak resident set (ru_maxrss) minus the resident set just before the timed forward+backward,
-on CUDA torch.cuda.max_memory_allocated. Time = best of ``--repeats`` forward+backward passes
-after one warm-up. Ratios (SDPA time / kind time, kind memory / SDPA memory) are taken within
-this run only: machines are noisy, never compare against numbers from another run.
+on CUDA torch.cuda.max_memory_allocated minus the memory allocated before it. Time = best of
+``--repeats`` causal forward+backward passes after one warm-up. Ratios (SDPA time / kind time,
+kind memory / SDPA memory) are taken within this run only: machines are noisy, never compare
+against numbers from another run. An out-of-memory error is recorded as OOM for its cell (larger
+n of the same kind are then not run) and the run goes on.
 
 Also printed: the achieved GFLOP/s of the polysketch path (an analytic count of its matmul
 flops, forward + backward, divided by its time) next to torch.mm's GFLOP/s on 2048^2
@@ -20,6 +30,7 @@ matrices measured in the same run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -38,8 +49,19 @@ KINDS = {
     "polysketch-cumsum": dict(kind="polysketch", sketch_size=32, causal_algorithm="cumsum"),
     "polynomial-exact": dict(kind="polynomial", degree=4, exact_path="quadratic"),
 }
+# Rows measured with another library's kernel (not a PolyAttnConfig): name -> module it needs.
+EXTERNAL = {"fla-linear-elu": "fla"}
+ALL_KINDS = [*KINDS, *EXTERNAL]
 # per-token cumsum stores n x F x (d+1) for autograd, the exact polynomial is O(n^2): cap them
 MAX_LEN = {"polysketch-cumsum": 4096, "polynomial-exact": 8192}
+
+DEFAULTS = {
+    "cpu": {"lengths": [1024, 2048, 4096, 8192, 16384, 32768], "heads": 4, "dtype": "fp32", "repeats": 3,
+            "kinds": list(KINDS)},
+    "cuda": {"lengths": [2048, 4096, 8192, 16384, 32768, 65536, 131072], "heads": 16, "dtype": "bf16",
+             "repeats": 10, "kinds": ALL_KINDS},
+}
+DEFAULT_OUT = Path("recipes/results/benchmark_attention")
 
 
 def _rss_bytes() -> int:
@@ -62,7 +84,48 @@ def polysketch_flops(n: int, heads: int, d: int, r: int, block: int, local: bool
     return float(per_token * n * heads)
 
 
+def is_oom(err: BaseException) -> bool:
+    """An out-of-memory error of torch on either device (CUDA OutOfMemoryError, CPU allocator, MemoryError)."""
+    import torch
+
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    msg = str(err).lower()
+    return isinstance(err, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+def _fla_step(q, k, v):
+    """fla-core's chunked linear attention with elu+1 features on (B, T, H, D) tensors, forward + backward."""
+    import inspect
+
+    import torch.nn.functional as F
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    params = inspect.signature(chunk_linear_attn).parameters
+    kw = {"scale": 1.0}  # normalised output: the scale cancels
+    if "normalize" in params:
+        kw["normalize"] = True
+    if "head_first" in params:  # older fla versions default to (B, H, T, D)
+        kw["head_first"] = False
+
+    def step():
+        out = chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, **kw)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+    return step
+
+
 def worker(kind: str, n: int, args) -> dict:
+    """Time and peak memory of one (kind, n) cell; an out-of-memory error gives an OOM row instead."""
+    try:
+        return _measure(kind, n, args)
+    except Exception as err:  # noqa: BLE001 - only OOM is turned into a row, the rest is re-raised
+        if is_oom(err):
+            return {"kind": kind, "n": n, "oom": True, "error": f"OOM: {str(err).splitlines()[0][:160]}"}
+        raise
+
+
+def _measure(kind: str, n: int, args) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -71,10 +134,16 @@ def worker(kind: str, n: int, args) -> dict:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gen = torch.Generator(device="cpu").manual_seed(0)
     shape = (1, args.heads, n, args.head_dim)
+    if kind in EXTERNAL:
+        if dev.type != "cuda":
+            raise RuntimeError(f"{kind} needs a CUDA device (fla's kernels are Triton kernels)")
+        shape = (1, n, args.heads, args.head_dim)  # fla's layout
     q, k, v = (torch.randn(shape, generator=gen).to(dev, dtype).requires_grad_() for _ in range(3))
     if kind == "sdpa":
         def step():
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    elif kind == "fla-linear-elu":
+        step = _fla_step(q, k, v)
     else:
         from hf_polyattn import PolyAttnConfig
         from hf_polyattn.ops import PolyAttention
@@ -115,11 +184,13 @@ def mm_gflops(args) -> float:
 
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    dtype = torch.float32 if args.dtype == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     x = torch.randn(2048, 2048, device=dev, dtype=dtype)
     torch.mm(x, x)
     best = float("inf")
     for _ in range(5):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch.mm(x, x)
         if dev.type == "cuda":
@@ -128,11 +199,37 @@ def mm_gflops(args) -> float:
     return 2 * 2048**3 / best / 1e9
 
 
-def machine(args) -> str:
-    if args.device == "cuda":
-        import torch
+def machine_info(args) -> dict:
+    """What the numbers were measured on: recorded in the JSON (and, summarised, in the Markdown)."""
+    import torch
 
-        return f"{torch.cuda.get_device_name()} ({args.dtype})"
+    info = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__, "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "threads": args.threads}
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(gpu=torch.cuda.get_device_name(), gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = None
+    for name, module in EXTERNAL.items():
+        if importlib.util.find_spec(module) is not None:
+            try:
+                from importlib.metadata import version
+
+                info[f"{name} version"] = version("fla-core")
+            except Exception:  # noqa: BLE001 - fla installed some other way
+                info[f"{name} version"] = "installed (version unknown)"
+    return info
+
+
+def machine(args, info: dict | None = None) -> str:
+    if args.device == "cuda":
+        info = info or machine_info(args)
+        return (f"{info['gpu']} ({info['gpu_memory_gib']} GiB), torch {info['torch']}, CUDA {info['cuda']}, "
+                f"driver {info.get('driver') or 'unknown'} ({args.dtype})")
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -143,66 +240,176 @@ def machine(args) -> str:
             f"{os.getloadavg()[0]:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                   help="default fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--out", type=Path, default=Path("recipes/results/benchmark_attention"))
-    p.add_argument("--quick", action="store_true", help="n = 1k, 2k and one repeat (a smoke run)")
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def int_at_least(minimum: int):
+    """argparse ``type=``: an int >= ``minimum`` (shared by the CLI and the speed recipes)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+_positive_int = int_at_least(1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by ``python recipes/benchmark_attention.py`` and ``hf-polyattn bench``)."""
+    cpu, cuda = DEFAULTS["cpu"], DEFAULTS["cuda"]
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where to run; picks the defaults of --lengths, --heads, --dtype, --repeats, --kinds")
+    p.add_argument("--lengths", type=_positive_int, nargs="+", metavar="N",
+                   help=f"context lengths n (default: {cpu['lengths']} on CPU, {cuda['lengths']} on CUDA)")
+    p.add_argument("--kinds", nargs="+", choices=ALL_KINDS, metavar="KIND",
+                   help=f"rows besides sdpa (always run), from {ALL_KINDS} (default: all but {list(EXTERNAL)} on "
+                        f"CPU, all on CUDA)")
+    p.add_argument("--heads", type=_positive_int,
+                   help=f"attention heads H (default: {cpu['heads']} on CPU, {cuda['heads']} on CUDA)")
+    p.add_argument("--head-dim", type=_positive_int, default=64, help="head dimension d")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help=f"q/k/v dtype (default: {cpu['dtype']} on CPU, {cuda['dtype']} on CUDA)")
+    p.add_argument("--repeats", type=_positive_int,
+                   help=f"timed passes per cell, the fastest counts (default: {cpu['repeats']} on CPU, "
+                        f"{cuda['repeats']} on CUDA)")
+    p.add_argument("--threads", type=_positive_int, default=2, help="torch CPU threads (OMP_NUM_THREADS)")
+    p.add_argument("--timeout", type=_positive_int, default=900,
+                   help="seconds one (kind, n) cell may take before it is recorded as a timeout")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="output folder of DEVICE-DTYPE.md, .json and .png")
+    p.add_argument("--quick", action="store_true", help="the two shortest default lengths, one repeat (a smoke run)")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args)))
-        return 0
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    from .cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def resolve(args) -> argparse.Namespace:
+    """Fill the device-dependent defaults in place (pure: no device is touched). Returns ``args``."""
+    d = DEFAULTS[args.device]
+    given = args.lengths is not None
+    args.dtype = args.dtype or d["dtype"]
+    args.heads = args.heads or d["heads"]
+    args.repeats = args.repeats or d["repeats"]
+    args.lengths = list(args.lengths or d["lengths"])
+    args.kinds = list(args.kinds or d["kinds"])
     if args.quick:
-        args.lengths, args.repeats = [1024, 2048], 1
+        args.lengths, args.repeats = (args.lengths if given else d["lengths"])[:2], 1
     if "sdpa" not in args.kinds:
         args.kinds = ["sdpa", *args.kinds]
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    args.kinds = list(dict.fromkeys(args.kinds))  # no duplicates, order kept
+    return args
+
+
+def output_tag(args) -> str:
+    return f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
+
+
+def plan(args) -> list[tuple[int, str]]:
+    """The (n, kind) cells to run, in order; the capped kinds stop at their MAX_LEN."""
+    return [(n, kind) for n in args.lengths for kind in args.kinds if n <= MAX_LEN.get(kind, n)]
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+def run_cell(kind: str, n: int, args) -> dict:
+    """One (kind, n) cell in a fresh subprocess; failures become rows ('oom', 'error'), never exceptions."""
+    if kind in EXTERNAL and importlib.util.find_spec(EXTERNAL[kind]) is None:
+        return {"kind": kind, "n": n, "error": "not installed (pip install fla-core)", "not_installed": True}
+    if kind in EXTERNAL and args.device != "cuda":
+        return {"kind": kind, "n": n, "error": "needs --device cuda (Triton kernels)"}
     common = ["--heads", str(args.heads), "--head-dim", str(args.head_dim), "--threads", str(args.threads),
               "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype]
-    where = machine(args)  # read the load average before the runs add to it
-    gflops_mm = mm_gflops(args)
-    rows = []
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        def tqdm(x, **_):
-            return x
-    jobs = [(n, kind) for n in args.lengths for kind in args.kinds if n <= MAX_LEN.get(kind, n)]
-    for n, kind in tqdm(jobs, desc="benchmark", unit="run"):
         res = subprocess.run([sys.executable, "-m", "hf_polyattn.bench", "--worker", kind, str(n), *common], env=env,
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            rows.append({"kind": kind, "n": n, "error": res.stderr.strip().splitlines()[-1][:200]})
+                             capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"kind": kind, "n": n, "error": f"timeout (> {args.timeout} s)"}
+    if res.returncode != 0:
+        lines = res.stderr.strip().splitlines() or [f"exit code {res.returncode}"]
+        if res.returncode == -9:
+            lines.append("killed by SIGKILL (out of host memory?)")
+        row = {"kind": kind, "n": n, "error": lines[-1][:200]}
+        if "out of memory" in res.stderr.lower() or "outofmemoryerror" in res.stderr.lower():
+            row["oom"] = True
+        return row
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_grid(args, cell=run_cell, progress: bool = True) -> list[dict]:
+    """Every planned cell; after an OOM the larger n of that kind are recorded as not run."""
+    jobs = plan(args)
+    it = jobs
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            it = tqdm(jobs, desc="benchmark", unit="run")
+        except ImportError:  # pragma: no cover
+            pass
+    rows, oom_at = [], {}
+    for n, kind in it:
+        if kind in oom_at:
+            rows.append({"kind": kind, "n": n, "oom": True, "skipped": True,
+                         "error": f"not run: OOM at n={oom_at[kind]}"})
             continue
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    by = {(r["kind"], r["n"]): r for r in rows}
+        row = cell(kind, n, args)
+        if row.get("oom"):
+            oom_at[kind] = n
+        rows.append(row)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """ms, SDPA time / time and memory / SDPA memory of every measured row, against SDPA at the same n."""
+    sdpa = {r["n"]: r for r in rows if r["kind"] == "sdpa" and "seconds" in r}
+    for r in rows:
+        if "seconds" not in r:
+            continue
+        r["ms"] = r["seconds"] * 1e3
+        base = sdpa.get(r["n"])
+        r["sdpa_over_kind"] = base["seconds"] / r["seconds"] if base else None
+        r["memory_over_sdpa"] = r["peak_bytes"] / max(base["peak_bytes"], 1) if base else None
+
+
+def table(rows: list[dict], args, where: str, gflops_mm: float) -> str:
+    ms = args.device == "cuda"
+    unit = "time (ms)" if ms else "time (s)"
     lines = [f"Machine: {where}; B=1, H={args.heads}, d={args.head_dim}; causal forward+backward; "
              f"best of {args.repeats}; torch.mm 2048^2: {gflops_mm:.1f} GFLOP/s", "",
-             "| kind | n | time (s) | SDPA time / time | peak memory (MiB) | memory / SDPA memory |",
+             f"| kind | n | {unit} | SDPA time / time | peak memory (MiB) | memory / SDPA memory |",
              "|---|---|---|---|---|---|"]
+    by = {(r["kind"], r["n"]): r for r in rows}
     for n in args.lengths:
-        base = by.get(("sdpa", n))
         for kind in args.kinds:
             r = by.get((kind, n))
             if r is None:
                 continue
-            if "error" in r:
-                lines.append(f"| {kind} | {n} | error: {r['error']} | | | |")
+            if "seconds" not in r:
+                cell = ("OOM" + (f" ({r['error']})" if r.get("skipped") else "")) if r.get("oom") else r["error"]
+                if not r.get("oom") and not r.get("not_installed"):
+                    cell = f"error: {cell}"
+                lines.append(f"| {kind} | {n} | {cell} | | | |")
                 continue
-            speed = f"{base['seconds'] / r['seconds']:.2f}x" if base and "seconds" in base else "-"
-            mem = (f"{r['peak_bytes'] / max(base['peak_bytes'], 1):.2f}" if base and "peak_bytes" in base else "-")
-            lines.append(f"| {kind} | {n} | {r['seconds']:.3f} | {speed} | {r['peak_bytes'] / 2**20:.0f} | {mem} |")
+            t = f"{r['ms']:.2f}" if ms else f"{r['seconds']:.3f}"
+            speed = f"{r['sdpa_over_kind']:.2f}x" if r.get("sdpa_over_kind") is not None else "-"
+            mem = f"{r['memory_over_sdpa']:.2f}" if r.get("memory_over_sdpa") is not None else "-"
+            lines.append(f"| {kind} | {n} | {t} | {speed} | {r['peak_bytes'] / 2**20:.0f} | {mem} |")
     lines.append("")
     for n in args.lengths:
         r = by.get(("polysketch-local", n))
@@ -210,37 +417,85 @@ def main(argv=None) -> int:
             fl = polysketch_flops(n, args.heads, args.head_dim, 32, 256, True)
             lines.append(f"polysketch-local n={n}: {fl / r['seconds'] / 1e9:.1f} GFLOP/s achieved "
                          f"(torch.mm: {gflops_mm:.1f} GFLOP/s)")
-    table = "\n".join(lines)
-    print(table)
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: float, command: str) -> Path:
+    """DEVICE-DTYPE.md (the table), .json (machine, rows) and .png (time and memory vs n) in ``args.out``."""
+    text = table(rows, args, where, gflops_mm)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    tag = f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
-    cmd = " ".join(argv if argv is not None else sys.argv[1:])
-    (args.out / f"{tag}.md").write_text(f"Run {stamp}: `python recipes/benchmark_attention.py {cmd}`\n\n{table}\n")
-    (args.out / f"{tag}.json").write_text(json.dumps({"machine": where, "date": stamp, "mm_gflops": gflops_mm,
-                                                      "rows": rows}, indent=1))
+    tag = output_tag(args)
+    (args.out / f"{tag}.md").write_text(f"Run {stamp}: `{command}`\n\n{text}\n")
+    settings = {k: getattr(args, k) for k in ("device", "dtype", "heads", "head_dim", "repeats", "lengths", "kinds",
+                                              "threads")}
+    settings["presets"] = {k: KINDS.get(k) for k in args.kinds if k in KINDS}  # PolyAttnConfig fields per row
+    (args.out / f"{tag}.json").write_text(json.dumps(
+        {"machine": where, "machine_info": info, "date": stamp, "command": command, "settings": settings,
+         "batch": 1, "mm_gflops": gflops_mm, "rows": rows}, indent=1))
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        by = {(r["kind"], r["n"]): r for r in rows}
+        scale, unit = (1e3, "ms") if args.device == "cuda" else (1.0, "s")
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for kind in args.kinds:
             pts = [(n, by[(kind, n)]) for n in args.lengths if "seconds" in by.get((kind, n), {})]
             if pts:
-                axes[0].loglog([n for n, _ in pts], [r["seconds"] for _, r in pts], "o-", label=kind)
+                axes[0].loglog([n for n, _ in pts], [r["seconds"] * scale for _, r in pts], "o-", label=kind)
                 axes[1].loglog([n for n, _ in pts], [max(r["peak_bytes"], 1) / 2**20 for _, r in pts], "o-",
                                label=kind)
-        axes[0].set(xlabel="context length n", ylabel="forward+backward (s)", title="time")
+        axes[0].set(xlabel="context length n", ylabel=f"forward+backward ({unit})", title="time")
         axes[1].set(xlabel="context length n", ylabel="peak extra memory (MiB)", title="memory")
         axes[0].legend(fontsize=7)
         fig.suptitle(where, fontsize=8)
         fig.tight_layout()
         fig.savefig(args.out / f"{tag}.png", dpi=110)
+        plt.close(fig)
     except ImportError:
         print("matplotlib not installed: no plot")
     print(f"wrote {args.out}/{tag}.md, .json, .png")
+    return args.out / f"{tag}.md"
+
+
+def run(args, *, command: str) -> int:
+    """The benchmark for parsed and resolved ``args``; ``command`` is recorded in the outputs."""
+    where_info = machine_info(args)
+    where = machine(args, where_info)  # read the load average before the runs add to it
+    gflops_mm = mm_gflops(args)
+    rows = run_grid(args)
+    write_outputs(rows, args, where=where, info=where_info, gflops_mm=gflops_mm, command=command)
     return 0
+
+
+def check_device(parser: argparse.ArgumentParser, args) -> None:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+
+
+def prepare(parser: argparse.ArgumentParser, args) -> argparse.Namespace:
+    """Resolve the defaults of parsed ``args`` and check the device (argparse errors, exit code 2)."""
+    resolve(args)
+    if not args.worker:
+        check_device(parser, args)
+    return args
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
+    args = prepare(parser, parser.parse_args(argv))
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args)))
+        return 0
+    shown = prog or "python recipes/benchmark_attention.py"
+    return run(args, command=f"{shown} {' '.join(argv if argv is not None else sys.argv[1:])}")
 
 
 if __name__ == "__main__":

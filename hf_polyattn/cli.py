@@ -1,29 +1,499 @@
-"""`hf-polyattn` command line: `hf-polyattn bench ...`, `hf-polyattn kinds`."""
+"""hf-polyattn: the command line of hf_polyattn.
+
+    hf-polyattn kinds                                            # every attention kind and its options
+    hf-polyattn convert MODEL --kind polysketch --out DIR        # swap the attention of a checkpoint, save it
+    hf-polyattn eval MODEL --data FILE                           # held-out perplexity of a causal LM
+    hf-polyattn bench [--device cuda]                            # attention speed / memory against SDPA
+
+`hf-polyattn COMMAND --help` documents each command. Bad input (an unknown command, kind or option, a missing
+argument, a path that does not exist, an invalid attention setting) gives a usage message and exit code 2.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import os
 import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from .bench import int_at_least
+
+PROG = "hf-polyattn"
+
+# Which PolyAttnConfig fields each kind reads (the ops' code); the others apply to every kind. The options'
+# types, defaults and help come from PolyAttnConfig's dataclass fields, never from here.
+KIND_FIELDS = {
+    "polynomial": ("degree", "alpha", "beta", "poly_coefficients", "learn_coefficients", "exact_path",
+                   "max_tensor_features"),
+    "polysketch": ("degree", "sketch", "sketch_size", "local_exact", "local_kernel", "causal_algorithm"),
+    "linear": ("feature_map", "local_exact", "local_kernel", "causal_algorithm"),
+    "performer": ("num_features", "local_exact", "local_kernel", "causal_algorithm"),
+}
+
+# --task of convert -> the transformers auto class; "auto" = the class named in the checkpoint's config.architectures
+TASKS = {
+    "auto": None,
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "base": "AutoModel",
+}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 100)
+
+
+class UsageError(Exception):
+    """Bad input found after parsing: reported like an argparse error (usage, message, exit code 2)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions kept as written; ``(default: ...)`` appended to every option that has a default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+            return f"{text} (default: {shown})"
+        return text
+
+
+def package_version() -> str:
+    """The installed distribution's version, else ``hf_polyattn.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf_polyattn")
+    except PackageNotFoundError:
+        import hf_polyattn
+
+        return getattr(hf_polyattn, "__version__", "unknown")
+
+
+# ----------------------------------------------------------------------------------------------- PolyAttnConfig
+
+
+def config_fields() -> list[tuple[dataclasses.Field, Any]]:
+    """(field, resolved type) of every PolyAttnConfig option, in declaration order."""
+    from .config import PolyAttnConfig
+
+    hints = typing.get_type_hints(PolyAttnConfig)
+    return [(f, hints[f.name]) for f in dataclasses.fields(PolyAttnConfig)]
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # pragma: no cover - PolyAttnConfig has none today
+        return f.default_factory()
+    return None
+
+
+def _optional_inner(tp) -> tuple[Any, bool]:
+    """(T, True) for ``T | None``, else (tp, False)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _parse_scalar(name: str, tp, text: str) -> Any:
+    if tp is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise UsageError(f"--set {name}={text!r}: expected a bool (true/false)")
+    if tp is int:
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise UsageError(f"--set {name}={text!r}: expected an int") from None
+    if tp is float:
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise UsageError(f"--set {name}={text!r}: expected a float") from None
+    if tp is str:
+        return text
+    raise UsageError(f"--set {name}: values of type {tp} cannot be given on the command line")
+
+
+def parse_value(name: str, tp, text: str) -> Any:
+    """``text`` as a value of the field type ``tp`` (int, float, bool, str, tuple[T, ...], optional ones)."""
+    inner, optional = _optional_inner(tp)
+    if optional and text.strip().lower() in ("none", "null"):
+        return None
+    if typing.get_origin(inner) is tuple:
+        elem = typing.get_args(inner)[0]
+        items = [t for t in text.strip().strip("[]()").split(",") if t.strip()]
+        if not items:
+            raise UsageError(f"--set {name}={text!r}: expected comma-separated values, e.g. {name}=1,0,0.5")
+        return tuple(_parse_scalar(name, elem, t) for t in items)
+    return _parse_scalar(name, inner, text)
+
+
+def build_config(kind: str, settings: list[str] | None):
+    """PolyAttnConfig(kind=kind, **the --set FIELD=VALUE items), every value parsed by its field's type."""
+    from .config import PolyAttnConfig
+
+    types_by_name = {f.name: tp for f, tp in config_fields()}
+    values: dict[str, Any] = {}
+    for item in settings or []:
+        name, sep, text = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name:
+            raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
+        if name == "kind":
+            raise UsageError("--set kind=...: give the attention kind with --kind")
+        if name not in types_by_name:
+            options = ", ".join(n for n in types_by_name if n != "kind")
+            raise UsageError(f"--set {name}: unknown attention option (see `{PROG} kinds`); options: {options}")
+        values[name] = parse_value(name, types_by_name[name], text)
+    try:
+        return PolyAttnConfig(kind=kind, **values)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"invalid attention settings: {err}") from None
+
+
+def describe_config(cfg) -> str:
+    """``kind (field=value, ...)`` with the fields that differ from the kind's defaults."""
+    from .config import PolyAttnConfig
+
+    base = PolyAttnConfig(kind=cfg.kind).to_dict()
+    diff = [f"{k}={v}" for k, v in cfg.to_dict().items() if k != "kind" and v != base[k]]
+    return f"{cfg.kind} ({', '.join(diff) if diff else 'defaults'})"
+
+
+# ----------------------------------------------------------------------------------------------- commands
+
+
+def cmd_kinds(args, argv) -> int:
+    from .config import KINDS
+
+    fields = config_fields()
+    specific = {name for names in KIND_FIELDS.values() for name in names}
+
+    def option(f, tp) -> dict:
+        return {"name": f.name, "type": str(f.type), "default": _field_default(f), "help": f.metadata.get("help", "")}
+
+    groups = {kind: [option(f, tp) for f, tp in fields if f.name in KIND_FIELDS.get(kind, ())] for kind in KINDS}
+    common = [option(f, tp) for f, tp in fields if f.name != "kind" and f.name not in specific]
+    if args.json:
+        print(json.dumps({"kinds": groups, "all_kinds": common}, indent=1, default=str))
+        return 0
+    print(_wrap("Attention kinds (hf_polyattn.PolyAttnConfig) and the options each one reads. Set an option with "
+                f"`--set FIELD=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig(FIELD=VALUE) in Python.")
+          + "\n")
+
+    def show(title: str, opts: list[dict]) -> None:
+        print(title)
+        for o in opts:
+            print(f"  {o['name']}: {o['type']} = {o['default']!r}")
+            print(textwrap.fill(o["help"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+        print()
+
+    for kind in KINDS:
+        show(f"{kind}", groups[kind])
+    show("options of every kind", common)
+    return 0
+
+
+def cmd_bench(args, argv) -> int:
+    from . import bench
+
+    parser = args._parser
+    bench.prepare(parser, args)
+    if args.worker:
+        print(json.dumps(bench.worker(args.worker[0], int(args.worker[1]), args)))
+        return 0
+    rest = argv[argv.index("bench") + 1:] if "bench" in argv else []
+    return bench.run(args, command=" ".join([PROG, "bench", *rest]))
+
+
+def resolve_model(name: str) -> str:
+    """A local checkpoint directory, an offline alias or a Hub id -> what from_pretrained reads."""
+    from .training.checkpoints import CheckpointError, resolve_checkpoint
+
+    if os.path.isfile(name):
+        raise UsageError(f"MODEL {name!r} is a file: pass the checkpoint directory (with config.json) or a Hub id")
+    try:
+        return resolve_checkpoint(name)
+    except CheckpointError as err:
+        raise UsageError(f"MODEL: {err}") from None
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def model_class(path: str, task: str):
+    """The class to load ``path`` with: --task's auto class, else the config's architectures[0] class."""
+    import transformers
+
+    if task != "auto":
+        return getattr(transformers, TASKS[task])
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"MODEL {path!r}: cannot read its config: {str(err).splitlines()[0]}") from None
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def _load(cls, path: str, **kwargs):
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise UsageError(f"cannot load {path!r} with {cls.__name__}: {str(err).splitlines()[0]}") from None
+
+
+def cmd_convert(args, argv) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} is a file")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(f"--out {str(out)!r} is not empty (pass --overwrite to write into it)")
+    cfg = build_config(args.kind, args.set)  # bad settings fail before the model is loaded
+    path = resolve_model(args.model)
+    cls = model_class(path, args.task)
+    model = _load(cls, path, dtype=_torch_dtype(args.dtype))
+    import hf_polyattn
+
+    try:
+        hf_polyattn.convert(model, cfg)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"cannot convert {args.model!r}: {err}") from None
+    layers = sum(1 for m in model.modules() if isinstance(m, hf_polyattn.HFPolyAttention))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer_note = "no tokenizer in MODEL: none copied"
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(path).save_pretrained(out)
+        tokenizer_note = "tokenizer copied"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    print(f"converted {args.model} ({type(model).__name__}, {layers} attention layers) to "
+          f"{describe_config(cfg)}\nsaved to {out} ({tokenizer_note})\n"
+          f"load it with: import hf_polyattn; transformers.{type(model).__name__}.from_pretrained({str(out)!r})")
+    return 0
+
+
+def cmd_eval(args, argv) -> int:
+    import torch
+
+    import hf_polyattn
+
+    from .training.data import DataError, load_text_data
+    from .training.metrics import perplexity
+
+    stride = args.stride or args.context
+    if stride > args.context:
+        raise UsageError(f"--stride {stride} must be <= --context {args.context}")
+    cfg = build_config(args.kind, args.set) if args.kind else None
+    if args.set and not args.kind:
+        raise UsageError("--set needs --kind (the attention to convert the model to)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    cls = model_class(path, "auto")
+    if not cls.__name__.endswith(CAUSAL_SUFFIXES):
+        if cls.__name__.startswith("Auto"):  # no architectures recorded: let the causal-LM auto class decide
+            from transformers import AutoModelForCausalLM
+
+            cls = AutoModelForCausalLM
+        else:
+            raise UsageError(f"eval computes the perplexity of a causal LM; {args.model!r} is a {cls.__name__}")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): "
+                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    try:
+        data = load_text_data(args.data, tokenizer, eval_fraction=args.eval_fraction,
+                              max_eval_tokens=args.max_eval_tokens, text_column=args.text_column)
+    except DataError as err:
+        raise UsageError(f"--data: {err}") from None
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    model = _load(cls, path, dtype=_torch_dtype(args.dtype))
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if limit and args.context > limit:
+        raise UsageError(f"--context {args.context} is longer than the model's {limit} positions")
+    vocab = model.get_input_embeddings().num_embeddings
+    if data.eval_ids.numel() and int(data.eval_ids.max()) >= vocab:
+        raise UsageError(f"the tokenizer gives token id {int(data.eval_ids.max())} but the model has {vocab} "
+                         "embeddings: tokenizer and model do not match (see --tokenizer)")
+    stored = hf_polyattn.get_polyattn_config(model)
+    if cfg is not None:
+        if stored is not None:
+            raise UsageError(f"{args.model!r} already uses {stored.kind} attention; drop --kind to evaluate it "
+                             "(converting again would replace its trained attention parameters)")
+        try:
+            hf_polyattn.convert(model, cfg)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"cannot convert {args.model!r}: {err}") from None
+        attention = f"{describe_config(cfg)}, converted for this evaluation"
+    elif stored is not None:
+        attention = f"{describe_config(stored)}, from the checkpoint"
+    else:
+        attention = f"softmax ({model.config._attn_implementation}), the checkpoint's"
+    model.to(device)
+    try:
+        res = perplexity(model, data.eval_ids, context=args.context, stride=stride, batch_size=args.batch_size)
+    except ValueError as err:  # e.g. fewer than 2 held-out tokens
+        raise UsageError(f"--data {args.data!r}: {err}") from None
+    record = {"model": args.model, "class": type(model).__name__, "attention": attention, "data": data.describe(),
+              "device": device, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), **res}
+    if args.json:
+        print(json.dumps(record, indent=1))
+        return 0
+    print(f"model:      {args.model} ({record['class']}, {record['dtype']}, {device})\n"
+          f"attention:  {attention}\n"
+          f"data:       {args.data}: {record['data']['held_out']}, {res['tokens']} tokens scored\n"
+          f"perplexity: {res['perplexity']:.4f}  (mean NLL {res['mean_nll']:.4f} nats/token; context {res['context']}, "
+          f"stride {res['stride']}, {res['windows']} windows)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- parser
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value}")
+    return value
+
+
+def _add_attention_options(p: argparse.ArgumentParser, *, required: bool) -> None:
+    from .config import KINDS
+
+    p.add_argument("--kind", required=required, choices=KINDS, metavar="KIND",
+                   help=f"attention kind, one of {', '.join(KINDS)}" + (
+                       "" if required else "; the model is converted to it before evaluating (default: the "
+                                           "checkpoint's own attention)"))
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help=f"a PolyAttnConfig option of the kind, parsed by its type and validated (repeatable; "
+                        f"`{PROG} kinds` lists them), e.g. --set sketch_size=64 --set local_exact=true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import bench
+
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}",
+                        help="print the version of hf_polyattn and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("kinds", help="list the attention kinds with their options, defaults and help",
+                       description=_wrap("Every attention kind with its PolyAttnConfig options: type, default and "
+                                         "help, read from the dataclass fields of hf_polyattn.PolyAttnConfig."),
+                       formatter_class=HelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the same as JSON")
+    p.set_defaults(func=cmd_kinds, _parser=p)
+
+    p = sub.add_parser("convert", help="swap a checkpoint's attention for a polyattn kind and save it",
+                       description=_wrap("Load MODEL, give every attention layer the polyattn kind --kind "
+                                   "(hf_polyattn.convert) and save_pretrained it to --out, with its tokenizer. "
+                                   "Reload it with from_pretrained after `import hf_polyattn`."),
+                       formatter_class=HelpFormatter)
+    p.add_argument("model", metavar="MODEL",
+                   help="checkpoint: a local directory with config.json, a Hub id, or the offline aliases "
+                        "'smollm2' / 'minilm'")
+    _add_attention_options(p, required=True)
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to save the converted model to")
+    p.add_argument("--task", choices=list(TASKS), default="auto", metavar="TASK",
+                   help=f"model head to load, one of {', '.join(TASKS)}; 'auto' = the class in the checkpoint's "
+                        "config.architectures (AutoModel when there is none)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype; 'auto' keeps the checkpoint's")
+    p.add_argument("--overwrite", action="store_true", help="write into --out even when it is not empty")
+    p.set_defaults(func=cmd_convert, _parser=p)
+
+    p = sub.add_parser("eval", help="held-out perplexity of a causal LM on a text file",
+                       description=_wrap("Perplexity = exp(mean token NLL) of causal LM MODEL on the held-out tail of "
+                                   "a text file (the last --eval-fraction of its lines, as in the retrofit "
+                                   "recipes), in windows of --context tokens moved by --stride "
+                                   "(hf_polyattn.training.metrics.perplexity). Prints the number and the "
+                                   "attention the model ran with."),
+                       formatter_class=HelpFormatter)
+    p.add_argument("model", metavar="MODEL",
+                   help="causal LM: a local directory (e.g. written by `hf-polyattn convert`), a Hub id or 'smollm2'")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="a local .txt file (or a Hub dataset id with a text column)")
+    _add_attention_options(p, required=False)
+    p.add_argument("--context", type=int_at_least(2), default=256, help="window length in tokens")
+    p.add_argument("--stride", type=int_at_least(1), default=None,
+                   help="window stride in tokens, at most --context (default: --context)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="windows per forward pass")
+    p.add_argument("--eval-fraction", type=_fraction, default=0.1,
+                   help="held-out tail of the file's lines that is evaluated")
+    p.add_argument("--max-eval-tokens", type=int_at_least(2), default=8192, help="cap on the held-out tokens")
+    p.add_argument("--text-column", default="text", help="column of a Hub dataset that holds the text")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer to use (default: MODEL's)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="'auto' = cuda when available, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype")
+    p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_eval, _parser=p)
+
+    p = sub.add_parser("bench", help="causal attention speed and memory of every kind against SDPA",
+                       description=bench.__doc__, formatter_class=HelpFormatter)
+    bench.add_arguments(p)
+    p.set_defaults(func=cmd_bench, _parser=p)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``hf-polyattn`` with ``argv`` (default: sys.argv[1:]); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: hf-polyattn {bench,kinds} [options]   (hf-polyattn bench --help)"
-    if not argv or argv[0] in {"-h", "--help"}:
-        print(usage)
-        return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "bench":
-        from .bench import main as bench_main
-
-        return bench_main(rest)
-    if cmd == "kinds":
-        from .config import FEATURE_MAPS, KINDS, SKETCHES
-
-        print(f"kinds: {', '.join(KINDS)}\nsketches: {', '.join(SKETCHES)}\nlinear feature maps: "
-              f"{', '.join(FEATURE_MAPS)}")
-        return 0
-    print(f"hf-polyattn: unknown command {cmd!r}\n{usage}", file=sys.stderr)
-    return 2
+    parser = build_parser()
+    args = None
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, with its usage
+            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return int(args.func(args, argv) or 0)
+    except SystemExit as stop:  # argparse: --help / --version (0), usage errors (2)
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except UsageError as err:
+        p = getattr(args, "_parser", parser)
+        p.print_usage(sys.stderr)
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

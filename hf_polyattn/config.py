@@ -7,6 +7,8 @@ integration layer can both import it.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,20 +18,75 @@ FEATURE_MAPS = ("elu", "relu", "taylor")
 LOCAL_KERNELS = ("polynomial", "softmax")
 EXACT_PATHS = ("auto", "quadratic", "tensor")
 CAUSAL_ALGORITHMS = ("block", "cumsum")
+BACKENDS = ("auto", "loop", "batched", "triton")
+
+# Allowed values of every str field and the minimum of every int field: __post_init__
+# validates each field by its annotation, so a new field without an entry here fails loudly.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "kind": KINDS,
+    "sketch": SKETCHES,
+    "feature_map": FEATURE_MAPS,
+    "local_kernel": LOCAL_KERNELS,
+    "exact_path": EXACT_PATHS,
+    "causal_algorithm": CAUSAL_ALGORITHMS,
+    "backend": BACKENDS,
+}
+_INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
+                "window": 0}
 
 
 def _is_power_of_two(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    # bool is an int subclass (True would be degree 1); floats such as 4.0 are refused, not truncated.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
+def _check_float(name: str, value: Any) -> float:
+    # NaN/inf would not fail here or in the kernels: NaN compares False with everything and
+    # silently zeroes (or NaNs) the attention weights downstream.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number (int or float), got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    # A string such as "no" or "false" is truthy: it would switch the option ON.
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def _check_coefficients(name: str, value: Any) -> tuple[float, ...]:
+    # A str is a sequence too: "12" would become (1.0, 2.0).
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list or tuple of finite real numbers a_0..a_D, got {value!r}")
+    coeffs = []
+    for i, c in enumerate(value):
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c):
+            raise ValueError(f"{name} must be a list or tuple of finite real numbers a_0..a_D, got {c!r} at "
+                             f"index {i} of {value!r}")
+        coeffs.append(float(c))
+    return tuple(coeffs)
+
+
+_CHECKS = {
+    "bool": lambda name, value: _check_bool(name, value),
+    "int": lambda name, value: _check_int(name, value, _INT_MINIMUM[name]),
+    "float": _check_float,
+    "str": lambda name, value: _check_choice(name, value, _CHOICES[name]),
+    "tuple[float, ...]": _check_coefficients,
+}
 
 
 @dataclass
@@ -58,9 +115,19 @@ class PolyAttnConfig:
     local_kernel: str | None = field(
         default=None,
         metadata={
-            "help": "kernel of the exact diagonal blocks: 'polynomial' (degree p, the paper's mixed mode; "
-            "default for polysketch) or 'softmax' (LoLCATs-style window; default for linear/performer)"
+            "help": "kernel of the exact local part (local_exact blocks or the sliding window): 'polynomial' "
+            "(degree p; default for polysketch blocks, the paper's mixed mode) or 'softmax' (default otherwise)"
         },
+    )
+    window: int = field(
+        default=0,
+        metadata={
+            "help": "sliding window w: each query attends exactly (local_kernel) to its previous w keys (|i-j| < w "
+            "bidirectional) and through the kernel to all keys before them, one normaliser (LoLCATs); 0 = off"
+        },
+    )
+    window_mix: bool = field(
+        default=False, metadata={"help": "learnable per-head factor on the kernel part of a window (init 1)"}
     )
     block_size: int = field(default=256, metadata={"help": "block size b of the causal LT multiplication"})
     qk_norm: bool = field(default=False, metadata={"help": "learnable per-head LayerNorm on q and k"})
@@ -88,60 +155,82 @@ class PolyAttnConfig:
         default="block", metadata={"help": "'block' (Section 3 of the paper) or 'cumsum' (per token)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the random sketches / features (per layer offset)"})
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "causal product implementation: 'auto' (triton on CUDA when installed, batched on other "
+            "accelerators, loop on CPU), 'loop', 'batched' or 'triton' (forces one); env HF_POLYATTN_BACKEND "
+            "overrides 'auto'"
+        },
+    )
 
     def __post_init__(self) -> None:
-        _check_choice("kind", self.kind, KINDS)
-        _check_int("degree", self.degree, 1)
+        self._check_types()
         if self.kind == "polynomial" and self.poly_coefficients is None and self.degree % 2:
             raise ValueError(f"degree must be even for kind='polynomial' (got {self.degree}): odd powers go negative")
         if self.kind == "polysketch" and (self.degree < 2 or not _is_power_of_two(self.degree)):
             raise ValueError(f"degree must be a power of two >= 2 for kind='polysketch', got {self.degree}")
-        _check_choice("sketch", self.sketch, SKETCHES)
-        _check_int("sketch_size", self.sketch_size, 1)
-        _check_choice("feature_map", self.feature_map, FEATURE_MAPS)
-        _check_int("num_features", self.num_features, 1)
-        _check_int("block_size", self.block_size, 1)
-        _check_int("max_tensor_features", self.max_tensor_features, 1)
-        _check_int("seed", self.seed, 0)
-        _check_choice("exact_path", self.exact_path, EXACT_PATHS)
-        _check_choice("causal_algorithm", self.causal_algorithm, CAUSAL_ALGORITHMS)
-        if not isinstance(self.local_exact, bool):
-            raise ValueError(f"local_exact must be a bool, got {self.local_exact!r}")
-        if self.local_kernel is not None:
-            _check_choice("local_kernel", self.local_kernel, LOCAL_KERNELS)
         if self.local_exact and self.kind == "polynomial":
             raise ValueError("local_exact applies to the linear-time kinds (polysketch, linear, performer); "
                              "kind='polynomial' is exact everywhere already")
         if self.local_exact and self.causal_algorithm == "cumsum":
             raise ValueError("local_exact needs causal_algorithm='block' (the exact part lives in the diagonal blocks)")
+        if self.window:
+            if self.kind == "polynomial":
+                raise ValueError("window applies to the linear-time kinds (polysketch, linear, performer); "
+                                 "kind='polynomial' is exact everywhere already")
+            if self.local_exact:
+                raise ValueError("window and local_exact are two forms of the exact local part (sliding vs "
+                                 "block-diagonal): set one of them")
+            if self.causal_algorithm == "cumsum":
+                raise ValueError("window needs causal_algorithm='block'")
+        if self.window_mix and not self.window:
+            raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
+        if self.local_kernel is not None and not (self.local_exact or self.window):
+            raise ValueError(f"local_kernel={self.local_kernel!r} needs local_exact=True or window > 0 "
+                             "(it is the kernel of the exact local part)")
         if self.kind != "polynomial" and (self.alpha != 0.0 or self.beta != 1.0):
             raise ValueError("alpha and beta shape the exact polynomial kernel ((s q.k + alpha)/beta)^p: "
                              "kind='polynomial' only")
-        if float(self.beta) == 0.0:
-            raise ValueError("beta must be non-zero")
+        if self.beta == 0.0:
+            raise ValueError("beta must be a non-zero finite real number, got 0.0")
         if self.denominator_offset < 0:
-            raise ValueError(f"denominator_offset must be >= 0, got {self.denominator_offset}")
+            raise ValueError(f"denominator_offset must be a finite real number >= 0, got {self.denominator_offset}")
         if self.denominator_offset and (self.kind == "performer" or self.resolved_local_kernel == "softmax"):
             raise ValueError("denominator_offset is not allowed with exp-based weights (performer, softmax local "
                              "blocks): their per-query stabiliser would change its meaning")
         if self.poly_coefficients is not None:
             if self.kind != "polynomial":
                 raise ValueError("poly_coefficients is only for kind='polynomial'")
-            coeffs = tuple(float(c) for c in self.poly_coefficients)
-            if not coeffs or all(c == 0 for c in coeffs):
+            if not self.poly_coefficients or all(c == 0 for c in self.poly_coefficients):
                 raise ValueError("poly_coefficients must hold at least one non-zero coefficient a_0..a_D")
-            self.poly_coefficients = coeffs
         elif self.learn_coefficients:
             raise ValueError("learn_coefficients needs poly_coefficients (the initial a_0..a_D)")
 
+    def _check_types(self) -> None:
+        """Validate (and normalise: ints to int, reals to float, coefficients to a tuple) every field by its
+        annotation, so that no option can be silently misread (``"no"`` as True, NaN as a number)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            annotation = str(f.type)
+            optional = annotation.endswith(" | None")
+            if optional and value is None:
+                continue
+            check = _CHECKS.get(annotation.removesuffix(" | None"))
+            if check is None:  # a field added without validation: a bug of this file, not of the caller
+                raise TypeError(f"PolyAttnConfig.{f.name}: no validation for annotation {annotation!r}")
+            setattr(self, f.name, check(f.name, value))
+
     @property
     def resolved_local_kernel(self) -> str | None:
-        """The diagonal-block kernel actually used, or None without local_exact."""
-        if not self.local_exact:
+        """The kernel of the exact local part actually used (blocks or window), or None without one."""
+        if not (self.local_exact or self.window):
             return None
         if self.local_kernel is not None:
             return self.local_kernel
-        return "polynomial" if self.kind == "polysketch" else "softmax"
+        # blocks: the paper's mixed mode for polysketch; windows: softmax (LoLCATs; the PEERS.md
+        # probe: 62.6 perplexity with a 64-token softmax window vs 95.3 without on SmolLM2)
+        return "polynomial" if self.kind == "polysketch" and self.local_exact else "softmax"
 
     @property
     def is_linear_time(self) -> bool:
@@ -159,10 +248,7 @@ class PolyAttnConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown PolyAttnConfig fields {unknown}; allowed: {sorted(known)}")
-        d = dict(d)
-        if d.get("poly_coefficients") is not None:
-            d["poly_coefficients"] = tuple(d["poly_coefficients"])
-        return cls(**d)
+        return cls(**d)  # __post_init__ turns a JSON list of coefficients into a tuple
 
     def replace(self, **changes: Any) -> PolyAttnConfig:
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,9 @@
-"""What the speed recipes record about the machine they ran on (shared by e2e_speed and paper_tables)."""
+"""What the recipes record about the machine they ran on: the one place that describes it.
+
+``machine()``: the speed recipes' record (e2e_speed, paper_tables); ``basics()``: the keys the training grids store
+in their settings (thesis_reversal, sketch_accuracy); ``describe()``: the one-line form printed above a table
+(benchmark_decode).
+"""
 
 import os
 import platform
@@ -13,8 +18,22 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def cpu_name() -> str:
+    return platform.processor() or platform.machine()
+
+
 def machine(device: str = "cpu") -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    return {"cpu": cpu_name(), "cpus": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if device == "cuda" else False,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "uptime": uptime(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def basics() -> dict:
+    """torch version, architecture and CPU count (the keys the recorded settings have always used)."""
+    return {"torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count()}
+
+
+def describe() -> str:
+    """'<cpu>, <n> CPUs, torch <version>, <threads> threads'."""
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"

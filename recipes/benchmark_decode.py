@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from _cli import parser as recipe_parser
+from _defaults import RESULTS
+from _machine import describe
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_polyattn
 from hf_polyattn import PolyAttnCache, PolyAttnConfig
@@ -46,7 +48,7 @@ class BenchArgs:
     local_exact: bool = field(default=False, metadata={"help": "polysketch with exact local blocks"})
     prefill_chunk: int = field(default=4096, metadata={"help": "prefill in chunks of this many tokens"})
     quick: bool = field(default=False, metadata={"help": "contexts 256 1024, 8 steps: a smoke run"})
-    out: str = field(default="recipes/results/benchmark_decode", metadata={"help": "where the table goes ('' = none)"})
+    out: str = field(default=str(RESULTS / "benchmark_decode"), metadata={"help": "where the table goes ('' = none)"})
 
 
 def build(args: BenchArgs) -> LlamaForCausalLM:
@@ -103,8 +105,7 @@ def main(args: BenchArgs) -> list[dict]:
     poly = build(args)
     hf_polyattn.convert(poly, PolyAttnConfig(kind="polysketch", sketch_size=args.sketch_size,
                                              local_exact=args.local_exact))
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"machine: {describe()}")
     print(f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv heads "
           f"(head_dim {args.hidden // args.heads}); polysketch degree 4, sketch {args.sketch_size}, "
           f"local_exact={args.local_exact}; median of {args.steps} decode steps")
@@ -113,8 +114,7 @@ def main(args: BenchArgs) -> list[dict]:
         res = decode_latency({"sdpa": (softmax, DynamicCache()), "poly": (poly, PolyAttnCache(poly))}, context, args)
         (sdpa_ms, sdpa_b), (poly_ms, poly_b) = res["sdpa"], res["poly"]
         rows.append(dict(context=context, sdpa_ms=sdpa_ms, poly_ms=poly_ms, sdpa_bytes=sdpa_b, poly_bytes=poly_b))
-    lines = [f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-             f"{torch.__version__}, {torch.get_num_threads()} threads; load average before the run: "
+    lines = [f"machine: {describe()}; load average before the run: "
              f"{load_before:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
              f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv "
              f"heads; polysketch degree 4, sketch {args.sketch_size}, local_exact={args.local_exact}; median of "
@@ -141,5 +141,5 @@ def main(args: BenchArgs) -> list[dict]:
 
 
 if __name__ == "__main__":
-    (parsed,) = HfArgumentParser(BenchArgs).parse_args_into_dataclasses()
+    (parsed,) = recipe_parser(BenchArgs).parse_args_into_dataclasses()
     main(parsed)

@@ -3,8 +3,9 @@
     python recipes/build_results.py
 
 Sections come from ``recipes/results/SECTION_*.md`` (each written with its commands, machine
-and date by the run that produced it) and the benchmark tables the benchmark scripts write
-under ``recipes/results/benchmark_*/``.
+and date by the run that produced it; the generated ones by the fill scripts under
+``recipes/experiments/<study>/``) and the benchmark tables the benchmark scripts write
+under ``recipes/results/benchmark_*/``. Works from any working directory.
 """
 
 from __future__ import annotations

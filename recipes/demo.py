@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import HfArgumentParser
+from _cli import parser as recipe_parser
+from _defaults import TINY_SHAKESPEARE
 
 from hf_polyattn.training.compare import compare_runs, table_markdown, write_table
 from hf_polyattn.training.pipeline import RetrofitArgs, run
@@ -27,7 +28,7 @@ from hf_polyattn.training.pipeline import RetrofitArgs, run
 @dataclass
 class DemoArgs:
     model: str = field(default="smollm2", metadata={"help": "'smollm2' (offline package) or a Hub id / local dir"})
-    data: str = field(default="../shared/data/tinyshakespeare_train.txt", metadata={"help": "text file or Hub id"})
+    data: str = field(default=TINY_SHAKESPEARE, metadata={"help": "text file or Hub id"})
     transfer_steps: int = field(default=60, metadata={"help": "attention-transfer steps (4 x 256 tokens each)"})
     eval_tokens: int = field(default=2048, metadata={"help": "held-out tokens evaluated (context 256, stride 256)"})
     output_dir: str = field(default="runs/demo", metadata={"help": "where the two runs and the table go"})
@@ -57,5 +58,5 @@ def main(d: DemoArgs) -> None:
 
 
 if __name__ == "__main__":
-    (args,) = HfArgumentParser(DemoArgs).parse_args_into_dataclasses()
+    (args,) = recipe_parser(DemoArgs).parse_args_into_dataclasses()
     main(args)

@@ -10,8 +10,8 @@
 import sys
 from dataclasses import dataclass, field
 
+from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
-from transformers import HfArgumentParser
 
 from hf_polyattn.training.compare import compare_runs, table_markdown, write_table
 from hf_polyattn.training.pipeline import RetrofitArgs, run
@@ -25,14 +25,13 @@ class CompareArgs:
 
 if __name__ == "__main__":
     if "--runs" in sys.argv:
-        (cargs,) = HfArgumentParser(CompareArgs).parse_args_into_dataclasses()
+        (cargs,) = recipe_parser(CompareArgs).parse_args_into_dataclasses()
         table = compare_runs(cargs.runs)
         j, md = write_table(table, cargs.output)
         print(table_markdown(table))
         print(f"wrote {j} and {md}")
     else:
-        parser = HfArgumentParser(RetrofitArgs)
-        parser.set_defaults(data=TINY_SHAKESPEARE)
+        parser = recipe_parser(RetrofitArgs, data=TINY_SHAKESPEARE)
         (args,) = parser.parse_args_into_dataclasses()
         args.transfer_steps = args.finetune_steps = 0
         args.eval_before = True

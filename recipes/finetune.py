@@ -11,14 +11,13 @@
         --data ../shared/data/sst2_train.tsv --attention softmax --lora --finetune_steps 200 --output_dir runs/sst2
 """
 
+from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
-from transformers import HfArgumentParser
 
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 if __name__ == "__main__":
-    parser = HfArgumentParser(RetrofitArgs)
-    parser.set_defaults(data=TINY_SHAKESPEARE)
+    parser = recipe_parser(RetrofitArgs, data=TINY_SHAKESPEARE)
     (args,) = parser.parse_args_into_dataclasses()
     if args.finetune_steps <= 0:
         raise SystemExit("recipes/finetune.py: set --finetune_steps N (> 0)")

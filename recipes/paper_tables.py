@@ -49,18 +49,12 @@ from hf_polyattn import PolyAttnConfig  # noqa: E402
 from hf_polyattn.training.data import lm_batch, load_text_data  # noqa: E402
 from hf_polyattn.training.loop import LoopConfig, fingerprint_of, train_loop  # noqa: E402
 from hf_polyattn.training.metrics import perplexity  # noqa: E402
+from recipes._defaults import RESULTS, TINY_SHAKESPEARE  # noqa: E402
+from recipes._kinds import PAPER_KINDS as KINDS  # noqa: E402
+from recipes._kinds import PAPER_LABELS as LABELS  # noqa: E402
 from recipes._machine import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ["softmax", "polynomial", "polysketch_random", "polysketch_learned", "polysketch_local", "performer"]
-LABELS = {
-    "softmax": "Softmax (sdpa)",
-    "polynomial": "Polynomial p=4 (exact)",
-    "polysketch_random": "Polysketch (random)",
-    "polysketch_learned": "Polysketch (learned)",
-    "polysketch_local": "Polysketch (learned + local exact)",
-    "performer": "Performer",
-}
 SKIP_TIMING_STEPS = 5
 
 
@@ -237,7 +231,7 @@ def plot(results: list[dict], kinds: list[str], contexts: list[int], path: Path)
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(ROOT.parent / "shared/data/tinyshakespeare_train.txt"))
+    p.add_argument("--data", default=TINY_SHAKESPEARE, help="text file (default: %(default)s)")
     p.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     p.add_argument("--steps", type=int, default=300)
@@ -253,7 +247,7 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--save_every", type=int, default=100)
-    p.add_argument("--out", default=str(ROOT / "recipes/results/paper_tables"))
+    p.add_argument("--out", default=str(RESULTS / "paper_tables"))
     p.add_argument("--runs_dir", default=None, help="checkpoints (default: runs/paper_tables, or OUT/runs if --quick)")
     p.add_argument("--quick", action="store_true", help="tiny grid: contexts 64 128, 30 steps, small eval")
     args = p.parse_args(argv)

@@ -8,13 +8,12 @@ evaluation after each stage -> a Hub-ready folder in OUTPUT_DIR/model. See recip
         --transfer_steps 60 --finetune_steps 40 --output_dir runs/smollm2-polysketch
 """
 
+from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
-from transformers import HfArgumentParser
 
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 if __name__ == "__main__":
-    parser = HfArgumentParser(RetrofitArgs)
-    parser.set_defaults(data=TINY_SHAKESPEARE)
+    parser = recipe_parser(RetrofitArgs, data=TINY_SHAKESPEARE)
     (args,) = parser.parse_args_into_dataclasses()
     run(args)

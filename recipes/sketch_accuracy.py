@@ -12,7 +12,7 @@ seeds with a 95% confidence interval (Student t over seeds).
 Data:
   random    n = 512 independent random unit vectors q and k in R^64 (one "head")
   minilm_L  queries/keys of layer L of all-MiniLM-L6-v2 (BertModel, 12 heads x 32) on the first
-            sentences of SST-2 (/work/shared/data/sst2_train.tsv), captured with forward hooks on the
+            sentences of SST-2 (../shared/data/sst2_train.tsv), captured with forward hooks on the
             query/key Linear layers. Attention is per sentence, so the error is taken over the
             per-sentence score blocks of every sentence (padding excluded), per head:
             sqrt(sum_s ||E_s||^2) / sqrt(sum_s ||A_s||^2); the table reports the mean over heads.
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -48,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_polyattn.config import PolyAttnConfig  # noqa: E402
 from hf_polyattn.ops import PolyAttention  # noqa: E402
+from recipes import _defaults  # noqa: E402
+from recipes._machine import basics  # noqa: E402
 
-SST2 = Path("/work/shared/data/sst2_train.tsv")
+SST2 = Path(_defaults.SST2)
 # two-sided 95% Student-t quantiles t_{0.975, df}
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
@@ -391,7 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--transferred_layers", "--transferred-layers", type=int, nargs="+", default=[0, 3])
     ap.add_argument("--transferred-only", action="store_true",
                     help="measure only --transferred and add the rows to an existing results.json in --out")
-    ap.add_argument("--out", default="recipes/results/sketch_accuracy")
+    ap.add_argument("--out", default=str(_defaults.RESULTS / "sketch_accuracy"))
     ap.add_argument("--quick", action="store_true", help="tiny run (tests): r 8 64, p 4, 4 seeds, n 128")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tables-only", action="store_true", help="rewrite table.md and the plot from results.json")
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     res = run(args)
-    res["settings"] = {**vars(args), "torch": torch.__version__, "machine": platform.machine(),
+    res["settings"] = {**vars(args), **basics(),
                        "seconds": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     (out / "results.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_polyattn.config import PolyAttnConfig  # noqa: E402
 from hf_polyattn.ops import PolyAttention  # noqa: E402
+from recipes._defaults import RESULTS  # noqa: E402
+from recipes._kinds import THESIS_KINDS, THESIS_LABELS, THESIS_LEARNED, THESIS_SINGLE, THESIS_SQUARED  # noqa: E402
+from recipes._machine import basics  # noqa: E402
 
 VOCAB = 10
 SEQ_LEN = 50
@@ -48,10 +49,8 @@ D_MODEL = 32
 D_FF = 128  # not stated in the thesis: 4 * d_e (BERT's ratio)
 D_FINAL = 32  # d_f of the final projection, not stated: d_e
 
-SINGLE = ["softmax", "elu", "x2", "x4", "x8"]
-SQUARED = [f"sq{d}" for d in range(1, 7)]
-LEARNED = [f"learned{d}" for d in range(1, 7)]
-ALL_KINDS = SINGLE + SQUARED + LEARNED
+SINGLE, SQUARED, LEARNED, ALL_KINDS = THESIS_SINGLE, THESIS_SQUARED, THESIS_LEARNED, THESIS_KINDS
+LABELS = THESIS_LABELS
 GROUPS = {
     "single_softmax_elu": ("Single-term polynomials, softmax, elu+1", SINGLE),
     "squared": ("Squared polynomials (1 + x + ... + x^d)^2", SQUARED),
@@ -72,12 +71,6 @@ THESIS_SECTION_5_4 = [0.00000477, 0.11890406, 0.04012463, 0.09217419, 0.00000410
 
 CHANCE_PER_POSITION = math.log(VOCAB) / SEQ_LEN  # loss of one output position at chance, averaged over 50
 SOLVED = 1e-3  # final loss below which a run counts as solved: 1/46 of one position left at chance
-
-LABELS = {
-    "softmax": "softmax", "elu": "elu+1 (linear)", "x2": "x^2", "x4": "x^4", "x8": "x^8",
-    **{f"sq{d}": "(" + " + ".join(["1", "x"] + [f"x^{i}" for i in range(2, d + 1)]) + ")^2" for d in range(1, 7)},
-    **{f"learned{d}": f"learned, degree {d}" for d in range(1, 7)},
-}
 
 
 def attention_config(kind: str, args) -> PolyAttnConfig | None:
@@ -145,7 +138,7 @@ def run_one(kind: str, seed: int, args) -> dict:
     data_gen = torch.Generator().manual_seed(20_000 + seed)  # same batches for every attention of a seed
     model = ReversalModel(kind, args, init_gen)
     # --compile: inductor fuses the polynomial kernels' chains of small elementwise ops (2-core CPU, 1 thread:
-    # (1+x+..+x^6)^2 37.3 -> 28.0 ms/it, x^8 33.7 -> 27.6, softmax 25.6 -> 26.4; results/thesis_reversal_10k/
+    # (1+x+..+x^6)^2 37.3 -> 28.0 ms/it, x^8 33.7 -> 27.6, softmax 25.6 -> 26.4; results/thesis_reversal/
     # compile_check); same model, same parameters.
     if args.compile:
         # A fresh compilation per run: dynamo guards the forward on self.kind, and after 8 attentions in one
@@ -349,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (0 with --quick)")
     p.add_argument("--kinds", nargs="+", default=None, choices=ALL_KINDS,
                    help="default: all 17 (softmax x4 learned2 with --quick)")
-    p.add_argument("--out", default="recipes/results/thesis_reversal_10k")
+    p.add_argument("--out", default=str(RESULTS / "thesis_reversal"))
     p.add_argument("--quick", action="store_true", help="tiny run for tests: softmax + x4 + learned2, 1 seed")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3, help="not stated in the thesis")
@@ -389,8 +382,7 @@ def main(argv=None) -> int:
 
     settings = {k: v for k, v in vars(args).items() if k != "merge"}
     settings.update(d_model=D_MODEL, d_ff=D_FF, d_final=D_FINAL, seq_len=SEQ_LEN, vocab=VOCAB, heads=1,
-                    layers=1, optimizer="AdamW", torch=torch.__version__, machine=platform.machine(),
-                    cpu_count=os.cpu_count())
+                    layers=1, optimizer="AdamW", **basics())
     results = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     for seed in args.seeds:  # seed-major: a run stopped early still has whole seeds for every attention

@@ -5,13 +5,12 @@
         --transfer_steps 100 --finetune_steps 100 --output_dir runs/gpt2-polysketch
 """
 
+from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
-from transformers import HfArgumentParser
 
 from hf_polyattn.training.scratch import ScratchArgs, train_gpt2
 
 if __name__ == "__main__":
-    parser = HfArgumentParser(ScratchArgs)
-    parser.set_defaults(data=TINY_SHAKESPEARE)
+    parser = recipe_parser(ScratchArgs, data=TINY_SHAKESPEARE)
     (args,) = parser.parse_args_into_dataclasses()
     train_gpt2(args)

@@ -6,14 +6,13 @@
 The result folder OUTPUT_DIR/model can then be fine-tuned with recipes/finetune.py --model OUTPUT_DIR/model.
 """
 
+from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
-from transformers import HfArgumentParser
 
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 if __name__ == "__main__":
-    parser = HfArgumentParser(RetrofitArgs)
-    parser.set_defaults(data=TINY_SHAKESPEARE)
+    parser = recipe_parser(RetrofitArgs, data=TINY_SHAKESPEARE)
     (args,) = parser.parse_args_into_dataclasses()
     if args.transfer_steps <= 0:
         raise SystemExit("recipes/transfer.py: set --transfer_steps N (> 0)")

@@ -1,7 +1,15 @@
 """Shared test setup: a fixed seed for every test and two threads (the CI machine's cores)."""
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. It must be on before anything in
+# the process imports triton (transformers' from_pretrained does, through torch): a later switch
+# leaves triton half in compiled mode ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,12 @@
 """The attention benchmark runs end to end on a tiny grid and writes its table, JSON and plot."""
 
+import importlib.util
 import json
 
+import pytest
+import torch
+
+from hf_polyattn import bench
 from hf_polyattn.bench import main, polysketch_flops
 from hf_polyattn.cli import main as cli_main
 
@@ -28,11 +33,12 @@ def test_cli(capsys):
     assert cli_main(["nope"]) == 2
 
 
-def test_decode_benchmark_small(tmp_path):
-    import importlib.util
+def test_decode_benchmark_small(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    monkeypatch.syspath_prepend(str(recipes))  # the recipes import their siblings (_defaults, _machine, ...)
     spec = importlib.util.spec_from_file_location(
         "benchmark_decode", Path(__file__).resolve().parents[1] / "recipes" / "benchmark_decode.py")
     mod = importlib.util.module_from_spec(spec)
@@ -45,3 +51,100 @@ def test_decode_benchmark_small(tmp_path):
     # the recurrent cache does not grow with the context; the KV cache does
     assert rows[0]["poly_bytes"] == rows[1]["poly_bytes"] and rows[1]["sdpa_bytes"] > rows[0]["sdpa_bytes"]
     assert (tmp_path / "cpu-1threads.md").exists()
+
+
+# ----------------------------------------------------------------------------------------------- GPU defaults
+
+
+def _resolved(argv):
+    return bench.resolve(bench.build_parser().parse_args(argv))
+
+
+def test_cuda_defaults():
+    args = _resolved(["--device", "cuda"])
+    assert (args.dtype, args.heads, args.head_dim) == ("bf16", 16, 64)
+    assert args.lengths == [2**k for k in range(11, 18)]  # 2k .. 128k
+    assert args.kinds[0] == "sdpa" and set(args.kinds) == {*bench.KINDS, "fla-linear-elu"}
+    assert bench.output_tag(args) == "cuda-bf16" and args.out == bench.DEFAULT_OUT
+    assert args.repeats > 1  # best of N
+    cells = bench.plan(args)
+    assert ("polysketch-local", 131072) in [(k, n) for n, k in cells]
+    assert max(n for n, k in cells if k == "polynomial-exact") == bench.MAX_LEN["polynomial-exact"]
+
+
+def test_cpu_defaults_unchanged():
+    args = _resolved([])
+    assert (args.dtype, args.heads, args.head_dim, args.repeats, args.threads) == ("fp32", 4, 64, 3, 2)
+    assert args.lengths == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert args.kinds == list(bench.KINDS)  # no fla row on CPU
+    assert bench.output_tag(args) == "cpu-fp32"
+    quick = _resolved(["--quick"])
+    assert quick.lengths == [1024, 2048] and quick.repeats == 1
+
+
+def test_cuda_without_gpu_is_a_usage_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit) as stop:
+        main(["--device", "cuda", "--out", "/nonexistent/never-written"])
+    assert stop.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_worker_records_oom(monkeypatch):
+    import argparse
+
+    args = argparse.Namespace(threads=1, device="cpu", dtype="fp32", heads=2, head_dim=8, repeats=1)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", oom)
+    row = bench.worker("sdpa", 64, args)
+    assert row["oom"] and "seconds" not in row and "Tried to allocate" in row["error"]
+
+    def broken(*a, **k):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # only OOM becomes a row
+        bench.worker("sdpa", 64, args)
+
+
+def test_grid_goes_on_after_oom_and_writes_the_cuda_files(tmp_path):
+    """The GPU output path without a GPU: cells come from a stand-in, the table, JSON and plot are real."""
+    args = _resolved(["--device", "cuda", "--lengths", "2048", "4096", "8192",
+                      "--kinds", "polysketch", "performer", "fla-linear-elu", "--out", str(tmp_path)])
+    ms = {"sdpa": 10.0, "polysketch": 4.0, "performer": 8.0}  # stand-in times, in ms
+    calls = []
+
+    def cell(kind, n, a):
+        calls.append((kind, n))
+        if kind == "fla-linear-elu":
+            return bench.run_cell(kind, n, a)  # the real guard: no fla here, no subprocess
+        if kind == "performer" and n == 4096:
+            return {"kind": kind, "n": n, "oom": True, "error": "OOM: CUDA out of memory"}
+        return {"kind": kind, "n": n, "seconds": ms[kind] * n / 2048 / 1e3, "peak_bytes": {"sdpa": 2, "polysketch": 1,
+                                                                                         "performer": 4}[kind] * 2**20}
+
+    rows = bench.run_grid(args, cell=cell, progress=False)
+    assert ("performer", 8192) not in calls  # not run after its OOM at 4096 ...
+    assert ("sdpa", 8192) in calls and ("polysketch", 8192) in calls  # ... while the others go on
+    by = {(r["kind"], r["n"]): r for r in rows}
+    assert by[("polysketch", 4096)]["sdpa_over_kind"] == pytest.approx(10.0 / 4.0)
+    assert by[("performer", 2048)]["memory_over_sdpa"] == 2.0
+    assert by[("polysketch", 2048)]["ms"] == pytest.approx(4.0)
+    assert by[("performer", 8192)]["oom"] and "OOM at n=4096" in by[("performer", 8192)]["error"]
+    info = {"gpu": "(no GPU: test stand-in)", "torch": "x", "cuda": "y"}
+    bench.write_outputs(rows, args, where="test stand-in, no GPU", info=info, gflops_mm=1.0, command="test")
+    md = (tmp_path / "cuda-bf16.md").read_text()
+    assert "| kind | n | time (ms) | SDPA time / time | peak memory (MiB) | memory / SDPA memory |" in md
+    assert "| polysketch | 4096 | 8.00 | 2.50x | 1 | 0.50 |" in md
+    assert "| performer | 4096 | OOM | | | |" in md
+    assert "| performer | 8192 | OOM (not run: OOM at n=4096) | | | |" in md
+    if importlib.util.find_spec("fla") is None:
+        assert "| fla-linear-elu | 2048 | not installed (pip install fla-core) | | | |" in md
+    data = json.loads((tmp_path / "cuda-bf16.json").read_text())
+    assert data["machine_info"] == info and data["settings"]["heads"] == 16 and data["settings"]["dtype"] == "bf16"
+    assert {r["kind"] for r in data["rows"]} == {"sdpa", "polysketch", "performer", "fla-linear-elu"}
+    assert (tmp_path / "cuda-bf16.png").stat().st_size > 1000
+    assert not (tmp_path / "cpu-fp32.md").exists()

@@ -8,8 +8,8 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 from .cache import PolyAttnCache, PolyAttnCacheLayer
 from .convert import convert, get_polyattn_config
 from .hub import write_model_card
-from .modules import HFPolyAttention
 from .registry import register_all
+from .state import HFPolyAttention
 
 register_all()
 

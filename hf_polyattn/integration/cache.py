@@ -11,7 +11,7 @@ keeps every key: exact polynomial attention has no constant-size state.
 Protocol with transformers 5.x: the attention module calls
 ``past_key_values.update(k, v, layer_idx)`` *before* the attention function. Our layer's
 ``update`` returns the new keys/values unchanged (nothing is stored there); the attention
-function, which finds the layer through a forward pre-hook (``modules.py``), runs the
+function, which finds the layer through a forward pre-hook (``state.py``), runs the
 recurrent step and writes the new state back into ``layer.state``.
 """
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
 from transformers.modeling_utils import PreTrainedModel
 
 from ..config import KINDS, PolyAttnConfig
-from . import modules
+from .compatibility import check_attention_module, check_model_options, find_attention_modules, mark_checked
+from .model_methods import prepare_model_instance
+from .settings import check_supported_config, persist_settings
+from .state import attach_polyattn, get_polyattn_config, sync_config
 
 __all__ = ["convert", "get_polyattn_config"]
 
@@ -49,8 +51,11 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
 
     Each attention module gets a fresh ``polyattn`` submodule initialised from
     ``config.seed`` and its layer index, on the device and dtype of the module's weights.
-    Converting again replaces them. Raises ``TypeError``/``ValueError`` for a model that is
-    not a transformers model, bypasses the attention interface, or uses sliding windows.
+    Converting again replaces them. Raises ``TypeError``/``ValueError`` (before changing
+    anything) for a model that is not a transformers model, bypasses the attention
+    interface, uses sliding windows or logit soft-capping, passes its attention function an
+    argument the kernels cannot honour (T5's ``position_bias``, attention sinks, ...), or has
+    cross-attention with ``local_exact=True``.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"convert() needs a transformers PreTrainedModel, got {type(model).__name__}")
@@ -62,40 +67,33 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
             "attention calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, BERT, RoBERTa, "
             "DistilBERT, ...)."
         )
-    found = modules.find_attention_modules(model)
+    found = find_attention_modules(model)
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no attention module that calls ALL_ATTENTION_FUNCTIONS.get_interface: "
             "nothing for hf_polyattn to replace"
         )
-    configs = {id(mod.config): mod.config for _, mod, _ in found}
+    owner = type(model).__name__
+    configs = {id(c): c for c in [model.config, *(mod.config for _, mod, _ in found)]}
     for c in configs.values():
-        modules.check_supported_config(c)
+        check_supported_config(c)
+    check_model_options(list(configs.values()), cfg, owner)
+    for _, mod, _ in found:
+        check_attention_module(mod, cfg, owner)
     for _, mod, idx in found:
         ref = next((p for p in mod.parameters() if p.is_floating_point()), None)
         device = ref.device if ref is not None else None
         dtype = ref.dtype if ref is not None else None
         old = mod._modules.pop("polyattn", None)  # replace, do not nest
         del old
-        modules.attach_polyattn(mod, cfg, idx, device=device or "cpu", dtype=dtype)
+        attach_polyattn(mod, cfg, idx, device=device or "cpu", dtype=dtype)
+        mark_checked(mod, owner)
     # set_attn_implementation validates the name against the registry and recurses into sub-configs.
     model.set_attn_implementation(cfg.kind)
-    for c in [model.config, *configs.values()]:
-        modules.persist_settings(c, cfg)
+    for c in configs.values():
+        persist_settings(c, cfg)
     for sub in model.modules():
         if isinstance(sub, PreTrainedModel):
-            modules.prepare_model_instance(sub)
-    modules.sync_config(model)
+            prepare_model_instance(sub)
+    sync_config(model)
     return model
-
-
-def get_polyattn_config(model_or_config) -> PolyAttnConfig | None:
-    """The PolyAttnConfig in use by a model (or stored in a transformers config), else None."""
-    if isinstance(model_or_config, nn.Module):
-        for m in model_or_config.modules():
-            if isinstance(m, modules.HFPolyAttention):
-                return m.config
-        model_or_config = getattr(model_or_config, "config", None)
-    if model_or_config is None:
-        return None
-    return modules.resolve_polyattn_config(model_or_config)

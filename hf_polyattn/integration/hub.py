@@ -19,7 +19,6 @@ README.md with its generic card after saving, hence the per-instance override.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -28,23 +27,18 @@ from typing import Any
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from torch import nn
 
+from .settings import BASE_MODEL_KEY, hub_model_id
+from .state import HFPolyAttention, get_polyattn_config, sync_config
+
 __all__ = ["hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained", "write_model_card"]
 
 _START, _END = "<!-- hf_polyattn:start -->", "<!-- hf_polyattn:end -->"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _KIND_TITLES = {
     "polynomial": "polynomial attention ((q.k)^p, PolySketchFormer, arXiv:2310.01655)",
     "polysketch": "PolySketch attention (sketched polynomial kernel in linear time, arXiv:2310.01655)",
     "linear": "linear attention (Katharopoulos et al., arXiv:2006.16236)",
     "performer": "Performer FAVOR+ attention (Choromanski et al., arXiv:2009.14794)",
 }
-
-
-def hub_model_id(name: str | None) -> str | None:
-    """``name`` if it looks like a Hub repo id (``org/model``) rather than a local path."""
-    if not name or not isinstance(name, str) or os.path.isdir(name) or not _HUB_ID.match(name):
-        return None
-    return name
 
 
 def template_path() -> str:
@@ -86,6 +80,8 @@ def _auto_class(architectures: list[str]) -> str:
 def _memory_note(cfg) -> str:
     if cfg.kind != "polynomial":
         extra = f" plus the keys of the current {cfg.block_size}-token block" if cfg.local_exact else ""
+        if cfg.window:
+            extra = f" plus the last {cfg.window} keys and values (the exact sliding window)"
         return ("Generation keeps a constant-size recurrent state per layer" + extra
                 + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by `generate()`).")
     return ("Exact polynomial attention: generation keeps tensor-power features (constant size) when they are "
@@ -108,9 +104,6 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         base_model: Hub id of the base checkpoint; default: recorded at conversion/loading.
         model_name, repo_id: names shown in the card (default: the folder name).
     """
-    from .convert import get_polyattn_config
-    from .modules import BASE_MODEL_KEY
-
     config = model.config if isinstance(model, nn.Module) else model
     cfg = get_polyattn_config(model)
     if cfg is None:
@@ -177,8 +170,6 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
 
 # ----------------------------------------------------------- per-instance overrides
 def _check_all_ready(model) -> None:
-    from .modules import HFPolyAttention
-
     for m in model.modules():
         if isinstance(m, HFPolyAttention):
             m.check_ready()
@@ -186,8 +177,6 @@ def _check_all_ready(model) -> None:
 
 def _save_checkpoint(model, save_directory, *args, **kwargs):
     """The stock save_pretrained, after making config.json carry the attention settings."""
-    from .modules import sync_config
-
     sync_config(model)
     _check_all_ready(model)
     return type(model).save_pretrained(model, save_directory, *args, **kwargs)

@@ -20,7 +20,9 @@ from transformers.masking_utils import AttentionMaskInterface, bidirectional_mas
 from transformers.modeling_utils import AttentionInterface
 
 from ..config import KINDS
-from . import modules
+from .compatibility import OUTPUT_ATTENTIONS_ERROR, check_call_kwargs, local_exact_cross_call_error, local_option
+from .construction import install_construction_hook
+from .state import HFPolyAttention
 
 __all__ = ["ATTENTION_FUNCTIONS", "polyattn_mask", "register_all"]
 
@@ -112,7 +114,7 @@ def _key_padding_mask(attention_mask, kv_len: int):
 def _make_attention_function(kind: str) -> Callable:
     def polyattn_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
         pa = getattr(module, "polyattn", None)
-        if not isinstance(pa, modules.HFPolyAttention):
+        if not isinstance(pa, HFPolyAttention):
             raise ValueError(
                 f"{type(module).__name__} has no polyattn state for attn_implementation={kind!r}. Load the model "
                 f"with from_pretrained(..., attn_implementation={kind!r}) or call hf_polyattn.convert(model, "
@@ -126,8 +128,7 @@ def _make_attention_function(kind: str) -> Callable:
             )
         pa.check_ready()
         if kwargs.get("output_attentions"):
-            raise ValueError("output_attentions=True is not supported by hf_polyattn attention: the linear-time "
-                             "kernels never form the attention matrix. Use attn_implementation='eager' for that.")
+            raise ValueError(OUTPUT_ATTENTIONS_ERROR)
         if kwargs.get("sliding_window") is not None:
             raise ValueError(f"sliding_window={kwargs['sliding_window']} is not supported by hf_polyattn attention; "
                              "set config.sliding_window=None to use global attention")
@@ -135,6 +136,9 @@ def _make_attention_function(kind: str) -> Callable:
             raise ValueError(_describe_mask_function("packed_sequence"))
         if dropout:
             raise ValueError(f"dropout={dropout} in training mode: {_dropout_hint(module)}")
+        check_call_kwargs(module, kwargs)  # a bias, softcap, sinks, ...: refused, never dropped
+        if local_option(pa.config) and getattr(module, "_polyattn_cross_call", False):
+            raise local_exact_cross_call_error(module, pa.config)
         causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
         mask = _key_padding_mask(attention_mask, key.shape[2])
         layer = getattr(module, "_polyattn_cache_layer", None) if causal else None
@@ -142,11 +146,11 @@ def _make_attention_function(kind: str) -> Callable:
             state = layer.state if layer.state is not None else pa.init_state()
             out, layer.state = pa(query, key, value, causal=True, scaling=scaling, key_padding_mask=mask, state=state)
         else:
-            if not causal and pa.config.local_exact and query.shape[2] != key.shape[2]:
+            if not causal and local_option(pa.config) and query.shape[2] != key.shape[2]:
                 raise ValueError(
-                    f"{type(module).__name__}: cross-attention (q_len {query.shape[2]} != kv_len {key.shape[2]}) "
-                    "with local_exact=True is not supported (exact diagonal blocks need aligned queries and keys); "
-                    "use local_exact=False for models with cross-attention"
+                    f"{type(module).__name__}: bidirectional attention with q_len {query.shape[2]} != kv_len "
+                    f"{key.shape[2]} and {local_option(pa.config)} is not supported (the exact local part needs "
+                    "aligned queries and keys)"
                 )
             out = pa(query, key, value, causal=causal, scaling=scaling, key_padding_mask=mask)
         # transformers reshapes the output blindly: (B, Lq, H, D) is the required layout.
@@ -166,5 +170,5 @@ def register_all() -> None:
     for kind, fn in ATTENTION_FUNCTIONS.items():
         AttentionInterface.register(kind, fn)
         AttentionMaskInterface.register(kind, polyattn_mask)
-    modules.install_construction_hook()
+    install_construction_hook()
     _REGISTERED = True

@@ -28,18 +28,26 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import PolyAttnConfig
-from .causal import lt_multiply, lt_multiply_cumsum
+from .backend import lt_product
+from .causal import lt_multiply_cumsum
 from .feature_maps import (
     FEATURE_MAPS,
     FeatureMap,
     PolynomialFeatureMap,
 )
 from .sketches import symmetric_square
+from .window import shifted_lt, window_scores, window_tiles
 
 __all__ = ["HeadLayerNorm", "PolyAttention", "RecurrentState", "layer_seed"]
 
 _QUADRATIC_CHUNK = 1024  # query rows per rematerialised chunk of the quadratic path
-_LOCAL_GROUP = 8  # diagonal blocks per rematerialised group of the exact local part
+# Diagonal blocks per rematerialised group of the exact local part. CPU: 8 (measured, see
+# _local_exact). Accelerators: 64, so 32k tokens at b=256 take 2 groups (~40 launches each way)
+# instead of 16; a group's transient scores are 64 b^2 floats per head (16 MiB at b=256).
+# Chosen to cut launches, not yet measured on a GPU (recipes/results/PENDING.md).
+_LOCAL_GROUP = {"cpu": 8}
+_LOCAL_GROUP_ACCELERATOR = 64
+_TENSOR_CHUNK_ELEMENTS = 2**20  # feature elements per row of heads in one chunk of the exact tensor path
 
 
 def layer_seed(seed: int, layer_idx: int) -> int:
@@ -171,6 +179,9 @@ class PolyAttention(nn.Module):
                 self.coefficients = nn.Parameter(coeffs)
             else:
                 self.register_buffer("coefficients", coeffs)
+        if config.window_mix:
+            # LoLCATs' per-head factor on the far part (init 1 = today's plain sum)
+            self.window_mix = nn.Parameter(torch.ones(num_kv_heads, self.groups, 1, 1))
         kind = config.kind
         fm: FeatureMap
         if kind == "polynomial":
@@ -196,7 +207,9 @@ class PolyAttention(nn.Module):
             if m is not self and hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         if self.config.poly_coefficients is not None:
-            self.coefficients.copy_(torch.tensor(self.config.poly_coefficients))
+            self.coefficients.copy_(torch.tensor(self.config.poly_coefficients, dtype=torch.float64, device="cpu"))
+        if self.config.window_mix:
+            self.window_mix.fill_(1.0)
 
     def extra_repr(self) -> str:
         return (f"kind={self.config.kind}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
@@ -315,17 +328,28 @@ class PolyAttention(nn.Module):
 
         if self.config.qk_norm:
             q5, k5 = self.q_norm(q5), self.k_norm(k5)
+        if path == "tensor" and work == torch.float32:
+            # Exact tensor-power features cancel: (q.k)^p is a sum of C(d+p-1, p) products of
+            # mixed sign, each up to (|q||k|)^p. In float32 that lost 1.2e-4 against a float64
+            # reference where the quadratic path loses 6.5e-7, enough to change greedy tokens
+            # between cache (this path) and no cache (quadratic). F <= max_tensor_features
+            # bounds the float64 cost; the state is float64 too.
+            q5, k5, v5 = q5.double(), k5.double(), v5.double()
         if state is not None and lq == 1 and path != "quadratic":
             out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value)
             return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), new_state
+        fk = vext = kv_end = None
         if path == "quadratic":
             out = self._quadratic(q5, k5, v5, mask, causal, scale)
-            fk = vext = None
+        elif path == "tensor":
+            out, kv_end = self._tensor(q5, k5, v5, mask, causal, scale, kv0)
         else:
             out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0)
         out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
         if state is None:
             return out
+        if path == "tensor":
+            return out, RecurrentState(kv_end, None, None, None, state.length + lk)
         return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path)
 
     def _decode_step(self, q5, k5, v5, mask, scale, state, key, value):
@@ -348,6 +372,8 @@ class PolyAttention(nn.Module):
             fq = self.feature_map(q_in, True)
         local = cfg.resolved_local_kernel
         total = state.length + 1
+        if cfg.window:
+            return self._decode_window(q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total)
         if local is None:
             kv = torch.matmul(self.feature_map(k_in, False).transpose(-1, -2), vext)
             kv = kv if state.kv is None else state.kv + kv
@@ -371,7 +397,7 @@ class PolyAttention(nn.Module):
                 w = w.masked_fill(~allowed, 0.0)
             num = torch.matmul(w, vext)
             if far is not None:
-                num = num + far
+                num = num + (far if q_log_scale is None else torch.exp(q_log_scale) * far)
         if total % cfg.block_size == 0:  # the block is complete: fold it into the state
             kv = torch.matmul(self.feature_map(k_in, False).transpose(-1, -2), vext)
             kv = kv if state.kv is None else state.kv + kv
@@ -379,6 +405,47 @@ class PolyAttention(nn.Module):
         raw_k = key if state.k is None else torch.cat([state.k, key], dim=2)
         raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
         return self._normalise(num), RecurrentState(state.kv, raw_k, raw_v, mask, total)
+
+    def _decode_window(self, q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total):
+        """One token with a sliding window: fold the key that leaves the window, exact on the rest.
+
+        The state keeps the last ``window`` raw keys/values (constant size) and the kernel
+        state of every key before them.
+        """
+        w = self.config.window
+        fold = max(0, k5.shape[3] - w)  # 0 or 1: the key now w positions behind the query
+        kv = state.kv
+        if fold:
+            add = torch.matmul(self.feature_map(k_in[..., :fold, :], False).transpose(-1, -2), vext[..., :fold, :])
+            kv = add if kv is None else kv + add
+        kw, vw = k5[..., fold:, :], vext[..., fold:, :]
+        x = torch.matmul(q5 * scale, kw.transpose(-1, -2))  # (B, Hkv, G, 1, <= w)
+        allowed = None if mask is None else mask[:, None, None, None, fold:]
+        log_far = None
+        if self.config.resolved_local_kernel == "softmax":
+            if allowed is not None:
+                x = x.masked_fill(~allowed, float("-inf"))
+            m = x.amax(dim=-1, keepdim=True).clamp_min(0.0)
+            num = torch.matmul(torch.exp(x - m), vw)
+            log_far = -m
+        else:
+            wts = self._exact_kernel(x, "polynomial")
+            if allowed is not None:
+                wts = wts.masked_fill(~allowed, 0.0)
+            num = torch.matmul(wts, vw)
+        if kv is not None:
+            far = torch.matmul(fq, kv)
+            if q_log_scale is not None:
+                log_far = q_log_scale if log_far is None else log_far + q_log_scale
+            if log_far is not None:
+                far = torch.exp(log_far) * far
+            if self.config.window_mix:
+                far = self.window_mix.to(far.dtype) * far
+            num = num + far
+        raw_k = key if state.k is None else torch.cat([state.k, key], dim=2)
+        raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
+        new_mask = None if mask is None else mask[:, fold:]
+        return self._normalise(num), RecurrentState(kv, raw_k[:, :, fold:], raw_v[:, :, fold:], new_mask, total)
 
     # ---------------------------------------------------------------- kernels
     def _feature_inputs(self, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -425,6 +492,70 @@ class PolyAttention(nn.Module):
         num = torch.cat(outs, dim=3)
         return self._normalise(num)
 
+    def tensor_chunk(self) -> int:
+        """Keys (and queries) per chunk of the exact tensor path: ``_TENSOR_CHUNK_ELEMENTS``
+        features per row of heads at most, a multiple of ``block_size``."""
+        block = self.config.block_size
+        rows = max(1, _TENSOR_CHUNK_ELEMENTS // self.num_features)
+        return max(block, rows // block * block)
+
+    def _tensor(self, q5, k5, v5, mask, causal, scale, kv0):
+        """Exact polynomial attention in linear time with tensor-power features, chunk by chunk.
+
+        Never more than ``tensor_chunk()`` rows of features at once: forward peak
+        ~ (B H chunk F + B Hkv F (D+1)) elements besides inputs and outputs, and each chunk
+        is rematerialised in backward, which stores only the per-chunk (F x (D+1)) prefix
+        states. All at once the n x F features peaked at 33.8 GB for d=64, p=2 (F=2,080),
+        n=32k, H=16 on an H100; at chunk 768 they are 0.8 GB in float64.
+        Returns the normalised output and the state after the last key (for the cache).
+        """
+        lq, lk = q5.shape[3], k5.shape[3]
+        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
+        if mask is not None:
+            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        fm, block = self.feature_map, self.config.block_size
+        root = math.sqrt(scale)
+        size = self.tensor_chunk()
+        grad = torch.is_grad_enabled() and (
+            any(t.requires_grad for t in (q5, k5, vext)) or any(p.requires_grad for p in self.parameters()))
+
+        def run(fn, *args):
+            return checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
+
+        def keys(kc, vc):
+            return torch.matmul(fm(kc * root, False).transpose(-1, -2), vc)
+
+        if not causal:
+            kv = kv0
+            for s in range(0, lk, size):
+                add = run(keys, k5[..., s : s + size, :], vext[..., s : s + size, :])
+                kv = add if kv is None else kv + add
+
+            def read(qc, kv):
+                return torch.matmul(fm(qc * root, True), kv)
+
+            num = torch.cat([run(read, q5[..., s : s + size, :], kv) for s in range(0, lq, size)], dim=3)
+            return self._normalise(num), kv
+
+        qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5  # bottom-right aligned rows
+        backend = self.config.backend
+
+        def causal_chunk(qc, kc, vc, kv):
+            fq, fk = fm(qc * root, True), fm(kc * root, False)
+            num = lt_product(fq, fk, vc, block, True, False, backend)
+            if kv is not None:
+                num = num + torch.matmul(fq, kv)
+            add = torch.matmul(fk.transpose(-1, -2), vc)
+            return num, add if kv is None else kv + add
+
+        kv, outs = kv0, []
+        for s in range(0, lk, size):
+            num, kv = run(causal_chunk, qs[..., s : s + size, :], k5[..., s : s + size, :],
+                          vext[..., s : s + size, :], kv)
+            outs.append(num)
+        num = torch.cat(outs, dim=3)[..., lk - lq :, :]
+        return self._normalise(num), kv
+
     def _normalise(self, num: torch.Tensor) -> torch.Tensor:
         d = self.head_dim
         return _safe_divide(num[..., :d], num[..., d:] + self.config.denominator_offset)
@@ -455,6 +586,9 @@ class PolyAttention(nn.Module):
         if mask is not None:
             # zero value *and* normaliser column at padded keys: they add nothing anywhere.
             vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        if cfg.window:
+            out = self._windowed(q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square)
+            return out, (fk, square), vext
         local = cfg.resolved_local_kernel
         block = cfg.block_size
         if local is not None and mask is not None and kv0 is None:
@@ -465,7 +599,7 @@ class PolyAttention(nn.Module):
             if cfg.causal_algorithm == "cumsum":
                 num = lt_multiply_cumsum(full(fq), full(fk), vext)
             else:
-                num = lt_multiply(fq, fk, vext, block, include_diag=local is None, square=square)
+                num = lt_product(fq, fk, vext, block, local is None, square, cfg.backend)
             if kv0 is not None:
                 num = num + torch.matmul(full(fq), kv0)
             if local is not None:
@@ -494,15 +628,73 @@ class PolyAttention(nn.Module):
                 num = loc + far if far_scale is None else loc + far_scale * far
         return self._normalise(num), (fk, square), vext
 
+    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square):
+        """Sliding-window hybrid (ops/window.py): exact on the previous ``window`` keys, kernel before."""
+        cfg = self.config
+        w, block, backend = cfg.window, cfg.block_size, cfg.backend
+        lq, lk = q5.shape[3], k5.shape[3]
+        if causal:
+            pad = lk - lq  # bottom-right aligned rows: queries sit at the last lq key positions
+            qs, fqs = (F.pad(q5, (0, 0, pad, 0)), F.pad(fq, (0, 0, pad, 0))) if pad else (q5, fq)
+            if q_log_scale is not None and pad:
+                q_log_scale = F.pad(q_log_scale, (0, 0, pad, 0))
+            far = shifted_lt(fqs, fk, vext, w, block, square, backend)
+            if kv0 is not None:
+                far = far + torch.matmul(symmetric_square(fqs) if square else fqs, kv0)
+        else:
+            if lq != lk:
+                raise ValueError(f"window={w} with bidirectional attention needs q_len == kv_len (self-attention), "
+                                 f"got {lq} and {lk}")
+            qs = q5
+
+            def flip(t):
+                return t.flip(-2)
+
+            far = shifted_lt(fq, fk, vext, w, block, square, backend) + flip(
+                shifted_lt(flip(fq), flip(fk), flip(vext), w, block, square, backend))
+        grad = torch.is_grad_enabled() and (
+            any(t is not None and t.requires_grad for t in (qs, k5, vext, q_log_scale))
+            or any(p.requires_grad for p in self.parameters()))
+        args = (qs, k5, vext, mask, causal, scale, q_log_scale)
+        # rematerialised in backward: the (n x 2w) scores and weights are not kept
+        loc, far_scale = checkpoint(self._window_exact, *args, use_reentrant=False) if grad else \
+            self._window_exact(*args)
+        num = loc + (far if far_scale is None else far_scale * far)
+        return self._normalise(num[..., lk - lq :, :])
+
+    def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale):
+        """Exact weights on each query's window and the factor that puts the far part on their scale."""
+        w = self.config.window
+        n = qs.shape[3]
+        scores, allowed = window_scores(qs, ks, w, causal, scale, mask)  # (B, Hkv, G, tiles, w, span)
+        values = window_tiles(vext, w, causal)
+        log_far = None
+        if self.config.resolved_local_kernel == "softmax":
+            x = scores.masked_fill(~allowed, float("-inf"))
+            # row stabiliser m >= 0 as in _local_blocks: exp(x - m) <= 1, far part times exp(-m)
+            m = x.amax(dim=-1, keepdim=True).clamp_min(0.0).detach()
+            weights = torch.exp(x - m)
+            log_far = -m.flatten(3, 4)[..., :n, :]
+        else:
+            weights = self._exact_kernel(scores, "polynomial").masked_fill(~allowed, 0.0)
+        loc = torch.matmul(weights, values).flatten(3, 4)[..., :n, :]
+        if q_log_scale is not None:  # FAVOR+ query features come divided by exp(c)
+            log_far = q_log_scale if log_far is None else log_far + q_log_scale
+        far_scale = None if log_far is None else torch.exp(log_far)
+        if self.config.window_mix:
+            mix = self.window_mix.to(loc.dtype)
+            far_scale = mix if far_scale is None else far_scale * mix
+        return loc, far_scale
+
     def _local_exact(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):
-        """The exact diagonal blocks, ``_LOCAL_GROUP`` blocks at a time, each group rematerialised.
+        """The exact diagonal blocks, a group of blocks at a time (``_LOCAL_GROUP``), each group rematerialised.
 
         Blocks do not interact, so groups are independent. All at once, the (n x b) scores,
         their powers and weights (and their gradients) made a transient peak of ~2000 floats
         per token and head: 481 MiB at n=16k, H=4, b=256 (SDPA: 208 MiB in the same run).
         Per group and recomputed in backward, only the inputs and outputs stay alive.
         """
-        span = _LOCAL_GROUP * self.config.block_size
+        span = _LOCAL_GROUP.get(ks.device.type, _LOCAL_GROUP_ACCELERATOR) * self.config.block_size
         n = ks.shape[3]
         grad = torch.is_grad_enabled() and (
             any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale))
@@ -550,7 +742,8 @@ class PolyAttention(nn.Module):
             far_scale = torch.exp(log_far)
         else:
             w = self._exact_kernel(x, "polynomial").masked_fill(~allowed, 0.0)
-            far_scale = None
+            # FAVOR+ query features come divided by exp(c): undo it against unscaled exact weights
+            far_scale = None if q_log_scale is None else torch.exp(q_log_scale)
         loc = torch.matmul(w, vb).flatten(3, 4)[..., :n, :]
         return loc, far_scale
 
@@ -559,6 +752,8 @@ class PolyAttention(nn.Module):
         total = state.length + key.shape[2]
         if path == "quadratic":
             keep = k5.shape[3]
+        elif self.config.window:
+            keep = min(self.config.window, total)  # the window's raw keys; everything older is folded
         elif self.config.resolved_local_kernel is not None:
             keep = total % self.config.block_size
         else:

@@ -121,18 +121,19 @@ class PerformerFeatureMap(FeatureMap):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        gen = torch.Generator().manual_seed(self.seed)
+        # CPU float64 draws whatever the device/dtype/ambient device context: same seed, same features.
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
         d, m = self.dim, self.num_features
         heads = []
         for _ in range(self.heads):
             blocks = []
             for _ in range(-(-m // d)):
-                g = torch.randn(d, d, generator=gen, dtype=torch.float64)
+                g = torch.randn(d, d, generator=gen, dtype=torch.float64, device="cpu")
                 q, _ = torch.linalg.qr(g)
                 blocks.append(q.T)
             w = torch.cat(blocks, 0)[:m]
             # rows of a Gaussian matrix have chi(d) norms: keep that marginal (FAVOR+).
-            norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=1)
+            norms = torch.randn(m, d, generator=gen, dtype=torch.float64, device="cpu").norm(dim=1)
             heads.append((w * norms[:, None]).T)
         self.omega.copy_(torch.stack(heads).unsqueeze(1).to(self.omega.dtype))
 

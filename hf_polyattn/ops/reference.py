@@ -59,7 +59,16 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
         fk = module.feature_map(k5 * root, False)
         w = fq @ fk.transpose(-1, -2)
         local = cfg.resolved_local_kernel
-        if local is not None:
+        if cfg.window:
+            # sliding window: exact on the previous `window` keys (|i - j| < window bidirectional),
+            # the kernel (times the per-head mixing factor) on the rest
+            dist = (torch.arange(lq, device=q.device) + (lk - lq if causal else 0))[:, None] - torch.arange(
+                lk, device=q.device)[None, :]
+            inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
+            if cfg.window_mix:
+                w = w * module.window_mix.to(w.dtype)
+            w = torch.where(inside, exact(x, local), w)
+        elif local is not None:
             pos_q = torch.arange(lq, device=q.device) + (lk - lq if causal else 0)
             pos_k = torch.arange(lk, device=q.device)
             same_block = (pos_q[:, None] // cfg.block_size) == (pos_k[None, :] // cfg.block_size)

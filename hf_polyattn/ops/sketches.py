@@ -41,21 +41,21 @@ def _next_pow2(x: int) -> int:
 
 def hadamard(n: int, dtype=torch.float64) -> torch.Tensor:
     """Unnormalised Walsh-Hadamard matrix (entries +-1), n a power of two."""
-    h = torch.ones(1, 1, dtype=dtype)
+    h = torch.ones(1, 1, dtype=dtype, device="cpu")
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h
 
 
 def _gaussian(gen: torch.Generator, heads: int, n_in: int, n_out: int) -> torch.Tensor:
-    return torch.randn(heads, 1, n_in, n_out, generator=gen, dtype=torch.float64)
+    return torch.randn(heads, 1, n_in, n_out, generator=gen, dtype=torch.float64, device="cpu")
 
 
 def _srht_factor(gen: torch.Generator, heads: int, n_in: int, n_out: int) -> torch.Tensor:
     """D H P restricted to the first n_in rows (zero padding to a power of two), per head."""
     h = _next_pow2(n_in)
-    signs = torch.randint(0, 2, (heads, h, 1), generator=gen).to(torch.float64) * 2 - 1
-    cols = torch.randint(0, h, (heads, 1, n_out), generator=gen)
+    signs = torch.randint(0, 2, (heads, h, 1), generator=gen, device="cpu").to(torch.float64) * 2 - 1
+    cols = torch.randint(0, h, (heads, 1, n_out), generator=gen, device="cpu")
     dh = (signs * hadamard(h))[:, :n_in, :]
     return torch.gather(dh, 2, cols.expand(heads, n_in, n_out)).unsqueeze(1)
 
@@ -75,9 +75,12 @@ class _Factor(nn.Module):
             self.register_buffer("weight", torch.zeros(shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight)
+        # Parameters live in the model's dtype (a bf16 model holds bf16 sketches); the
+        # math runs in the input's working dtype (float32/float64, see ops/attention.py).
+        dt = x.dtype
+        y = torch.matmul(x, self.weight.to(dt))
         if self.learned:
-            y = y + torch.matmul(F.gelu(torch.matmul(x, self.hidden)), self.out)
+            y = y + torch.matmul(F.gelu(torch.matmul(x, self.hidden.to(dt))), self.out.to(dt))
         return y
 
 
@@ -113,7 +116,10 @@ class PolynomialSketch(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Redraw every matrix from ``seed`` (deterministic across processes and devices)."""
-        gen = torch.Generator().manual_seed(self.seed)
+        # Drawn on the CPU in float64 whatever the module's device, dtype or an ambient
+        # ``torch.device(...)`` context (a CPU generator cannot fill a CUDA or meta tensor),
+        # then copied: the same seed gives the same sketch on every device.
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
         r = self.sketch_size
         for f in self.factors:
             if self.kind == "srht":
@@ -157,7 +163,7 @@ def symmetric_power_indices(dim: int, degree: int) -> tuple[torch.Tensor, torch.
     key = (dim, degree)
     if key not in _INDEX_CACHE:
         combos = list(itertools.combinations_with_replacement(range(dim), degree))
-        idx = torch.tensor(combos, dtype=torch.long).reshape(len(combos), degree)
+        idx = torch.tensor(combos, dtype=torch.long, device="cpu").reshape(len(combos), degree)
         weights = []
         for c in combos:
             counts = [c.count(v) for v in set(c)]
@@ -165,7 +171,7 @@ def symmetric_power_indices(dim: int, degree: int) -> tuple[torch.Tensor, torch.
             for k in counts:
                 mult //= math.factorial(k)
             weights.append(math.sqrt(mult))
-        _INDEX_CACHE[key] = (idx, torch.tensor(weights, dtype=torch.float64))
+        _INDEX_CACHE[key] = (idx, torch.tensor(weights, dtype=torch.float64, device="cpu"))
     return _INDEX_CACHE[key]
 
 

@@ -98,6 +98,10 @@ def attention_label(attention: str, polyattn: dict[str, Any] | None) -> str:
     if c.get("local_exact"):
         local = PolyAttnConfig.from_dict(c).resolved_local_kernel
         parts.append(f"exact {local} {c.get('block_size')}-token blocks")
+    if c.get("window"):
+        local = PolyAttnConfig.from_dict(c).resolved_local_kernel
+        parts.append(f"exact {local} {c.get('window')}-token sliding window" + (" (mixed)" if c.get("window_mix")
+                                                                               else ""))
     if c.get("qk_norm"):
         parts.append("qk LayerNorm")
     return f"{attention} ({', '.join(parts)})"

@@ -70,6 +70,9 @@ class RetrofitArgs:
     num_features: int = field(default=256, metadata={"help": "PolyAttnConfig.num_features (kind=performer)"})
     local_exact: bool = field(default=True, metadata={"help": "PolyAttnConfig.local_exact (ignored for polynomial)"})
     local_kernel: str | None = field(default=None, metadata={"help": "PolyAttnConfig.local_kernel"})
+    window: int = field(default=0, metadata={"help": "PolyAttnConfig.window: an exact sliding window of this many "
+                                                     "keys, used instead of the local_exact blocks (0: blocks "
+                                                     "as local_exact says)"})
     block_size: int = field(default=64, metadata={"help": "PolyAttnConfig.block_size"})
     qk_norm: bool = field(default=True, metadata={"help": "PolyAttnConfig.qk_norm"})
     polyattn_json: str | None = field(default=None, metadata={"help": "a JSON dict of PolyAttnConfig fields that "
@@ -139,7 +142,8 @@ def polyattn_config_from_args(a: RetrofitArgs) -> PolyAttnConfig | None:
     if a.attention == "performer":
         d.update(num_features=a.num_features)
     if a.attention != "polynomial":
-        d.update(local_exact=a.local_exact, local_kernel=a.local_kernel)
+        # a sliding window is the other form of the exact local part: it replaces the blocks
+        d.update(local_exact=a.local_exact and not a.window, local_kernel=a.local_kernel, window=a.window)
     if a.polyattn_json:
         d.update(json.loads(a.polyattn_json))
     return PolyAttnConfig.from_dict(d)

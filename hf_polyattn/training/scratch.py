@@ -27,7 +27,7 @@ class ScratchArgs:
     context: int = field(default=256, metadata={"help": "training window and n_positions"})
     steps: int = field(default=600, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "per-process batch size"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (cosine, 5% warm-up)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (cosine, 5 percent warm-up)"})
     eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens for the final perplexity"})
     output_dir: str = field(default="runs/gpt2-scratch", metadata={"help": "checkpoints, metrics, model/"})
     save_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})

@@ -156,7 +156,7 @@ def test_cross_attention_supported_without_local_blocks():
     # padded encoder keys are ignored: row 1 equals the same row with only its 3 valid encoder states
     alone = model(ids[1:], encoder_hidden_states=enc[1:, :3], use_cache=False).logits
     torch.testing.assert_close(out[1], alone[0], rtol=1e-4, atol=1e-4)
-    local = hf_polyattn.convert(GPT2LMHeadModel(config).eval(),
-                                PolyAttnConfig(kind="linear", local_exact=True, block_size=4))
-    with pytest.raises(ValueError, match="cross-attention .* local_exact=True is not supported"):
-        local(ids, encoder_hidden_states=enc, use_cache=False)
+    # local_exact with cross-attention: refused when converting (test_refused_arguments.py covers the rest)
+    with pytest.raises(ValueError, match=r"local_exact=True is not supported with cross-attention.*add_cross"):
+        hf_polyattn.convert(GPT2LMHeadModel(config).eval(), PolyAttnConfig(kind="linear", local_exact=True,
+                                                                           block_size=4))

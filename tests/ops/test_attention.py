@@ -32,6 +32,9 @@ KINDS = [
     ("linear-taylor-local", dict(kind="linear", feature_map="taylor", local_exact=True)),
     ("performer", dict(kind="performer", num_features=32)),
     ("performer-local", dict(kind="performer", num_features=32, local_exact=True)),
+    # regression: FAVOR+'s per-query stabiliser was not undone against exact polynomial blocks (error 1.1)
+    ("performer-local-poly", dict(kind="performer", num_features=32, local_exact=True, local_kernel="polynomial")),
+    ("linear-elu-local-poly", dict(kind="linear", feature_map="elu", local_exact=True, local_kernel="polynomial")),
 ]
 
 # (id, batch, heads, kv_heads, q_len, kv_len, causal, padding)

@@ -61,7 +61,7 @@ def test_paper_tables_long_section(quick_tables, tmp_path):
     gaps, the paper comparison, the speed crossover and the non-finite list from them (numbers set here)."""
     _, rec, _ = quick_tables
     spec = importlib.util.spec_from_file_location(
-        "fill_long", ROOT / "recipes/results/paper_tables_long/scripts/fill_section.py")
+        "fill_long", ROOT / "recipes/experiments/paper_tables_long/fill_section.py")
     fill = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fill)
     # seed -> kind -> (perplexity, steps per CPU-s); softmax 10 in both seeds
@@ -125,3 +125,86 @@ def test_e2e_speed_quick(tmp_path):
     # a softmax KV cache grows with the context; the polysketch state does not
     assert rows[1]["cache_bytes"]["sdpa"] > 3 * rows[0]["cache_bytes"]["sdpa"]  # contexts 64 and 256
     assert rows[1]["cache_bytes"]["polysketch"] == rows[0]["cache_bytes"]["polysketch"]
+
+
+def test_e2e_speed_gpu_defaults_parse_without_a_gpu():
+    """`--device cuda --dtype bfloat16` plans GPT-2 small at 4k..32k for training and decoding (no GPU touched)."""
+    mod = _load("e2e_speed")
+    args = mod.parse(["--device", "cuda", "--dtype", "bfloat16"], check_device=False)
+    assert (args.layers, args.hidden, args.heads) == (12, 768, 12)  # GPT-2 small
+    assert args.train_lengths == [4096, 8192, 16384, 32768] and args.decode_lengths == [4096, 8192, 16384, 32768]
+    assert (args.dec_layers, args.dec_hidden, args.dec_heads) == (12, 768, 12)
+    assert args.dtype == "bfloat16" and args.reps >= 2 and args.kinds == list(mod.TRAIN_KINDS)
+    assert Path(args.out) == ROOT / "recipes/results/e2e_speed/cuda-bfloat16"  # never the CPU record
+    assert mod.parse(["--device", "cuda"], check_device=False).dtype == "bfloat16"
+    quick = mod.parse(["--device", "cuda", "--quick"], check_device=False)
+    assert quick.train_lengths == [128, 256] and quick.layers == 1
+
+
+def test_e2e_speed_cpu_defaults_unchanged():
+    mod = _load("e2e_speed")
+    args = mod.parse([])
+    assert args.train_lengths == [1024, 2048, 4096, 8192] and args.decode_lengths == [512, 1024, 2048, 4096, 8192]
+    assert (args.layers, args.hidden, args.heads, args.reps, args.warmup, args.dtype) == (2, 768, 12, 1, 0, "float32")
+    assert (args.dec_layers, args.dec_hidden, args.dec_heads, args.dec_steps, args.dec_warmup) == (4, 256, 4, 16, 3)
+    assert Path(args.out) == ROOT / "recipes/results/e2e_speed"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train_lengths", "0"], "expected an integer >= 1"),
+    (["--reps", "two"], "expected an integer >= 1"),
+    (["--dec_hidden", "100", "--dec_heads", "3"], "not a multiple of the 3 heads"),
+    (["--kinds", "softmax"], "invalid choice"),
+    (["--dtype", "float16"], "invalid choice"),
+])
+def test_e2e_speed_bad_arguments_exit_2(argv, message, capsys):
+    mod = _load("e2e_speed")
+    with pytest.raises(SystemExit) as stop:
+        mod.parse(argv, check_device=False)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_e2e_speed_cuda_without_gpu_exits_2(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit) as stop:
+        _load("e2e_speed").parse(["--device", "cuda"])
+    assert stop.value.code == 2 and "cuda" in capsys.readouterr().err
+
+
+def test_e2e_speed_records_oom_and_goes_on(tmp_path, monkeypatch):
+    """An out-of-memory error of one kind at one n becomes an OOM cell; the other kinds and lengths still run."""
+    import torch
+
+    mod = _load("e2e_speed")
+    real = mod.gpt2
+    oom_kinds = (mod.TRAIN_KINDS["linear"], mod.DECODE_KINDS["polysketch_local"])
+
+    def gpt2(*a, **kw):
+        model = real(*a, **kw)
+        if a[5] in oom_kinds:
+            forward = model.forward
+
+            def guarded(*fa, **fk):
+                ids = fk.get("input_ids", fa[0] if fa else None)
+                if ids.shape[1] >= 256:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+                return forward(*fa, **fk)
+
+            model.forward = guarded
+        return model
+
+    monkeypatch.setattr(mod, "gpt2", gpt2)
+    res = mod.main(["--quick", "--threads", "1", "--kinds", "linear", "performer", "--out", str(tmp_path)])
+    small, large = res["train"]["rows"]
+    assert small["seconds"]["linear"] > 0 and large["seconds"]["linear"] is None and large["oom"] == ["linear"]
+    assert large["seconds"]["performer"] > 0 and large["seconds"]["sdpa"] > 0
+    assert large["sdpa_over_kind"]["linear"] is None and large["sdpa_over_kind"]["performer"] > 0
+    small, large = res["decode"]["rows"]
+    assert large["ms_per_token"]["polysketch_local"] is None and large["oom"] == ["polysketch_local"]
+    assert large["ms_per_token"]["polysketch"] > 0 and large["cache_type"]["polysketch_local"] == "OOM"
+    md = (tmp_path / "tables.md").read_text()
+    assert "| 256 | " in md and md.count("OOM |") >= 2
+    assert json.loads((tmp_path / "results.json").read_text())["train"]["rows"][1]["seconds"]["linear"] is None

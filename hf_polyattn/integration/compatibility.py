@@ -1,0 +1,307 @@
+"""Which attention modules we replace, and what they ask for that the kernels cannot honour.
+
+transformers' attention functions take ``**kwargs`` and many drop what they do not know.
+Ours must not: T5 passes ``position_bias=`` (its relative position bias, the only position
+information T5 has), Gemma 2 ``softcap=``, GPT-OSS ``s_aux=`` (attention sinks); dropping
+them silently gives a different model (a T5 encoder without its bias is
+permutation-equivariant). So every argument is checked twice:
+
+* at ``convert()`` / construction (``from_pretrained(..., attn_implementation=KIND)``): the
+  call site of the attention function in the module's ``forward`` is read (its source, as
+  transformers itself does in ``_can_set_attn_implementation``) and every keyword argument
+  outside :data:`HANDLED_KWARGS` whose value is not statically None (``self.attr`` and
+  ``getattr(self.config, ...)`` are evaluated on the module) is refused, naming it;
+* at every call: the attention function refuses any keyword argument outside
+  :data:`HANDLED_KWARGS` whose value is not None (:func:`check_call_kwargs`); that also
+  catches what the model forwards from the user through ``**kwargs``.
+
+Cross-attention (BART, T5, BERT/GPT-2 with ``add_cross_attention``): queries and keys come
+from different sequences, so ``local_exact`` diagonal blocks would pair unrelated positions.
+It is detected from the model config, the module's ``is_cross_attention`` attribute and, at
+run time, from the call itself (``key_value_states`` / ``encoder_hidden_states`` given), never
+from sequence lengths.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any
+
+from torch import nn
+from transformers.configuration_utils import PreTrainedConfig
+
+from ..config import PolyAttnConfig
+
+__all__ = [
+    "HANDLED_KWARGS",
+    "OUTPUT_ATTENTIONS_ERROR",
+    "attention_call_keywords",
+    "check_attention_module",
+    "check_call_kwargs",
+    "check_model_options",
+    "find_attention_modules",
+    "has_cross_attention",
+    "is_attention_module",
+    "is_cross_attention_call",
+    "mark_checked",
+    "owner_of",
+]
+
+OUTPUT_ATTENTIONS_ERROR = (
+    "output_attentions=True is not supported by hf_polyattn attention: the linear-time kernels never form the "
+    "attention matrix. Use attn_implementation='eager' for that."
+)
+
+# Keyword arguments the attention function honours or that cannot change its result,
+# read off what Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, BERT, RoBERTa, DistilBERT and BART
+# pass in transformers 5.23 (plus TransformersKwargs). Any other keyword with a value
+# that is not None is refused.
+_SIGNATURE = ("module", "query", "key", "value", "attention_mask", "scaling", "dropout")
+# Read and enforced by the attention function: is_causal decides causality; a set
+# sliding_window, output_attentions=True or a packed-sequence kwarg is refused there.
+_ENFORCED = ("is_causal", "sliding_window", "output_attentions",
+             "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k", "max_length_q", "max_length_k")
+# Bookkeeping that does not enter the attention computation: positions are applied before
+# the function (RoPE) or ignored (absolute embeddings); the cache reaches the kernels
+# through the module's pre-hook; the rest are output / loss / flash-attention switches.
+_HARMLESS = ("position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "layer_past",
+             "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+             "deterministic")
+HANDLED_KWARGS = frozenset(_SIGNATURE + _ENFORCED + _HARMLESS)
+
+# What the usual refused arguments mean, for the error message.
+_WHAT = {
+    "position_bias": "a position bias added to the attention scores (T5-style relative positions)",
+    "attention_bias": "a bias added to the attention scores",
+    "alibi": "an ALiBi bias added to the attention scores",
+    "softcap": "logit soft-capping tanh(score / cap) * cap",
+    "s_aux": "attention sinks (extra logits in the softmax normaliser)",
+    "sinks": "attention sinks (extra logits in the softmax normaliser)",
+    "head_mask": "a per-head mask on the attention probabilities",
+    "indices": "sparse attention indices",
+    "block_indices": "sparse attention block indices",
+    "seq_idx": "packed-sequence indices",
+}
+
+# Arguments of an attention module's forward that make the call cross-attention when set.
+_CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")
+
+_ATTENTION_CLASS_CACHE: dict[type, bool] = {}
+_CALL_KEYWORDS_CACHE: dict[type, list[tuple[str, ast.expr]]] = {}
+_CROSS_POSITIONS_CACHE: dict[type, dict[str, int]] = {}
+
+
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """True for modules whose ``forward`` dispatches through ``AttentionInterface``.
+
+    The same source heuristic transformers uses in ``_can_set_attn_implementation``,
+    applied to the module's own ``forward`` and cached per class.
+    """
+    cls = type(module)
+    hit = _ATTENTION_CLASS_CACHE.get(cls)
+    if hit is None:
+        src = _forward_source(cls)
+        hit = "ALL_ATTENTION_FUNCTIONS" in src and "get_interface(" in src
+        _ATTENTION_CLASS_CACHE[cls] = hit
+    return hit
+
+
+def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """(name, module, layer index) of every attention module, in model order.
+
+    The index is the module's ``layer_idx`` when it has one, else the position of its
+    block inside the enclosing ``nn.ModuleList`` of layers.
+    """
+    found = []
+    for name, mod in model.named_modules():
+        if not isinstance(getattr(mod, "config", None), PreTrainedConfig) or not is_attention_module(mod):
+            continue
+        idx = getattr(mod, "layer_idx", None)
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            digits = [p for p in name.split(".") if p.isdigit()]
+            idx = int(digits[-1]) if digits else len(found)
+        found.append((name, mod, idx))
+    return found
+
+
+# --------------------------------------------------------------- what the call site passes
+def attention_call_keywords(cls: type) -> list[tuple[str, ast.expr]]:
+    """(name, value expression) of every keyword argument ``cls.forward`` passes to the attention function.
+
+    The attention function is the name bound to ``ALL_ATTENTION_FUNCTIONS.get_interface(...)``
+    (``attention_interface`` in every model of transformers 5.23); ``**kwargs`` is skipped
+    (checked at run time). Empty when the source cannot be read.
+    """
+    cached = _CALL_KEYWORDS_CACHE.get(cls)
+    if cached is not None:
+        return cached
+    found: list[tuple[str, ast.expr]] = []
+    src = _forward_source(cls)
+    try:
+        tree = ast.parse(textwrap.dedent(src)) if src else None
+    except SyntaxError:
+        tree = None
+    if tree is not None:
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                if "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            direct = not isinstance(func, ast.Name) and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(func) and not (
+                isinstance(func, ast.Attribute) and func.attr == "get_interface")
+            if (isinstance(func, ast.Name) and func.id in names) or direct:
+                found += [(kw.arg, kw.value) for kw in node.keywords if kw.arg is not None]
+    _CALL_KEYWORDS_CACHE[cls] = found
+    return found
+
+
+_UNKNOWN = object()
+
+
+def _static_value(node: ast.expr, module: nn.Module) -> Any:
+    """The value of ``node`` when it is a constant, ``self.a.b`` or ``getattr(self.a, "b", default)``;
+    else ``_UNKNOWN`` (a local variable: assume it carries a value)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and node.id == "self":
+        return module
+    if isinstance(node, ast.Attribute):
+        owner = _static_value(node.value, module)
+        if owner is _UNKNOWN or owner is None:
+            return _UNKNOWN
+        return getattr(owner, node.attr, _UNKNOWN)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) in (2, 3) and not node.keywords):
+        owner = _static_value(node.args[0], module)
+        attr = _static_value(node.args[1], module)
+        if owner is _UNKNOWN or not isinstance(attr, str):
+            return _UNKNOWN
+        default = _static_value(node.args[2], module) if len(node.args) == 3 else _UNKNOWN
+        return getattr(owner, attr, default)
+    return _UNKNOWN
+
+
+def _refusal(name: str, where: str, value_text: str) -> str:
+    what = _WHAT.get(name, "an argument the hf_polyattn kernels do not implement")
+    return (f"{where} passes {name}={value_text} to its attention function: {what}. hf_polyattn kernels cannot "
+            f"apply it, and dropping it would silently change the model; this model is not supported by "
+            f"hf_polyattn attention")
+
+
+def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str) -> None:
+    """Refuse (ValueError) an attention module whose call site passes an argument we cannot honour,
+    or a cross-attention module with ``local_exact``. ``owner``: the model class, for the message."""
+    cls = type(module)
+    where = f"{owner} ({cls.__name__}.forward)"
+    for name, expr in attention_call_keywords(cls):
+        if name in HANDLED_KWARGS:
+            continue
+        value = _static_value(expr, module)
+        if value is None:
+            continue  # e.g. softcap=self.attn_logit_softcapping with the option off
+        raise ValueError(_refusal(name, where, ast.unparse(expr)))
+    if local_option(cfg) and getattr(module, "is_cross_attention", False) is True:
+        raise ValueError(_local_exact_cross_message(f"{owner} ({cls.__name__} is a cross-attention module)",
+                                                    local_option(cfg)))
+
+
+def check_call_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse (ValueError) any keyword argument of an attention call we cannot honour (None is harmless)."""
+    for name, value in kwargs.items():
+        if name in HANDLED_KWARGS or value is None:
+            continue
+        shown = f"<{type(value).__name__}>" if not isinstance(value, (bool, int, float, str)) else repr(value)
+        raise ValueError(_refusal(name, f"{owner_of(module)} ({type(module).__name__})", shown))
+
+
+def owner_of(module: nn.Module) -> str:
+    """The model class an attention module belongs to (recorded by convert / construction), for messages."""
+    owner = module.__dict__.get("_polyattn_owner")
+    if owner is None:
+        config = getattr(module, "config", None)
+        owner = (getattr(config, "architectures", None) or [f"model_type={getattr(config, 'model_type', '?')!r}"])[0]
+    return owner
+
+
+def mark_checked(module: nn.Module, owner: str) -> None:
+    """Record that ``module`` passed :func:`check_attention_module` as part of the model class ``owner``."""
+    module.__dict__["_polyattn_checked"] = True
+    module.__dict__["_polyattn_owner"] = owner
+
+
+# ------------------------------------------------------------------------ cross-attention
+def local_option(cfg: PolyAttnConfig) -> str | None:
+    """The option that sets an exact local part aligned by position ('local_exact=True', 'window=64'), or None."""
+    if cfg.local_exact:
+        return "local_exact=True"
+    if cfg.window:
+        return f"window={cfg.window}"
+    return None
+
+
+def _local_exact_cross_message(where: str, option: str = "local_exact=True") -> str:
+    return (f"{option} is not supported with cross-attention ({where}): its exact local part pairs query i "
+            "with the keys near position i, which for keys from another sequence (the encoder) are unrelated "
+            "positions. Use local_exact=False and window=0 for models with cross-attention.")
+
+
+def has_cross_attention(config: PreTrainedConfig) -> bool:
+    """Whether a model config builds cross-attention layers (encoder-decoder, or a decoder with add_cross_attention)."""
+    return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
+
+
+def check_model_options(configs: list[PreTrainedConfig], cfg: PolyAttnConfig, owner: str) -> None:
+    """Refuse options the model's structure rules out (``local_exact`` with cross-attention)."""
+    if local_option(cfg):
+        for config in configs:
+            if has_cross_attention(config):
+                flag = "is_encoder_decoder" if getattr(config, "is_encoder_decoder", False) else "add_cross_attention"
+                raise ValueError(_local_exact_cross_message(f"{owner}: config.{flag}=True", local_option(cfg)))
+
+
+def _cross_positions(cls: type) -> dict[str, int]:
+    """Positional index (after ``self``) of each cross-attention argument of ``cls.forward``."""
+    cached = _CROSS_POSITIONS_CACHE.get(cls)
+    if cached is None:
+        cached = {}
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        except (TypeError, ValueError):
+            params = []
+        for i, p in enumerate(params):
+            if p.name in _CROSS_ARGUMENTS and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                cached[p.name] = i
+        _CROSS_POSITIONS_CACHE[cls] = cached
+    return cached
+
+
+def is_cross_attention_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether this forward call of an attention module attends to another sequence."""
+    if getattr(module, "is_cross_attention", False) is True:
+        return True
+    for name in _CROSS_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return True
+    for i in _cross_positions(type(module)).values():
+        if i < len(args) and args[i] is not None:
+            return True
+    return False
+
+
+def local_exact_cross_call_error(module: nn.Module, cfg: PolyAttnConfig) -> ValueError:
+    return ValueError(_local_exact_cross_message(f"{type(module).__name__} was called with keys/values from "
+                                                 "another sequence", local_option(cfg) or "local_exact=True"))

@@ -1,0 +1,124 @@
+"""What a transformers config says about polyattn: the stored settings, and config-level refusals.
+
+``save_pretrained`` drops ``config._attn_implementation``, so the kind and its
+:class:`PolyAttnConfig` are written as plain config attributes (``attn_implementation``,
+``polyattn``) that config.json keeps and ``from_pretrained`` reads back. Nothing here
+touches modules: it is imported by every other integration module and imports none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from transformers.configuration_utils import PreTrainedConfig
+
+from ..config import KINDS, PolyAttnConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BASE_MODEL_KEY",
+    "CONFIG_KEY",
+    "REQUIRES_KEY",
+    "check_supported_config",
+    "hub_model_id",
+    "persist_settings",
+    "polyattn_kind",
+    "resolve_polyattn_config",
+]
+
+# Config attributes written to config.json (read back by from_pretrained / our hook).
+CONFIG_KEY = "polyattn"
+BASE_MODEL_KEY = "polyattn_base_model"
+# Without the plugin, transformers' error only names the kind ("Specified
+# attn_implementation="polysketch" is not supported"): config.json says what to import.
+REQUIRES_KEY = "polyattn_requires"
+REQUIRES_NOTE = "pip install hf_polyattn; `import hf_polyattn` before from_pretrained registers this attention"
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_model_id(name: str | None) -> str | None:
+    """``name`` if it looks like a Hub repo id (``org/model``) rather than a local path."""
+    if not name or not isinstance(name, str) or os.path.isdir(name) or not _HUB_ID.match(name):
+        return None
+    return name
+
+
+def persist_settings(config: PreTrainedConfig, cfg: PolyAttnConfig) -> None:
+    """Write the attention settings as config attributes that save_pretrained serialises."""
+    config.attn_implementation = cfg.kind  # read back by from_pretrained (PreTrainedConfig.__init__)
+    setattr(config, CONFIG_KEY, cfg.to_dict())
+    setattr(config, REQUIRES_KEY, REQUIRES_NOTE)
+
+
+def polyattn_kind(config) -> str | None:
+    """The polyattn kind a transformers config runs with, or None (softmax, another implementation)."""
+    if not isinstance(config, PreTrainedConfig):
+        return None
+    kind = getattr(config, "_attn_implementation", None)
+    return kind if isinstance(kind, str) and kind in KINDS else None
+
+
+def resolve_polyattn_config(config: PreTrainedConfig) -> PolyAttnConfig | None:
+    """The PolyAttnConfig a transformers config asks for, or None for other attention.
+
+    ``config.polyattn`` (from config.json or ``convert``) when its kind matches
+    ``config._attn_implementation``; otherwise the kind's defaults (a stock checkpoint
+    loaded with ``attn_implementation=KIND``).
+    """
+    kind = polyattn_kind(config)
+    if kind is None:
+        return None
+    stored = getattr(config, CONFIG_KEY, None)
+    if isinstance(stored, PolyAttnConfig):
+        cfg = stored
+    elif isinstance(stored, dict):
+        try:
+            cfg = PolyAttnConfig.from_dict(stored)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"config.json key {CONFIG_KEY!r} is not a valid PolyAttnConfig: {err}") from err
+    elif stored is None:
+        cfg = PolyAttnConfig(kind=kind)
+    else:
+        raise ValueError(f"config.{CONFIG_KEY} must be a dict of PolyAttnConfig fields, got {type(stored).__name__}")
+    if cfg.kind != kind:
+        logger.warning(
+            "attn_implementation=%r overrides the stored polyattn settings of kind %r: using the defaults of %r",
+            kind, cfg.kind, kind,
+        )
+        cfg = PolyAttnConfig(kind=kind)
+    return cfg
+
+
+def check_supported_config(config: PreTrainedConfig) -> None:
+    """Refuse model configs whose attention the kernels cannot reproduce.
+
+    Sliding windows and chunks are patterns a 2-D padding mask cannot express; logit
+    soft-capping (Gemma 2: ``tanh(s / c) * c`` on every score) has no feature-map form.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    special = sorted({t for t in (layer_types or []) if t in ("sliding_attention", "chunked_attention")})
+    if special:
+        raise ValueError(
+            f"hf_polyattn does not implement {special} layers (config.layer_types): its kernels attend to the "
+            "whole causal past. Load with layer types set to full attention (e.g. use_sliding_window=False for "
+            "Qwen2) to use global polyattn attention."
+        )
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        raise ValueError(
+            f"config.sliding_window={config.sliding_window}: hf_polyattn does not implement sliding-window "
+            "attention (it attends to the whole past in linear time). Pass sliding_window=None to "
+            "from_pretrained (or set config.sliding_window = None before convert) to use global attention."
+        )
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise ValueError("config.attention_chunk_size is set: chunked attention is not supported by hf_polyattn; "
+                         "set it to None")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"config.attn_logit_softcapping={softcap}: hf_polyattn kernels cannot soft-cap attention logits "
+            "(tanh(score / cap) * cap has no linear-time feature map); the model would silently lose it"
+        )

@@ -1,0 +1,203 @@
+"""Per-layer state attached to a transformers attention module (prefix ``polyattn``), and its hooks.
+
+Each attention module (the module whose ``forward`` calls
+``ALL_ATTENTION_FUNCTIONS.get_interface``) gets one submodule ``polyattn``: a
+:class:`HFPolyAttention` holding that layer's sketches, feature parameters, q/k
+LayerNorms and polynomial coefficients. Weight keys are therefore
+``...self_attn.polyattn.*`` (Llama) or ``...attention.self.polyattn.*`` (BERT), saved and
+loaded by the standard safetensors path. A second PolyAttention never shares a
+Parameter: every layer builds its own.
+
+They are created when the model is built (``construction.py``) or converted
+(``convert.py``); the forward hooks installed here hand each call what the attention
+function cannot see: the layer's recurrent state inside the cache, and whether the call
+is cross-attention.
+
+Why initialisation of missing keys goes through ``_is_hf_initialized``: weights absent
+from a checkpoint are materialised with ``torch.empty_like`` and then only the modules
+that answer ``_is_hf_initialized == False`` get ``_init_weights``, which knows nothing of
+sketch buffers. :class:`HFPolyAttention` answers that question itself: when asked (by
+transformers' init pass, after every checkpoint tensor has been loaded and flagged
+``_is_hf_initialized``), it re-draws its tensors deterministically from the seed and
+puts back the loaded ones. A module built on the meta device that was never finalised
+refuses to run (``RuntimeError``) instead of computing with uninitialised memory.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.modeling_utils import PreTrainedModel
+
+from ..config import PolyAttnConfig
+from ..ops import PolyAttention
+from .cache import polyattn_layer_of
+from .compatibility import is_cross_attention_call
+from .settings import BASE_MODEL_KEY, hub_model_id, persist_settings, polyattn_kind, resolve_polyattn_config
+
+__all__ = ["HFPolyAttention", "attach_polyattn", "get_polyattn_config", "sync_config"]
+
+
+def _dims(module: nn.Module) -> tuple[int, int, int]:
+    """(num_heads, head_dim, num_kv_heads) of a transformers attention module."""
+    config = module.config
+
+    def first(*names, src):
+        for n in names:
+            v = getattr(src, n, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+        return None
+
+    heads = first("num_heads", "num_attention_heads", "n_heads", src=module) or first(
+        "num_attention_heads", "n_head", "n_heads", src=config)
+    head_dim = first("head_dim", "attention_head_size", "head_size", src=module)
+    if head_dim is None and heads:
+        hidden = first("hidden_size", "embed_dim", "dim", src=config)
+        head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden else None)
+    if not heads or not head_dim:
+        raise ValueError(f"cannot read the head count / head size of {type(module).__name__}: hf_polyattn supports "
+                         "attention modules with num_heads/num_attention_heads and head_dim/attention_head_size")
+    groups = first("num_key_value_groups", src=module)
+    kv_heads = heads // groups if groups else (first("num_key_value_heads", src=config) or heads)
+    return heads, head_dim, kv_heads
+
+
+class HFPolyAttention(PolyAttention):
+    """PolyAttention that follows the transformers loading protocol (see module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Built on the meta device (from_pretrained): real values come from the checkpoint
+        # or from finish_loading(); until then the module refuses to run.
+        self._polyattn_ready = not any(t.is_meta for t in chain(self.parameters(), self.buffers()))
+
+    @property
+    def _is_hf_initialized(self) -> bool:
+        # Asked by transformers' init pass after loading: initialise what the checkpoint
+        # did not provide, and answer True so that `_init_weights` leaves us alone.
+        if not self._polyattn_ready:
+            self.finish_loading()
+        return True
+
+    @_is_hf_initialized.setter
+    def _is_hf_initialized(self, value: bool) -> None:
+        pass  # readiness is tracked by _polyattn_ready
+
+    @torch.no_grad()
+    def finish_loading(self) -> None:
+        """Deterministically initialise every tensor not flagged as loaded; keep the loaded ones."""
+        tensors = dict(chain(self.named_parameters(), self.named_buffers()))
+        if any(t.is_meta for t in tensors.values()):
+            return  # not materialised yet: a later call (or the forward check) handles it
+        loaded = {n: t.detach().clone() for n, t in tensors.items() if getattr(t, "_is_hf_initialized", False)}
+        if len(loaded) < len(tensors):
+            self.reset_parameters()
+            for name, value in loaded.items():
+                tensors[name].copy_(value)
+        self._polyattn_ready = True
+
+    def check_ready(self) -> None:
+        if self._polyattn_ready:
+            return
+        if not any(t.is_meta for t in chain(self.parameters(), self.buffers())):
+            # Materialised by a loader other than from_pretrained (accelerate's
+            # load_checkpoint_and_dispatch, to_empty + load_state_dict): its values are the
+            # loaded ones; re-drawing them here would overwrite a checkpoint.
+            self._polyattn_ready = True
+            return
+        raise RuntimeError(
+            f"the polyattn parameters of layer {self.layer_idx} are still on the meta device (never loaded or "
+            "initialised): load the model with from_pretrained, or call hf_polyattn.convert(model, config) to "
+            "re-create them"
+        )
+
+
+# ----------------------------------------------------------------------------- hooks
+def _find_cache(args, kwargs):
+    """The Cache passed to an attention module (``past_key_values`` or GPT-NeoX's ``layer_past``)."""
+    for value in chain(kwargs.values(), args):
+        if isinstance(value, Cache):
+            return value
+    return None
+
+
+def _cache_pre_hook(module, args, kwargs):
+    """Tell the attention function what it cannot see: the per-layer recurrent state (it never
+    sees the cache) and whether this call is cross-attention (it never sees the encoder states)."""
+    layer = None
+    cross = is_cross_attention_call(module, args, kwargs)
+    cache = _find_cache(args, kwargs)
+    # Only while the model runs a polyattn kind: after set_attn_implementation("sdpa") (or a
+    # distillation attention) the cache must keep real keys/values.
+    if cache is not None and not cross and getattr(module, "is_causal", True) and polyattn_kind(module.config):
+        # Only causal self-attention folds a state; cross-attention re-reads encoder keys.
+        if isinstance(cache, EncoderDecoderCache):
+            cache = cache.self_attention_cache
+        layer = polyattn_layer_of(cache, getattr(module, "layer_idx", None))
+    module._polyattn_cache_layer = layer
+    module._polyattn_cross_call = cross
+    return None
+
+
+def _cache_post_hook(module, args, output):
+    module._polyattn_cache_layer = None  # never keep a cache alive through the module
+    module._polyattn_cross_call = False
+    return None
+
+
+def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, device=None, dtype=None) -> None:
+    """Give ``module`` its own ``polyattn`` submodule (replacing an existing one) and the cache hooks."""
+    heads, head_dim, kv_heads = _dims(module)
+    if device is None and dtype is None:
+        pa = HFPolyAttention(cfg, heads, head_dim, kv_heads, layer_idx)  # ambient device/dtype (from_pretrained)
+    else:
+        with torch.device(device or "cpu"):
+            pa = HFPolyAttention(cfg, heads, head_dim, kv_heads, layer_idx)
+        if dtype is not None:
+            pa = pa.to(dtype)
+    module.polyattn = pa
+    if not getattr(module, "_polyattn_hooked", False):
+        module.register_forward_pre_hook(_cache_pre_hook, with_kwargs=True)
+        module.register_forward_hook(_cache_post_hook)
+        module._polyattn_hooked = True
+        module._polyattn_cache_layer = None
+        module._polyattn_cross_call = False
+
+
+
+def get_polyattn_config(model_or_config) -> PolyAttnConfig | None:
+    """The PolyAttnConfig in use by a model (or stored in a transformers config), else None."""
+    if isinstance(model_or_config, nn.Module):
+        for m in model_or_config.modules():
+            if isinstance(m, HFPolyAttention):
+                return m.config
+        model_or_config = getattr(model_or_config, "config", None)
+    if model_or_config is None:
+        return None
+    return resolve_polyattn_config(model_or_config)
+
+
+def sync_config(model: PreTrainedModel) -> None:
+    """Make config.json record the attention settings (``save_pretrained`` drops ``_attn_implementation``).
+
+    A top-level ``"attn_implementation"`` key is read back by ``from_pretrained``: with
+    the plugin imported the model loads with our kind; without it transformers raises
+    ``ValueError: Specified attn_implementation="polysketch" is not supported``.
+    """
+    config = model.config
+    if polyattn_kind(config) is None:
+        # Temporarily on another implementation (e.g. a distillation teacher): keep what
+        # convert()/loading recorded, the polyattn weights are still in the model.
+        return
+    pa = next((m for m in model.modules() if isinstance(m, HFPolyAttention)), None)
+    persist_settings(config, pa.config if pa is not None else resolve_polyattn_config(config))
+    if getattr(config, BASE_MODEL_KEY, None) is None:
+        base = hub_model_id(getattr(config, "_name_or_path", None))
+        if base is not None:
+            setattr(config, BASE_MODEL_KEY, base)
+
+

@@ -1,0 +1,341 @@
+"""Triton kernels for lt(phi(A) phi(B)^T) C and its gradients (imported lazily: needs triton).
+
+Notation: a sequence of n rows is cut into chunks of T rows (T = the caller's block size, see
+``causal.py``); chunk k holds rows [k T, min(k T + T, n)). phi is the identity (F = r features) or
+the symmetric square (F = r(r+1)/2, phi_f(x) = w_f x[i0_f] x[i1_f]). Kernels never read a
+feature tensor from memory: every phi tile is formed in registers from two gathered column loads
+of the r-dim input (``_features``), and its gradient goes back to the r columns through two
+one-hot matmuls (``_feature_grad``).
+
+Three kinds of kernel, all launched once per call over (tiles x heads):
+
+* ``_state_kernel``: one program per (F tile, e tile, kv head) walks the chunks in order (or in
+  reverse) and writes the exclusive running sum S_k = sum_{chunks m < k} phi(X_m)^T Y_m (reverse:
+  m > k) as an fp32 (F x e) slab per chunk. Prefix states P (X = B, Y = C) serve the forward and
+  dA, suffix states U (X = A, Y = dO, summed over the query heads of a kv head) serve dB and dC.
+* ``_out_kernel`` / ``_da_kernel`` / ``_db_kernel`` / ``_dc_kernel``: one program per (query or
+  key tile, head[, e tile]) reads the one state slab of its chunk for the far part and computes the
+  diagonal chunk exactly from r-dim dot products, (phi(a).phi(b)) = (a.b)^p with p = 1 or 2.
+
+Head addressing goes through int64 offset tables (one entry per (kv head, query group)), so any
+broadcast of the leading dims and any strides work without copies.
+
+All accumulation is fp32; features and states never exist in half precision (degree-4..8
+polynomial values overflow fp16's 65504). ``PREC`` is the fp32 dot precision: "tf32x3" keeps
+fp32 accuracy (~1e-6 relative) on tensor cores, "tf32" is ~5e-4 relative and 3x cheaper. Inputs in
+bf16/fp16 are converted to fp32 on load; their values are exact in tf32 (8 and 11 significant
+bits, tf32 keeps 11), so r-dim dots of raw inputs lose nothing either way.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _features(x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, f0, F,
+              SQUARE: tl.constexpr, BF: tl.constexpr):
+    """phi(x) for ``rows`` and features f0..f0+BF as a (rows x BF) fp32 tile, formed on chip."""
+    fs = f0 + tl.arange(0, BF)
+    fmask = fs < F
+    m = row_mask[:, None] & fmask[None, :]
+    if SQUARE:
+        i0 = tl.load(i0_ptr + fs, mask=fmask, other=0)
+        i1 = tl.load(i1_ptr + fs, mask=fmask, other=0)
+        w = tl.load(w_ptr + fs, mask=fmask, other=0.0)
+        # two gathers from the same (rows x r) tile: served by L1, never an n x F tensor in HBM
+        x0 = tl.load(x_ptr + rows[:, None] * sxn + i0[None, :] * sxr, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + rows[:, None] * sxn + i1[None, :] * sxr, mask=m, other=0.0).to(tl.float32)
+        phi = x0 * x1 * w[None, :]
+    else:
+        phi = tl.load(x_ptr + rows[:, None] * sxn + fs[None, :] * sxr, mask=m, other=0.0).to(tl.float32)
+    return phi
+
+
+@triton.jit
+def _feature_grad(dphi, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, f0, F,
+                  SQUARE: tl.constexpr, BF: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """Gradient w.r.t. the r columns of x (rows x R) from the gradient of a phi tile (rows x BF).
+
+    d phi_f / d x_z = w_f (x[i1_f] [z = i0_f] + x[i0_f] [z = i1_f]): a scatter over f, done as
+    two matmuls with one-hot (BF x R) matrices built in registers (tensor cores, no atomics).
+    """
+    fs = f0 + tl.arange(0, BF)
+    fmask = fs < F
+    zs = tl.arange(0, R)
+    if SQUARE:
+        m = row_mask[:, None] & fmask[None, :]
+        i0 = tl.load(i0_ptr + fs, mask=fmask, other=0)
+        i1 = tl.load(i1_ptr + fs, mask=fmask, other=0)
+        w = tl.load(w_ptr + fs, mask=fmask, other=0.0)
+        x0 = tl.load(x_ptr + rows[:, None] * sxn + i0[None, :] * sxr, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + rows[:, None] * sxn + i1[None, :] * sxr, mask=m, other=0.0).to(tl.float32)
+        wd = dphi * w[None, :]
+        e0 = ((i0[:, None] == zs[None, :]) & fmask[:, None]).to(tl.float32)
+        e1 = ((i1[:, None] == zs[None, :]) & fmask[:, None]).to(tl.float32)
+        dx = tl.dot(wd * x1, e0, input_precision=PREC) + tl.dot(wd * x0, e1, input_precision=PREC)
+    elif BF == R:
+        dx = dphi  # identity features, one tile covers all r columns
+    else:
+        e0 = ((fs[:, None] == zs[None, :]) & fmask[:, None]).to(tl.float32)
+        dx = tl.dot(dphi, e0, input_precision=PREC)
+    return dx
+
+
+@triton.jit
+def _state_kernel(x_ptr, y_ptr, s_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr,
+                  n, F, E, G, T, NC, sxn, sxr, syn, sye,
+                  REVERSE: tl.constexpr, SQUARE: tl.constexpr,
+                  BT: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
+    """Slot k of s gets sum over chunks m < k (REVERSE: m > k) and the G groups of phi(X_m)^T Y_m."""
+    pid_f = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    h = tl.program_id(2)
+    fs = pid_f * BF + tl.arange(0, BF)
+    es = pid_e * BE + tl.arange(0, BE)
+    emask = es < E
+    smask = (fs[:, None] < F) & emask[None, :]
+    s_base = s_ptr + h.to(tl.int64) * NC * F * E
+    s_tile = fs[:, None] * E + es[None, :]
+    acc = tl.zeros((BF, BE), dtype=tl.float32)
+    for kk in range(0, NC):
+        if REVERSE:
+            k = NC - 1 - kk
+        else:
+            k = kk
+        tl.store(s_base + k * F * E + s_tile, acc, mask=smask)
+        c_start = k * T
+        c_end = tl.minimum(c_start + T, n)
+        for g in range(0, G):
+            xo = tl.load(x_off_ptr + h * G + g)
+            yo = tl.load(y_off_ptr + h * G + g)
+            for t0 in range(c_start, c_end, BT):
+                rows = t0 + tl.arange(0, BT)
+                rmask = rows < c_end
+                phi = _features(x_ptr + xo, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, pid_f * BF, F, SQUARE, BF)
+                y = tl.load(y_ptr + yo + rows[:, None] * syn + es[None, :] * sye,
+                            mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                acc += tl.dot(tl.trans(phi), y, input_precision=PREC)
+
+
+@triton.jit
+def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_ptr, o_off_ptr,
+                i0_ptr, i1_ptr, w_ptr,
+                n, r, F, E, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, son, soe,
+                INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """out[rows, e tile] = phi(A_rows) P_k + (INCLUDE_DIAG) sum_{chunk start <= j <= i} (a_i.b_j)^p c_j."""
+    pid_q = tl.program_id(0)
+    hg = tl.program_id(1)
+    pid_e = tl.program_id(2)
+    h = hg // G
+    k = pid_q // QPC
+    q0 = k * T + (pid_q % QPC) * BQ
+    c_end = tl.minimum(k * T + T, n)
+    rows = q0 + tl.arange(0, BQ)
+    rmask = rows < c_end
+    es = pid_e * BE + tl.arange(0, BE)
+    emask = es < E
+    ao = tl.load(a_off_ptr + hg)
+    oo = tl.load(o_off_ptr + hg)
+    acc = tl.zeros((BQ, BE), dtype=tl.float32)
+    if k > 0:  # P_0 = 0: the first chunk has no far part
+        s_base = s_ptr + h.to(tl.int64) * NC * F * E + k * F * E
+        for f0 in range(0, F, BF):
+            fs = f0 + tl.arange(0, BF)
+            phi = _features(a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF)
+            st = tl.load(s_base + fs[:, None] * E + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
+            acc += tl.dot(phi, st, input_precision=PREC)
+    if INCLUDE_DIAG:
+        bo = tl.load(b_off_ptr + h)
+        co = tl.load(c_off_ptr + h)
+        zs = tl.arange(0, R)
+        zmask = zs < r
+        qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
+                     mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+        for j0 in range(k * T, q0 + BQ, BQ):
+            cols = j0 + tl.arange(0, BQ)
+            cmask = cols < c_end
+            kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
+                         mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+            s = tl.dot(qa, tl.trans(kb), input_precision=PREC)
+            if SQUARE:
+                s = s * s
+            s = tl.where(cols[None, :] <= rows[:, None], s, 0.0)
+            cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
+                         mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+            acc += tl.dot(s, cv, input_precision=PREC)
+    tl.store(o_ptr + oo + rows[:, None] * son + es[None, :] * soe, acc, mask=rmask[:, None] & emask[None, :])
+
+
+@triton.jit
+def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, da_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr, da_off_ptr,
+               i0_ptr, i1_ptr, w_ptr,
+               n, r, F, E, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+               BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """dA rows: far part through dphi(A) = dO P_k^T, diagonal chunk from D_ij = dO_i . c_j."""
+    pid_q = tl.program_id(0)
+    hg = tl.program_id(1)
+    h = hg // G
+    k = pid_q // QPC
+    q0 = k * T + (pid_q % QPC) * BQ
+    c_end = tl.minimum(k * T + T, n)
+    rows = q0 + tl.arange(0, BQ)
+    rmask = rows < c_end
+    ao = tl.load(a_off_ptr + hg)
+    go = tl.load(g_off_ptr + hg)
+    zs = tl.arange(0, R)
+    zmask = zs < r
+    acc = tl.zeros((BQ, R), dtype=tl.float32)
+    if k > 0:
+        s_base = s_ptr + h.to(tl.int64) * NC * F * E + k * F * E
+        for f0 in range(0, F, BF):
+            fs = f0 + tl.arange(0, BF)
+            dphi = tl.zeros((BQ, BF), dtype=tl.float32)
+            for e0 in range(0, E, BE):
+                es = e0 + tl.arange(0, BE)
+                emask = es < E
+                gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
+                             mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                st = tl.load(s_base + fs[None, :] * E + es[:, None], mask=(fs[None, :] < F) & emask[:, None], other=0.0)
+                dphi += tl.dot(gt, st, input_precision=PREC)
+            acc += _feature_grad(dphi, a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, f0, F,
+                                 SQUARE, BF, R, PREC)
+    if INCLUDE_DIAG:
+        bo = tl.load(b_off_ptr + h)
+        co = tl.load(c_off_ptr + h)
+        qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
+                     mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+        for j0 in range(k * T, q0 + BQ, BQ):
+            cols = j0 + tl.arange(0, BQ)
+            cmask = cols < c_end
+            kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
+                         mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+            d = tl.zeros((BQ, BQ), dtype=tl.float32)
+            for e0 in range(0, E, BE):
+                es = e0 + tl.arange(0, BE)
+                emask = es < E
+                gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
+                             mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
+                             mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                d += tl.dot(gt, tl.trans(cv), input_precision=PREC)
+            d = tl.where(cols[None, :] <= rows[:, None], d, 0.0)
+            if SQUARE:  # d (a.b)^2 / da = 2 (a.b) b
+                d = d * 2.0 * tl.dot(qa, tl.trans(kb), input_precision=PREC)
+            acc += tl.dot(d, kb, input_precision=PREC)
+    dao = tl.load(da_off_ptr + hg)
+    tl.store(da_ptr + dao + rows[:, None] * sdn + zs[None, :] * sdr, acc, mask=rmask[:, None] & zmask[None, :])
+
+
+@triton.jit
+def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, db_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr, db_off_ptr,
+               i0_ptr, i1_ptr, w_ptr,
+               n, r, F, E, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+               BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """dB rows of one kv head: far part through dphi(B) = C U_k^T, diagonal chunk summed over the G groups."""
+    pid_k = tl.program_id(0)
+    h = tl.program_id(1)
+    k = pid_k // QPC
+    k0 = k * T + (pid_k % QPC) * BQ
+    c_end = tl.minimum(k * T + T, n)
+    cols = k0 + tl.arange(0, BQ)
+    cmask = cols < c_end
+    bo = tl.load(b_off_ptr + h)
+    co = tl.load(c_off_ptr + h)
+    zs = tl.arange(0, R)
+    zmask = zs < r
+    acc = tl.zeros((BQ, R), dtype=tl.float32)
+    if k < NC - 1:  # U_{NC-1} = 0: the last chunk has no later chunks
+        u_base = u_ptr + h.to(tl.int64) * NC * F * E + k * F * E
+        for f0 in range(0, F, BF):
+            fs = f0 + tl.arange(0, BF)
+            dphi = tl.zeros((BQ, BF), dtype=tl.float32)
+            for e0 in range(0, E, BE):
+                es = e0 + tl.arange(0, BE)
+                emask = es < E
+                cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
+                             mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                ut = tl.load(u_base + fs[None, :] * E + es[:, None], mask=(fs[None, :] < F) & emask[:, None], other=0.0)
+                dphi += tl.dot(cv, ut, input_precision=PREC)
+            acc += _feature_grad(dphi, b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, f0, F,
+                                 SQUARE, BF, R, PREC)
+    if INCLUDE_DIAG:
+        kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
+                     mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+        for g in range(0, G):
+            ao = tl.load(a_off_ptr + h * G + g)
+            go = tl.load(g_off_ptr + h * G + g)
+            for q_start in range(k0, c_end, BQ):
+                rows = q_start + tl.arange(0, BQ)
+                rmask = rows < c_end
+                qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
+                             mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+                dt = tl.zeros((BQ, BQ), dtype=tl.float32)
+                for e0 in range(0, E, BE):
+                    es = e0 + tl.arange(0, BE)
+                    emask = es < E
+                    cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
+                                 mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                    gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
+                                 mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                    dt += tl.dot(cv, tl.trans(gt), input_precision=PREC)
+                dt = tl.where(rows[None, :] >= cols[:, None], dt, 0.0)
+                if SQUARE:
+                    dt = dt * 2.0 * tl.dot(kb, tl.trans(qa), input_precision=PREC)
+                acc += tl.dot(dt, qa, input_precision=PREC)
+    dbo = tl.load(db_off_ptr + h)
+    tl.store(db_ptr + dbo + cols[:, None] * sdn + zs[None, :] * sdr, acc, mask=cmask[:, None] & zmask[None, :])
+
+
+@triton.jit
+def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_ptr, dc_off_ptr,
+               i0_ptr, i1_ptr, w_ptr,
+               n, r, F, E, G, T, NC, QPC, san, sar, sbn, sbr, sgn, sge, sdn, sde,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+               BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """dC rows of one kv head: phi(B) U_k + diagonal chunk (a_i.b_j)^p dO_i summed over the G groups."""
+    pid_k = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_e = tl.program_id(2)
+    k = pid_k // QPC
+    k0 = k * T + (pid_k % QPC) * BQ
+    c_end = tl.minimum(k * T + T, n)
+    cols = k0 + tl.arange(0, BQ)
+    cmask = cols < c_end
+    es = pid_e * BE + tl.arange(0, BE)
+    emask = es < E
+    bo = tl.load(b_off_ptr + h)
+    acc = tl.zeros((BQ, BE), dtype=tl.float32)
+    if k < NC - 1:
+        u_base = u_ptr + h.to(tl.int64) * NC * F * E + k * F * E
+        for f0 in range(0, F, BF):
+            fs = f0 + tl.arange(0, BF)
+            phi = _features(b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF)
+            ut = tl.load(u_base + fs[:, None] * E + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
+            acc += tl.dot(phi, ut, input_precision=PREC)
+    if INCLUDE_DIAG:
+        zs = tl.arange(0, R)
+        zmask = zs < r
+        kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
+                     mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+        for g in range(0, G):
+            ao = tl.load(a_off_ptr + h * G + g)
+            go = tl.load(g_off_ptr + h * G + g)
+            for q_start in range(k0, c_end, BQ):
+                rows = q_start + tl.arange(0, BQ)
+                rmask = rows < c_end
+                qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
+                             mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+                st = tl.dot(kb, tl.trans(qa), input_precision=PREC)
+                if SQUARE:
+                    st = st * st
+                st = tl.where(rows[None, :] >= cols[:, None], st, 0.0)
+                gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
+                             mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+                acc += tl.dot(st, gt, input_precision=PREC)
+    dco = tl.load(dc_off_ptr + h)
+    tl.store(dc_ptr + dco + cols[:, None] * sdn + es[None, :] * sde, acc, mask=cmask[:, None] & emask[None, :])

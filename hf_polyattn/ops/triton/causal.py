@@ -1,0 +1,260 @@
+"""Host side of the Triton lt(phi(A) phi(B)^T) C: argument checks, head tables, launches, autograd.
+
+Memory and launches (the design constraints of this module):
+
+* Nothing of size n x F is ever stored: features are formed tile by tile in registers from the
+  r-dim inputs. At n = 32k, r = 32 (F = 528) an fp32 feature tensor would be 69 MB per head.
+* Per-chunk states, fp32 (n / T) x F x e per kv head: 128 x 528 x 65 x 4 B = 17.6 MB at n = 32k,
+  r = 32, e = 65, T = 256 (the inputs are n (r + e) = 3.2 M values, 6.4 MB in bf16). They are kept
+  because they let every output tile run in parallel (n / 64 x heads programs); one running
+  (528 x 65) fp32 state is 137 KB, more than a program can hold on chip, so a sequential walk would
+  have to keep it in memory anyway and serialise the whole sequence on one SM per head.
+  Backward recomputes them (prefix states P and suffix states U, the same kernel): only a, b, c are
+  saved, so nothing F-sized lives between forward and backward (17.6 MB x heads x layers otherwise).
+* Forward: 2 launches (states, output). Backward: up to 5 (P, U, dA, dB, dC), plus a sum over
+  broadcast dims when an input was broadcast (dB, dC are already reduced over query groups inside
+  the kernels: B and C are never copied G times).
+* Chunk T = block_size, so ``include_diag=False`` drops exactly the block_size x block_size blocks
+  aligned at 0 (the diagonal chunks are then simply not computed). With ``include_diag=True`` the
+  result does not depend on T, and block sizes below 16 run as T = 16 (the smallest matmul tile).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sketches import symmetric_power_indices
+from . import _kernels as K
+
+__all__ = ["lt_multiply_triton"]
+
+# untuned first choices (the GPU benchmark is for a later session): 64-row tiles, 64 features per
+# tile (a 64 x 64 fp32 phi tile is 32 registers a thread at 4 warps), e padded to one tile up to 128
+_MAX_TILE_ROWS = 64
+_MAX_TILE_FEATURES = 64
+_MAX_TILE_E = 128
+_MAX_R = 256
+_NUM_WARPS = 4
+# 2, not triton's default 3: the backward kernels stream a (64 x 128) dO tile and a (128 x 64) state
+# tile in fp32 per step, 64 KB a stage; three stages plus layout scratch near H100's 228 KB of smem
+_NUM_STAGES = 2
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    """Smallest power of two >= x and >= lo (tl.dot needs every tile dimension >= 16)."""
+    return max(lo, 1 << max(0, x - 1).bit_length())
+
+
+def _is_interpreted() -> bool:
+    return type(K._out_kernel).__name__ == "InterpretedFunction"
+
+
+def _check(a, b, c, block_size, include_diag, square) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    for name, x in (("a", a), ("b", b), ("c", c)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(f"{name} needs shape (..., n, features), got {tuple(x.shape)}")
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        if x.device != a.device:
+            raise ValueError(f"{name} is on {x.device} but a is on {a.device}")
+    if a.shape[-2] != b.shape[-2] or b.shape[-2] != c.shape[-2]:
+        raise ValueError(f"a, b, c need the same length, got {a.shape[-2]}, {b.shape[-2]}, {c.shape[-2]}")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"a and b need the same feature size, got {a.shape[-1]} and {b.shape[-1]}")
+    if a.shape[-1] > _MAX_R:
+        raise ValueError(f"a and b: feature size r = {a.shape[-1]} > {_MAX_R} is not supported by the Triton kernels")
+    try:
+        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
+    except RuntimeError as err:
+        raise ValueError(f"a, b, c leading dims do not broadcast: {tuple(a.shape[:-2])}, "
+                         f"{tuple(b.shape[:-2])}, {tuple(c.shape[:-2])}") from err
+    if a.device.type != "cuda" and not _is_interpreted():
+        raise ValueError(f"a, b, c must be CUDA tensors for the Triton kernels, got {a.device} "
+                         "(set TRITON_INTERPRET=1 before importing triton to run them on CPU)")
+
+
+_TABLES: dict = {}
+
+
+def _feature_tables(r: int, square: bool, device):
+    """(i0, i1, w) of the symmetric square on ``device`` (dummies for the identity), cached."""
+    key = (r, square, str(device))
+    if key not in _TABLES:
+        if square:
+            idx, w = symmetric_power_indices(r, 2)
+            t = (idx[:, 0].to(torch.int32), idx[:, 1].to(torch.int32), w.to(torch.float32))
+        else:
+            t = (torch.zeros(1, dtype=torch.int32),) * 2 + (torch.ones(1),)
+        _TABLES[key] = tuple(x.to(device) for x in t)
+    return _TABLES[key]
+
+
+class _Plan:
+    """Shapes, tile sizes and per-head offset tables of one call.
+
+    Leading dims: ``lead`` = broadcast of all three; kv ("state") dims are those where b or c has
+    size > 1, the others are query-group dims. Head h (0..H-1) runs over the kv dims, group g
+    (0..G-1) over the rest; ``offsets(x)`` gives the element offset of x's (h, g) matrix, read
+    through x's own strides (stride 0 where x is broadcast: no copies).
+    """
+
+    def __init__(self, a, b, c, block_size, include_diag, square):
+        self.n, self.r, self.e = a.shape[-2], a.shape[-1], c.shape[-1]
+        self.square, self.include_diag = square, include_diag
+        self.lead = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2]))
+        nd = len(self.lead)
+        kv = tuple(torch.broadcast_shapes(b.shape[:-2], c.shape[:-2]))
+        self.kv_lead = (1,) * (nd - len(kv)) + kv
+        kv_dims = [d for d in range(nd) if self.kv_lead[d] != 1]
+        group_dims = [d for d in range(nd) if self.kv_lead[d] == 1]
+        self.perm = kv_dims + group_dims
+        self.H = math.prod(self.lead[d] for d in kv_dims)
+        self.G = math.prod(self.lead[d] for d in group_dims)
+        self.F = self.r * (self.r + 1) // 2 if square else self.r
+        self.T = block_size if not include_diag else max(block_size, 16)
+        self.NC = -(-self.n // self.T)
+        self.BQ = min(_MAX_TILE_ROWS, _pow2(self.T))
+        self.QPC = -(-self.T // self.BQ)  # row tiles per chunk
+        self.R = _pow2(self.r)
+        self.BF = min(_MAX_TILE_FEATURES, _pow2(self.F)) if square else min(self.R, _MAX_TILE_FEATURES)
+        self.BE = min(_MAX_TILE_E, _pow2(self.e))
+        self.device = a.device
+        self.i0, self.i1, self.w = _feature_tables(self.r, square, a.device)
+        dtypes = {a.dtype, b.dtype, c.dtype}
+        # fp32 inputs get fp32-accurate dots unless the user allowed tf32 for fp32 matmuls (as torch
+        # does); half inputs are exact in tf32 and the state/feature rounding (2^-11) is below theirs
+        highest = torch.get_float32_matmul_precision() == "highest"
+        self.prec = "tf32x3" if dtypes == {torch.float32} and highest else "tf32"
+
+    def offsets(self, x: torch.Tensor) -> torch.Tensor:
+        nd = len(self.lead)
+        xe = x.expand(*self.lead, *x.shape[-2:])
+        off = torch.zeros((1,) * nd, dtype=torch.int64)
+        for d in range(nd):
+            shape = [1] * nd
+            shape[d] = self.lead[d]
+            off = off + (torch.arange(self.lead[d], dtype=torch.int64) * xe.stride(d)).view(shape)
+        off = off.expand(self.lead).permute(self.perm).reshape(self.H, self.G)
+        return off.contiguous().to(self.device)
+
+    def kv_offsets(self, x: torch.Tensor) -> torch.Tensor:
+        return self.offsets(x)[:, 0].contiguous()
+
+    def states(self, x, y, x_off, y_off, groups: int, reverse: bool) -> torch.Tensor:
+        """(H, NC, F, e) fp32 exclusive prefix (reverse: suffix) sums of phi(X_m)^T Y_m over chunks."""
+        s = torch.empty(self.H, self.NC, self.F, self.e, dtype=torch.float32, device=self.device)
+        grid = (_cdiv(self.F, self.BF), _cdiv(self.e, self.BE), self.H)
+        K._state_kernel[grid](
+            x, y, s, x_off, y_off, self.i0, self.i1, self.w,
+            self.n, self.F, self.e, groups, self.T, self.NC, x.stride(-2), x.stride(-1), y.stride(-2), y.stride(-1),
+            REVERSE=reverse, SQUARE=self.square, BT=self.BQ, BF=self.BF, BE=self.BE, PREC=self.prec,
+            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        )
+        return s
+
+
+def _cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def _forward(p: _Plan, a, b, c) -> torch.Tensor:
+    out = torch.empty(*p.lead, p.n, p.e, dtype=torch.float32, device=p.device)
+    b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
+    s = p.states(b, c, b_off, c_off, 1, reverse=False)
+    grid = (p.NC * p.QPC, p.H * p.G, _cdiv(p.e, p.BE))
+    K._out_kernel[grid](
+        a, b, c, s, out, p.offsets(a), b_off, c_off, p.offsets(out), p.i0, p.i1, p.w,
+        p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC,
+        a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2), c.stride(-1),
+        out.stride(-2), out.stride(-1),
+        INCLUDE_DIAG=p.include_diag, SQUARE=p.square, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    return out
+
+
+def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
+    a_off, g_off = p.offsets(a), p.offsets(g)
+    b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
+    strides = (a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1))
+    consts = dict(INCLUDE_DIAG=p.include_diag, SQUARE=p.square, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec,
+                  num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    da = db = dc = None
+    if need_a:
+        s = p.states(b, c, b_off, c_off, 1, reverse=False)
+        buf = torch.empty(*p.lead, p.n, p.r, dtype=torch.float32, device=p.device)
+        K._da_kernel[(p.NC * p.QPC, p.H * p.G)](
+            a, b, c, g, s, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
+            p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+            g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
+        )
+        del s
+        da = buf.sum_to_size(a.shape).to(a.dtype)
+    if need_b or need_c:
+        # suffix states summed over the G query groups of each kv head (the reduction dB, dC need)
+        u = p.states(a, g, a_off, g_off, p.G, reverse=True)
+        if need_b:
+            buf = torch.empty(*p.kv_lead, p.n, p.r, dtype=torch.float32, device=p.device)
+            K._db_kernel[(p.NC * p.QPC, p.H)](
+                a, b, c, g, u, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
+                p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+                g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
+            )
+            db = buf.sum_to_size(b.shape).to(b.dtype)
+        if need_c:
+            buf = torch.empty(*p.kv_lead, p.n, p.e, dtype=torch.float32, device=p.device)
+            K._dc_kernel[(p.NC * p.QPC, p.H, _cdiv(p.e, p.BE))](
+                a, b, g, u, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
+                p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC, *strides,
+                g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
+            )
+            dc = buf.sum_to_size(c.shape).to(c.dtype)
+    return da, db, dc
+
+
+class _LTMultiplyTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, c, block_size: int, include_diag: bool, square: bool):  # noqa: D102
+        ctx.save_for_backward(a, b, c)
+        ctx.args = (block_size, include_diag, square)
+        p = _Plan(a, b, c, block_size, include_diag, square)
+        if p.n == 0 or p.H * p.G == 0 or p.e == 0:
+            return torch.zeros(*p.lead, p.n, p.e, dtype=torch.float32, device=a.device)
+        return _forward(p, a, b, c)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        a, b, c = ctx.saved_tensors
+        need_a, need_b, need_c = ctx.needs_input_grad[:3]
+        p = _Plan(a, b, c, *ctx.args)
+        if p.n == 0 or p.H * p.G == 0 or p.e == 0 or p.r == 0:
+            zeros = [torch.zeros_like(x) if need else None for x, need in zip((a, b, c), (need_a, need_b, need_c))]
+            return (*zeros, None, None, None)
+        da, db, dc = _backward(p, a, b, c, grad_out.float(), need_a, need_b, need_c)
+        return da, db, dc, None, None, None
+
+
+def lt_multiply_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    block_size: int = 256,
+    include_diag: bool = True,
+    square: bool = False,
+) -> torch.Tensor:
+    """lt(phi(A) phi(B)^T) C with Triton kernels; same semantics and checks as ``ops.causal.lt_multiply``.
+
+    Row i is sum_{j <= i} (phi(a_i) . phi(b_j)) c_j, phi = identity or (``square``) the symmetric
+    tensor square. ``include_diag=False`` leaves out the block_size x block_size diagonal blocks
+    aligned at 0. A (..., n, r), B (..., n, r), C (..., n, e) with broadcastable leading dims;
+    fp32 / bf16 / fp16 inputs, fp32 output and fp32 accumulation. Differentiable in a, b, c.
+    """
+    _check(a, b, c, block_size, include_diag, square)
+    return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square))

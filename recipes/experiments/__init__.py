@@ -1,0 +1,1 @@
+"""The scripts that produced recipes/results/ (one folder per study); see recipes/experiments/README.md."""

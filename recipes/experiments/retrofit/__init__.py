@@ -1,0 +1,1 @@
+"""Scripts of the retrofit study (run from anywhere; see recipes/experiments/README.md)."""

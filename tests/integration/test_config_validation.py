@@ -1,0 +1,167 @@
+"""PolyAttnConfig rejects every value it would otherwise misread, naming the field and what is allowed.
+
+Before: ``alpha=nan`` / ``denominator_offset=inf`` silently zeroed the attention,
+``qk_norm="no"`` switched q/k LayerNorms ON, ``poly_coefficients="12"`` became (1.0, 2.0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from integration_helpers import VOCAB, build
+
+import hf_polyattn
+from hf_polyattn import PolyAttnConfig
+from hf_polyattn.config import BACKENDS
+
+NAN, INF = float("nan"), float("inf")
+FIELDS = {f.name: str(f.type) for f in dataclasses.fields(PolyAttnConfig)}
+# A config in which every float field may take any finite value (alpha/beta are polynomial-only).
+BASE = {"kind": "polynomial", "degree": 2}
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", ["alpha", "beta", "denominator_offset"])
+def test_non_finite_floats_rejected(name, value):
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite real number \(int or float\), got -?(nan|inf)"):
+        PolyAttnConfig(**BASE, **{name: value})
+
+
+@pytest.mark.parametrize(
+    "coefficients",
+    [(NAN, 1.0), (1.0, INF), [1.0, -INF], "12", 12, [1.0, "2"], (True, 1.0), {1.0: 2.0}, (1.0, None)],
+    ids=["nan", "inf", "-inf-list", "str", "int", "str-item", "bool-item", "dict", "none-item"],
+)
+def test_bad_poly_coefficients_rejected(coefficients):
+    with pytest.raises(ValueError, match=r"^poly_coefficients must be a list or tuple of finite real numbers"):
+        PolyAttnConfig(kind="polynomial", poly_coefficients=coefficients)
+
+
+def _wrong_values(annotation: str) -> list:
+    """Values of the wrong type for a field annotated ``annotation`` (None where the field is not optional)."""
+    optional = annotation.endswith(" | None")
+    base = annotation.removesuffix(" | None")
+    wrong = {
+        "bool": ["no", "False", 1, 0, 1.0],
+        "int": [4.0, True, "4", 2.5],
+        "float": ["1", True, "nan", NAN, INF, [1.0]],
+        "str": [3, True, "bogus", ["auto"]],
+        "tuple[float, ...]": ["12", 1.0, (NAN,), ("1",)],
+    }[base]  # KeyError: a new annotation this test does not know yet (add it here and in config.py)
+    return wrong if optional else [*wrong, None]
+
+
+@pytest.mark.parametrize("name", list(FIELDS))
+def test_every_field_rejects_wrong_types_naming_itself(name):
+    for value in _wrong_values(FIELDS[name]):
+        with pytest.raises(ValueError, match=rf"^{name} must be ") as err:
+            PolyAttnConfig(**{**BASE, name: value})
+        assert repr(value) in str(err.value) or (isinstance(value, float) and math.isnan(value)), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("qk_norm", "no", r"qk_norm must be a bool \(True or False\), got 'no'"),
+        ("local_exact", "False", r"local_exact must be a bool \(True or False\), got 'False'"),
+        ("learn_coefficients", 1, r"learn_coefficients must be a bool \(True or False\), got 1"),
+        ("beta", "2", r"beta must be a finite real number \(int or float\), got '2'"),
+        ("denominator_offset", "1", r"denominator_offset must be a finite real number \(int or float\), got '1'"),
+        ("degree", 4.0, r"degree must be an int >= 1, got 4\.0"),
+        ("seed", False, r"seed must be an int >= 0, got False"),
+        ("backend", "cuda", r"backend must be one of \['auto', 'loop', 'batched', 'triton'\], got 'cuda'"),
+        ("window", -1, r"window must be an int >= 0, got -1"),
+        ("window", 4.0, r"window must be an int >= 0, got 4.0"),
+        ("window_mix", "yes", r"window_mix must be a bool"),
+        ("exact_path", None, r"exact_path must be one of \['auto', 'quadratic', 'tensor'\], got None"),
+    ],
+)
+def test_reported_cases(name, value, match):
+    with pytest.raises(ValueError, match=match):
+        PolyAttnConfig(**{**BASE, name: value})
+
+
+def test_numbers_are_normalised():
+    cfg = PolyAttnConfig(kind="polynomial", degree=2, alpha=1, beta=2, denominator_offset=0,
+                         poly_coefficients=[0, 1, 2])
+    assert (cfg.alpha, cfg.beta, cfg.denominator_offset) == (1.0, 2.0, 0.0)
+    assert all(type(x) is float for x in (cfg.alpha, cfg.beta, cfg.denominator_offset))
+    assert cfg.poly_coefficients == (0.0, 1.0, 2.0) and all(type(c) is float for c in cfg.poly_coefficients)
+    with pytest.raises(ValueError, match="beta must be a non-zero"):
+        PolyAttnConfig(**BASE, beta=0)
+    with pytest.raises(ValueError, match="denominator_offset must be a finite real number >= 0"):
+        PolyAttnConfig(kind="linear", denominator_offset=-1)
+
+
+def test_backend_field():
+    field = next(f for f in dataclasses.fields(PolyAttnConfig) if f.name == "backend")
+    assert field.default == "auto" and BACKENDS == ("auto", "loop", "batched", "triton")
+    assert "HF_POLYATTN_BACKEND" in field.metadata["help"]
+    for backend in BACKENDS:
+        cfg = PolyAttnConfig(kind="linear", backend=backend)
+        assert PolyAttnConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    old = PolyAttnConfig(kind="linear").to_dict()
+    del old["backend"]  # a config.json written before the field existed
+    assert PolyAttnConfig.from_dict(old).backend == "auto"
+
+
+def test_window_options():
+    assert PolyAttnConfig(kind="linear", window=8).resolved_local_kernel == "softmax"
+    assert PolyAttnConfig(kind="polysketch", window=8).resolved_local_kernel == "softmax"
+    assert PolyAttnConfig(kind="polysketch", local_exact=True).resolved_local_kernel == "polynomial"
+    with pytest.raises(ValueError, match="window applies to the linear-time kinds"):
+        PolyAttnConfig(kind="polynomial", window=8)
+    with pytest.raises(ValueError, match="window and local_exact are two forms"):
+        PolyAttnConfig(kind="linear", window=8, local_exact=True)
+    with pytest.raises(ValueError, match="window needs causal_algorithm='block'"):
+        PolyAttnConfig(kind="linear", window=8, causal_algorithm="cumsum")
+    with pytest.raises(ValueError, match="window_mix needs window > 0"):
+        PolyAttnConfig(kind="linear", window_mix=True)
+    with pytest.raises(ValueError, match="local_kernel='softmax' needs local_exact=True or window > 0"):
+        PolyAttnConfig(kind="linear", local_kernel="softmax")
+    with pytest.raises(ValueError, match="denominator_offset is not allowed with exp-based weights"):
+        PolyAttnConfig(kind="linear", window=8, denominator_offset=1.0)
+
+
+def test_json_round_trip_of_every_field():
+    cfg = PolyAttnConfig(kind="polynomial", degree=2, alpha=0.5, beta=2.0, denominator_offset=1.0,
+                         poly_coefficients=(1.0, 0.0, 2.0), learn_coefficients=True, qk_norm=True, seed=3,
+                         backend="triton")
+    assert PolyAttnConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def _config_json(path):
+    return json.loads((path / "config.json").read_text())
+
+
+def test_backend_round_trips_through_config_json_and_old_checkpoints_load(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build("llama", PolyAttnConfig(kind="linear", backend="triton"))
+    model.save_pretrained(tmp_path / "new")
+    assert _config_json(tmp_path / "new")["polyattn"]["backend"] == "triton"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "new")  # loading runs no kernel
+    assert hf_polyattn.get_polyattn_config(reloaded).backend == "triton"
+
+    build("llama", PolyAttnConfig(kind="linear")).save_pretrained(tmp_path / "old")
+    data = _config_json(tmp_path / "old")
+    del data["polyattn"]["backend"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(data))
+    old = AutoModelForCausalLM.from_pretrained(tmp_path / "old")
+    assert hf_polyattn.get_polyattn_config(old).backend == "auto"
+    old(torch.randint(3, VOCAB, (1, 6)))
+
+
+def test_bad_stored_config_refused_at_load(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    build("llama", PolyAttnConfig(kind="linear")).save_pretrained(tmp_path)
+    data = _config_json(tmp_path)
+    data["polyattn"]["qk_norm"] = "no"  # hand-edited config.json
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"not a valid PolyAttnConfig: qk_norm must be a bool"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -1,0 +1,237 @@
+"""Triton lt(phi(A) phi(B)^T) C against the PyTorch block algorithm and a dense O(n^2) product.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before the
+kernels are first imported; the interpreter does every dot in full fp32, so fp32 tolerances are
+tight). With a GPU the same tests run the compiled kernels on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from hf_polyattn.ops import lt_multiply, symmetric_square  # noqa: E402
+from hf_polyattn.ops.triton import is_available, lt_multiply_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+if DEVICE == "cpu":
+    from hf_polyattn.ops.triton import causal as _impl  # noqa: E402
+
+    if not _impl._is_interpreted():
+        pytest.skip("triton kernels were imported before TRITON_INTERPRET=1 could be set and there is no GPU",
+                    allow_module_level=True)
+
+# fp32: the kernels accumulate in fp32 over <= ~100 terms of size ~10: ~1e-6 relative error
+FP32_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _dense(a, b, c, block, include_diag, square):
+    fa, fb = (symmetric_square(a), symmetric_square(b)) if square else (a, b)
+    n = a.shape[-2]
+    i = torch.arange(n, device=a.device)
+    keep = i[None, :] <= i[:, None]
+    if not include_diag:
+        keep &= (i[None, :] // block) != (i[:, None] // block)
+    return ((fa @ fb.transpose(-1, -2)) * keep) @ c
+
+
+def _inputs(lead_a, lead_bc, n, r, e, dtype, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    a = (scale * torch.randn(*lead_a, n, r, generator=gen)).to(DEVICE, dtype).requires_grad_()
+    b = (scale * torch.randn(*lead_bc, n, r, generator=gen)).to(DEVICE, dtype).requires_grad_()
+    c = torch.randn(*lead_bc, n, e, generator=gen).to(DEVICE, dtype).requires_grad_()
+    return a, b, c
+
+
+def _grads(out, g, xs):
+    return torch.autograd.grad((out * g).sum(), xs)
+
+
+def _check_against_references(a, b, c, block, diag, square, grad_tol):
+    """Output (fp32 tolerances: inputs are exact in fp32) and gradients against both references."""
+    out = lt_multiply_triton(a, b, c, block, diag, square)
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    a64, b64, c64 = (x.detach().double().requires_grad_() for x in (a, b, c))
+    ref = lt_multiply(a64, b64, c64, block, diag, square)
+    dense = _dense(a64, b64, c64, block, diag, square)
+    torch.testing.assert_close(ref, dense)  # the two references agree
+    torch.testing.assert_close(out.double(), ref, **FP32_TOL)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = _grads(out, g, (a, b, c))
+    want = _grads(dense, g.double(), (a64, b64, c64))
+    for name, x, y, inp in zip("abc", got, want, (a, b, c)):
+        assert x.shape == inp.shape and x.dtype == inp.dtype
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x.double(), y, **grad_tol, msg=lambda m, nm=name: f"d{nm}: {m}")
+
+
+# n is never a multiple of the block; e odd (head_dim + 1 style); A has G = 2 query groups that
+# share one B, C per kv head (B, C have a size-1 group axis, as the caller passes them)
+SHAPES = [
+    # n, r, e, block, lead_a, lead_bc
+    (50, 4, 5, 16, (2, 2), (2, 1)),
+    (37, 8, 9, 16, (1, 2, 2), (1, 2, 1)),
+]
+MAIN = [
+    pytest.param(n, r, e, blk, la, lbc, sq, diag, dt,
+                 id=f"n{n}-r{r}-e{e}-sq{int(sq)}-diag{int(diag)}-{str(dt).split('.')[-1]}")
+    for (n, r, e, blk, la, lbc) in SHAPES
+    for sq in (False, True)
+    for diag in (True, False)
+    for dt in (torch.float32, torch.bfloat16)
+]
+
+
+@pytest.mark.parametrize("n,r,e,block,lead_a,lead_bc,square,diag,dtype", MAIN)
+def test_matches_references(n, r, e, block, lead_a, lead_bc, square, diag, dtype):
+    a, b, c = _inputs(lead_a, lead_bc, n, r, e, dtype)
+    # bf16 gradients are rounded to bf16 at the end (rel. error <= 2^-9): allow 2^-8
+    grad_tol = FP32_TOL if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-3)
+    _check_against_references(a, b, c, block, diag, square, grad_tol)
+
+
+LAYOUTS = [
+    # id, n, r, e, block, diag, square, lead_a, lead_bc
+    ("chunk-2-row-tiles", 150, 4, 5, 128, False, True, (1, 2), (1, 1)),  # T=128 > 64-row tile
+    ("chunk-2-row-tiles-diag", 150, 4, 5, 100, True, True, (2,), (1,)),  # T=100 not a tile multiple
+    ("block-not-pow2-nodiag", 41, 3, 7, 12, False, True, (2, 1), (1, 3)),  # b, c broadcast to (2, 3)
+    ("block-below-tile", 29, 5, 3, 4, True, False, (3,), (3,)),  # include_diag: runs as T=16
+    ("block-below-tile-nodiag", 29, 5, 3, 4, False, True, (3,), (3,)),  # 4-row chunks in 16-row tiles
+    ("identity-r80-e130", 40, 80, 130, 16, True, False, (2,), (1,)),  # 2 feature tiles, 2 e tiles
+    ("square-r20-3-ftiles", 40, 20, 17, 16, True, True, (1,), (1,)),  # F = 210 in 4 tiles of 64
+    ("a-broadcast-over-heads", 33, 4, 5, 16, True, True, (1, 1), (3, 1)),  # dA summed over 3 heads
+    ("no-lead-dims", 23, 4, 5, 16, True, True, (), ()),
+    ("n1", 1, 4, 5, 16, True, True, (2,), (1,)),
+]
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_layouts(case):
+    _, n, r, e, block, diag, square, lead_a, lead_bc = case
+    a, b, c = _inputs(lead_a, lead_bc, n, r, e, torch.float32, seed=2, scale=0.5)
+    _check_against_references(a, b, c, block, diag, square, FP32_TOL)
+
+
+def test_strided_and_expanded_inputs():
+    """Transposed (n, heads, r) storage and stride-0 expanded B, C: read in place, no copies needed."""
+    n, r, e, block = 45, 6, 7, 16
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(n, 4, r, generator=gen).to(DEVICE).transpose(0, 1).requires_grad_()  # (4, n, r), stride (r, 4r, 1)
+    b0 = torch.randn(2, 1, n, r, generator=gen).to(DEVICE).requires_grad_()
+    c0 = torch.randn(2, 1, n, e, generator=gen).to(DEVICE).requires_grad_()
+    b, c = b0.expand(2, 2, n, r), c0.expand(2, 2, n, e)  # (2, 2, ...) stride 0 on the group axis
+    a4 = a.reshape(2, 2, n, r)  # a view with per-axis strides
+    for square in (False, True):
+        out = lt_multiply_triton(a4, b, c, block, True, square)
+        ref = _dense(a4.detach().double(), b0.detach().double(), c0.detach().double(), block, True, square)
+        torch.testing.assert_close(out.double(), ref, **FP32_TOL)
+        g = torch.randn(out.shape, generator=gen).to(DEVICE)
+        got = _grads(out, g, (a, b0, c0))
+        x64 = [x.detach().double().requires_grad_() for x in (a, b0, c0)]
+        want = _grads(_dense(x64[0].reshape(2, 2, n, r), x64[1], x64[2], block, True, square), g.double(), x64)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x.double(), y, **FP32_TOL)
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["sq0", "sq1"])
+@pytest.mark.parametrize("diag", [True, False], ids=["diag1", "diag0"])
+def test_causal(square, diag):
+    """Changing rows >= m of B and C leaves every output row < m unchanged (bit for bit)."""
+    n, m = 53, 30
+    a, b, c = _inputs((2, 2), (2, 1), n, 4, 5, torch.float32, seed=4)
+    out = lt_multiply_triton(a, b, c, 16, diag, square)
+    b2, c2 = b.detach().clone(), c.detach().clone()
+    b2[..., m:, :] = torch.randn_like(b2[..., m:, :]) * 10
+    c2[..., m:, :] = torch.randn_like(c2[..., m:, :]) * 10
+    out2 = lt_multiply_triton(a, b2, c2, 16, diag, square)
+    assert torch.equal(out[..., :m, :], out2[..., :m, :])
+    assert not torch.allclose(out[..., m:, :], out2[..., m:, :])  # the change is visible later
+
+
+def test_half_inputs_do_not_overflow():
+    """fp16 inputs whose squared dot products (~1e10) overflow fp16's 65504: fp32 all the way."""
+    n, r, e = 40, 8, 5
+    a, b, c = _inputs((2,), (1,), n, r, e, torch.float16, seed=5, scale=30.0)
+    assert ((a.detach().double()[0] @ b.detach().double()[0].T) ** 2).max() > 1e6  # would overflow in fp16
+    out = lt_multiply_triton(a, b, c, 16, True, True)
+    ref = _dense(a.detach().double(), b.detach().double(), c.detach().double(), 16, True, True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_only_some_inputs_need_grad():
+    a, b, c = _inputs((2,), (1,), 20, 4, 5, torch.float32, seed=6)
+    b = b.detach()
+    out = lt_multiply_triton(a, b, c, 16, True, True)
+    da, dc = torch.autograd.grad(out.sum(), (a, c))
+    a64, b64, c64 = (x.detach().double().requires_grad_() for x in (a, b, c))
+    wa, wc = torch.autograd.grad(_dense(a64, b64, c64, 16, True, True).sum(), (a64, c64))
+    torch.testing.assert_close(da.double(), wa, **FP32_TOL)
+    torch.testing.assert_close(dc.double(), wc, **FP32_TOL)
+
+
+def test_argument_errors():
+    assert is_available()
+    x = torch.randn(2, 10, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="block_size"):
+        lt_multiply_triton(x, x, x, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        lt_multiply_triton(x, x, x, True)
+    with pytest.raises(ValueError, match="same length"):
+        lt_multiply_triton(x, x[:, :5], x)
+    with pytest.raises(ValueError, match="same feature size"):
+        lt_multiply_triton(x, x[..., :3], x)
+    with pytest.raises(ValueError, match="^a must be float32"):
+        lt_multiply_triton(x.double(), x, x)
+    with pytest.raises(ValueError, match="^c needs shape"):
+        lt_multiply_triton(x, x, x[0, 0])
+    with pytest.raises(ValueError, match="leading dims"):
+        lt_multiply_triton(x, torch.randn(3, 10, 4, device=DEVICE), x)
+
+
+# ------------------------------------------------------------------ through the attention module
+MODULE_KINDS = [
+    dict(kind="polysketch", sketch="learned", sketch_size=4, local_exact=True),
+    dict(kind="polysketch", sketch="srht", sketch_size=4, degree=2),
+    dict(kind="linear", feature_map="elu"),
+    dict(kind="performer", num_features=8, local_exact=True),
+]
+
+
+@pytest.mark.parametrize("opts", MODULE_KINDS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_attention_module_on_triton_backend(monkeypatch, opts):
+    """PolyAttention dispatched to the Triton kernels (HF_POLYATTN_BACKEND=triton) equals the block loop."""
+    from hf_polyattn import PolyAttnConfig
+    from hf_polyattn.ops import PolyAttention
+    from hf_polyattn.ops.backend import ENV_VAR
+
+    pa = PolyAttention(PolyAttnConfig(block_size=16, **opts), 4, 8, 2).to(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 37, 8, generator=gen).to(DEVICE).requires_grad_() for h in (4, 2, 2))
+    mask = torch.ones(2, 37, dtype=torch.bool, device=DEVICE)
+    mask[1, 30:] = False
+    results = {}
+    for which in ("loop", "triton"):
+        monkeypatch.setenv(ENV_VAR, which)
+        out = pa(q, k, v, causal=True, key_padding_mask=mask)
+        results[which] = (out, torch.autograd.grad(out.square().sum(), (q, k, v)))
+    torch.testing.assert_close(results["triton"][0], results["loop"][0], **FP32_TOL)
+    for name, g_t, g_l in zip("qkv", results["triton"][1], results["loop"][1]):
+        # gradients reach ~1e2 where a normaliser is small: fp32 rounding of the two summation orders
+        torch.testing.assert_close(g_t, g_l, rtol=1e-4, atol=1e-5 * g_l.abs().max().item(), msg=f"d{name}")
+
+
+def test_auto_backend_knows_the_kernel_limit():
+    from hf_polyattn.ops import backend
+    from hf_polyattn.ops.triton import causal
+
+    assert backend.TRITON_MAX_INPUT_FEATURES == causal._MAX_R

@@ -1,0 +1,180 @@
+"""The recipes' layout: runnable from any directory, experiment scripts with one convention, results without code,
+one model card, sections that regenerate byte for byte from the recorded results."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+EXPERIMENTS = RECIPES / "experiments"
+RESULTS = RECIPES / "results"
+
+# every recipe with a command line; those with a --data default must point at an existing file
+RECIPES_WITH_DATA = ["retrofit", "transfer", "finetune", "evaluate", "train_gpt2_scratch", "demo", "paper_tables"]
+RECIPES_WITHOUT_DATA = ["thesis_reversal", "sketch_accuracy", "benchmark_decode"]
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory):
+    """`python <repo>/recipes/NAME.py --help` for every recipe, all started at once from an unrelated directory."""
+    pytest.importorskip("transformers")
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
+    procs = {name: subprocess.Popen([sys.executable, str(RECIPES / f"{name}.py"), "--help"], cwd=cwd, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in RECIPES_WITH_DATA + RECIPES_WITHOUT_DATA}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        out[name] = (proc.returncode, stdout, stderr)
+    return cwd, out
+
+
+def _option_default(help_text: str, option: str) -> str:
+    flat = re.sub(r"\s+", " ", help_text)
+    m = re.search(rf"(?:^| ){re.escape(option)} [A-Z_]+ (?:[^-]|-(?!-))*?\(default: ([^()\s]+)\)", flat)
+    assert m, f"no default shown for {option} in: {flat[:3000]}"
+    return m.group(1)
+
+
+@pytest.mark.parametrize("name", RECIPES_WITH_DATA)
+def test_help_from_elsewhere_default_data_exists(helps, name):
+    cwd, out = helps
+    rc, stdout, stderr = out[name]
+    assert rc == 0, stderr[-3000:]
+    default = _option_default(stdout, "--data")
+    if not (ROOT.parent / "shared/data").exists():
+        pytest.skip("the project's shared data folder is not next to this checkout")
+    assert (cwd / default).is_file(), f"{name}: --data default {default!r} does not exist seen from {cwd}"
+
+
+@pytest.mark.parametrize("name", RECIPES_WITHOUT_DATA)
+def test_help_from_elsewhere(helps, name):
+    _, out = helps
+    rc, _, stderr = out[name]
+    assert rc == 0, stderr[-3000:]
+
+
+def test_boolean_help_is_truthful(helps):
+    """--no_local_exact next to --local_exact (HfArgumentParser's negation) must not claim '(default: False)'."""
+    _, out = helps
+    flat = re.sub(r"\s+", " ", out["retrofit"][1])
+    assert "--local_exact false or --no_local_exact turns it off) (default: True)" in flat
+    entries = [re.sub(r"\s+", " ", e).strip() for e in re.split(r"\n  (?=-)", out["retrofit"][1])]
+    negations = [m.groups() for e in entries if (m := re.fullmatch(r"--no_(\w+), --no-[\w-]+ (.*)", e))]
+    assert {name for name, _ in negations} >= {"local_exact", "qk_norm", "resume", "eval_before", "save_model"}
+    for name, text in negations:
+        assert text == f"same as --{name} false", (name, text)
+
+
+def _shell_scripts() -> list[Path]:
+    return sorted(EXPERIMENTS.rglob("*.sh"))
+
+
+def test_experiment_scripts_exist():
+    assert len(_shell_scripts()) >= 10  # thesis 1, paper tables 3, retrofit 7
+
+
+@pytest.mark.parametrize("script", _shell_scripts(), ids=lambda p: str(p.relative_to(EXPERIMENTS)))
+def test_experiment_script_convention(script):
+    lines = script.read_text().splitlines()
+    assert lines[0] == "#!/usr/bin/env bash", script
+    code = [ln.strip() for ln in lines[1:] if ln.strip() and not ln.lstrip().startswith("#")]
+    assert code[0] == "set -euo pipefail", f"{script}: first command is {code[0]!r}"
+    # the repository root, computed from the script's own location (recipes/experiments/<study>/x.sh)
+    assert code[1].startswith('cd "$(dirname "${BASH_SOURCE[0]}")/../../.."'), code[1]
+    assert not any(".venv" in ln and ".venv/bin/python" not in ln for ln in code), "a python other than .venv's"
+    # one convention: every path from the repository root (../shared/data is the project's data, next to it)
+    assert not any("../" in ln.replace("../shared/", "") for ln in code[2:]), "a path not from the repository root"
+    assert any(".venv/bin/python" in ln for ln in code)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+def test_results_hold_no_code():
+    code = sorted(str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*") if p.suffix in (".py", ".sh"))
+    assert code == [], f"code under recipes/results/ (belongs in recipes/experiments/): {code}"
+    assert not [p for p in RESULTS.rglob("scripts") if p.is_dir()]
+
+
+def test_archive_readme_lists_every_archived_run():
+    archive = RESULTS / "archive"
+    readme = (archive / "README.md").read_text()
+    for folder in (p for p in archive.iterdir() if p.is_dir()):
+        assert f"`{folder.name}/`" in readme, f"archive/{folder.name} is not described in archive/README.md"
+
+
+def test_single_model_card():
+    """One model-card template, the one the package ships; no stale copy elsewhere in the repository."""
+    template = ROOT / "hf_polyattn" / "model_card_template.md"
+    text = template.read_bytes()
+    skip = {".git", ".venv", "runs", "node_modules", "build", "dist", "__pycache__"}
+    copies = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.endswith(".egg-info")]
+        for f in filenames:
+            p = Path(dirpath) / f
+            if f.endswith(".md") and p != template and p.stat().st_size == len(text) and p.read_bytes() == text:
+                copies.append(str(p.relative_to(ROOT)))
+    assert copies == [], f"copies of {template.relative_to(ROOT)}: {copies}"
+    from hf_polyattn.integration import hub
+
+    assert Path(hub.template_path()).resolve() == template.resolve()
+    # the docs name the file that exists
+    for doc in (ROOT / "docs").glob("*.md"):
+        for ref in re.findall(r"`([\w/.-]*model_card[\w/.-]*\.md)`", doc.read_text()):
+            assert (ROOT / ref).is_file(), f"{doc.name} names {ref}, which does not exist"
+
+
+def _run_module(module: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_thesis_section_regenerates_byte_identical(tmp_path):
+    out = tmp_path / "SECTION_thesis.md"
+    _run_module("recipes.experiments.thesis_reversal.fill_section",
+                str(EXPERIMENTS / "thesis_reversal/SECTION_thesis.template.md"), str(out))
+    assert out.read_bytes() == (RESULTS / "SECTION_thesis.md").read_bytes()
+
+
+def test_retrofit_section_regenerates_byte_identical(tmp_path):
+    out = tmp_path / "SECTION_retrofit.md"
+    _run_module("recipes.experiments.retrofit.fill_section",
+                str(EXPERIMENTS / "retrofit/SECTION_retrofit.template.md"), str(out))
+    assert out.read_bytes() == (RESULTS / "SECTION_retrofit.md").read_bytes()
+
+
+def test_paper_tables_long_section_regenerates_byte_identical(tmp_path):
+    pytest.importorskip("matplotlib")
+    # a copy of the results folder: the script also redraws its plots next to the results it reads
+    folder = tmp_path / "paper_tables_long"
+    shutil.copytree(RESULTS / "paper_tables_long", folder)
+    out = tmp_path / "SECTION_paper_tables_long.md"
+    _run_module("recipes.experiments.paper_tables_long.fill_section", "--dir", str(folder), "--out", str(out))
+    assert out.read_bytes() == (RESULTS / "SECTION_paper_tables_long.md").read_bytes()
+
+
+def test_results_md_assembles_from_sections(tmp_path):
+    """build_results.py's output equals the committed RESULTS.md (run on a copy of recipes/, from elsewhere)."""
+    copy = tmp_path / "recipes"
+    copy.mkdir()
+    shutil.copy(RECIPES / "build_results.py", copy / "build_results.py")
+    (copy / "results").mkdir()
+    for p in RESULTS.glob("SECTION_*.md"):
+        shutil.copy(p, copy / "results" / p.name)
+    if (RESULTS / "PENDING.md").exists():
+        shutil.copy(RESULTS / "PENDING.md", copy / "results" / "PENDING.md")
+    for folder in RESULTS.glob("benchmark_*"):
+        shutil.copytree(folder, copy / "results" / folder.name, ignore=shutil.ignore_patterns("*.png", "*.json"))
+    subprocess.run([sys.executable, str(copy / "build_results.py")], cwd=tmp_path, check=True, capture_output=True)
+    assert (copy / "RESULTS.md").read_bytes() == (RECIPES / "RESULTS.md").read_bytes()

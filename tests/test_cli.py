@@ -1,0 +1,301 @@
+"""The `hf-polyattn` command line: help, version, kinds, convert, eval and its errors (in-process via main(argv))."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_polyattn  # noqa: E402
+from hf_polyattn import cli  # noqa: E402
+from hf_polyattn.config import KINDS, PolyAttnConfig  # noqa: E402
+
+WORDS = ("the king and queen of a castle by the sea sang to their people while ships came home "
+         "with bread wine and stories from far lands").split()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama checkpoint with its own byte-level BPE tokenizer, and a 200-line text file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("cli")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) for _ in range(200)]
+    text = root / "text.txt"
+    text.write_text("\n".join(lines) + "\n")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=320, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model_dir = root / "tiny-llama"
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return {"model": model_dir, "text": text, "root": root}
+
+
+@pytest.fixture(scope="module")
+def converted(tiny):
+    out = tiny["root"] / "tiny-polysketch"
+    argv = ["convert", str(tiny["model"]), "--kind", "polysketch", "--set", "sketch_size=8", "--set", "block_size=16",
+            "--set", "local_exact=true", "--out", str(out)]
+    assert cli.main(argv) == 0
+    return out
+
+
+def run(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ----------------------------------------------------------------------------------------------- help, version
+
+
+OPTIONS = {
+    "kinds": ["--json"],
+    "convert": ["MODEL", "--kind", "--set", "--out", "--task", "--dtype", "--overwrite"],
+    "eval": ["MODEL", "--data", "--kind", "--set", "--context", "--stride", "--batch-size", "--eval-fraction",
+             "--max-eval-tokens", "--text-column", "--tokenizer", "--device", "--dtype", "--threads", "--json"],
+    "bench": ["--device", "--lengths", "--kinds", "--heads", "--head-dim", "--dtype", "--repeats", "--threads",
+              "--timeout", "--out", "--quick"],
+}
+
+
+@pytest.mark.parametrize("command", list(OPTIONS))
+def test_help_of_every_command_lists_its_options(command, capsys):
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    assert out.startswith(f"usage: hf-polyattn {command} ")
+    for option in OPTIONS[command]:
+        assert option in out, (command, option)
+
+
+def test_every_option_has_help_and_shown_defaults(capsys):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction))
+    assert set(sub.choices) == set(OPTIONS)
+    for name, p in sub.choices.items():
+        assert p.description, name
+        for action in p._actions:
+            if action.help == cli.argparse.SUPPRESS:
+                continue
+            assert action.help, (name, action.dest)
+    code, out, _ = run(["convert", "--help"], capsys)
+    assert "(default: auto)" in out  # --task
+    code, out, _ = run(["bench", "--help"], capsys)
+    assert "16 on CUDA" in out and "131072" in out and "(default: 64)" in out
+
+
+def test_top_level_help_lists_the_commands(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0 and out.startswith("usage: hf-polyattn ")
+    for command in OPTIONS:
+        assert f"    {command} " in out
+    assert "--version" in out
+
+
+def test_version(capsys, monkeypatch):
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out == f"hf-polyattn {version('hf_polyattn')}\n"
+
+    def missing(name):
+        raise cli_metadata.PackageNotFoundError(name)
+
+    import importlib.metadata as cli_metadata
+
+    monkeypatch.setattr(cli_metadata, "version", missing)
+    assert cli.package_version() == hf_polyattn.__version__
+
+
+# ----------------------------------------------------------------------------------------------- kinds
+
+
+def test_kinds_lists_every_kind_and_option(capsys):
+    code, out, _ = run(["kinds"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    for kind in KINDS:
+        assert kind in lines, kind  # a heading per kind
+    flat = " ".join(out.split())
+    for f in dataclasses.fields(PolyAttnConfig):
+        if f.name == "kind":
+            continue
+        assert f"{f.name}: {f.type} = {f.default!r}" in out, f.name
+        assert " ".join(f.metadata["help"].split()) in flat, f.name
+    # options under the kind that reads them
+    polysketch = out[out.index("\npolysketch\n"):out.index("\nlinear\n")]
+    assert "sketch_size: int = 32" in polysketch and "num_features" not in polysketch
+
+
+def test_kinds_json_covers_every_field(capsys):
+    code, out, _ = run(["kinds", "--json"], capsys)
+    data = json.loads(out)
+    assert set(data["kinds"]) == set(KINDS)
+    shown = {o["name"] for group in [*data["kinds"].values(), data["all_kinds"]] for o in group}
+    assert shown == {f.name for f in dataclasses.fields(PolyAttnConfig)} - {"kind"}
+    assert data["kinds"]["performer"][0] == {"name": "num_features", "type": "int", "default": 256,
+                                             "help": "performer: number of random features m"}
+
+
+def test_kind_fields_name_real_options():
+    names = {f.name for f in dataclasses.fields(PolyAttnConfig)}
+    assert set(cli.KIND_FIELDS) == set(KINDS)
+    for kind, fields in cli.KIND_FIELDS.items():
+        assert set(fields) <= names, kind
+
+
+# ----------------------------------------------------------------------------------------------- --set parsing
+
+
+def test_set_values_are_parsed_by_field_type():
+    cfg = cli.build_config("polynomial", ["degree=6", "alpha=0.5", "beta=2", "poly_coefficients=1,0,0.5",
+                                          "learn_coefficients=yes", "exact_path=tensor"])
+    assert cfg.degree == 6 and cfg.alpha == 0.5 and cfg.beta == 2.0
+    assert cfg.poly_coefficients == (1.0, 0.0, 0.5) and cfg.learn_coefficients is True
+    cfg = cli.build_config("linear", ["local_exact=true", "local_kernel=none", "local-kernel=softmax"])
+    assert cfg.local_exact is True and cfg.local_kernel == "softmax"  # last one wins; '-' reads as '_'
+    assert cli.build_config("polysketch", ["local_kernel=None"]).local_kernel is None
+
+
+@pytest.mark.parametrize("kind, item, message", [
+    ("polysketch", "degree=3", "degree must be a power of two"),
+    ("polysketch", "degree=4.5", "--set degree='4.5': expected an int"),
+    ("linear", "local_exact=maybe", "--set local_exact='maybe': expected a bool"),
+    ("polynomial", "alpha=big", "--set alpha='big': expected a float"),
+    ("polysketch", "sketch=fancy", "sketch must be one of"),
+    ("polysketch", "nonsense=1", "--set nonsense: unknown attention option"),
+    ("polysketch", "kind=linear", "--kind"),
+    ("polysketch", "degree", "--set expects FIELD=VALUE"),
+    ("polynomial", "poly_coefficients=,", "--set poly_coefficients"),
+])
+def test_bad_set_values_name_the_parameter(kind, item, message):
+    with pytest.raises(cli.UsageError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cli.build_config(kind, [item])
+
+
+# ----------------------------------------------------------------------------------------------- convert, eval
+
+
+def test_convert_saves_a_model_that_reloads_with_the_kind(tiny, converted, capsys):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    assert (converted / "config.json").exists() and (converted / "tokenizer.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(converted)
+    cfg = hf_polyattn.get_polyattn_config(model)
+    assert model.config._attn_implementation == "polysketch"
+    assert (cfg.kind, cfg.sketch_size, cfg.block_size, cfg.local_exact) == ("polysketch", 8, 16, True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+        # the same conversion done in Python gives the same model
+        ref = hf_polyattn.convert(LlamaForCausalLM.from_pretrained(tiny["model"]), cfg)(ids).logits
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, ref)
+
+
+def test_convert_task_and_overwrite(tiny, tmp_path, capsys):
+    out = tmp_path / "base"
+    code, text, _ = run(["convert", tiny["model"], "--kind", "linear", "--task", "base", "--out", out], capsys)
+    assert code == 0 and "LlamaModel" in text and "linear (defaults)" in text
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    code, _, err = run(["convert", tiny["model"], "--kind", "performer", "--out", out], capsys)
+    assert code == 2 and "not empty" in err
+    code, _, _ = run(["convert", tiny["model"], "--kind", "performer", "--out", out, "--overwrite"], capsys)
+    assert code == 0 and json.loads((out / "config.json").read_text())["attn_implementation"] == "performer"
+
+
+def test_eval_prints_perplexity_and_attention(tiny, converted, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_polyattn.training.data import load_text_data
+    from hf_polyattn.training.metrics import perplexity
+
+    code, out, _ = run(["eval", converted, "--data", tiny["text"], "--context", 32, "--json"], capsys)
+    assert code == 0
+    res = json.loads(out)
+    assert res["attention"] == "polysketch (sketch_size=8, local_exact=True, block_size=16), from the checkpoint"
+    assert math.isfinite(res["perplexity"]) and res["perplexity"] > 1 and res["tokens"] > 32
+    # the number is the project's held-out perplexity of that model on that file
+    data = load_text_data(str(tiny["text"]), AutoTokenizer.from_pretrained(converted))
+    ref = perplexity(AutoModelForCausalLM.from_pretrained(converted), data.eval_ids, context=32, stride=32)
+    assert res["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-5) and res["tokens"] == ref["tokens"]
+
+    code, out, _ = run(["eval", tiny["model"], "--data", tiny["text"], "--context", 32], capsys)
+    assert code == 0 and "attention:  softmax (sdpa)" in out and "perplexity: " in out
+    ppl = float(out.split("perplexity: ")[1].split()[0])
+    assert math.isfinite(ppl) and ppl > 1
+    code, out, _ = run(["eval", tiny["model"], "--data", tiny["text"], "--context", 32, "--kind", "linear",
+                        "--set", "block_size=16"], capsys)
+    assert code == 0 and "attention:  linear (block_size=16), converted for this evaluation" in out
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+def _bad_inputs(tiny, converted, missing):
+    model, text = str(tiny["model"]), str(tiny["text"])
+    cases = [
+        ([], "the following arguments are required: COMMAND"),
+        (["nope"], "invalid choice: 'nope'"),
+        (["kinds", "--bogus"], "unrecognized arguments: --bogus"),
+        (["convert"], "the following arguments are required: MODEL, --kind, --out"),
+        (["convert", model, "--out", missing], "the following arguments are required: --kind"),
+        (["convert", model, "--kind", "softmaxx", "--out", missing], "argument --kind: invalid choice: 'softmaxx'"),
+        (["convert", str(Path(missing) / "no-model"), "--kind", "linear", "--out", missing], "does not exist"),
+        (["convert", text, "--kind", "linear", "--out", missing], "is a file"),
+        (["convert", model, "--kind", "polysketch", "--set", "degree=3", "--out", missing], "degree must be"),
+        (["convert", model, "--kind", "polysketch", "--set", "degree=four", "--out", missing], "--set degree="),
+        (["convert", model, "--kind", "polysketch", "--set", "speed=9", "--out", missing], "--set speed"),
+        (["convert", model, "--kind", "polysketch", "--task", "vision", "--out", missing], "--task: invalid choice"),
+        (["eval", model], "the following arguments are required: --data"),
+        (["eval", model, "--data", str(Path(missing) / "no.txt")], "does not exist"),
+        (["eval", model, "--data", text, "--context", "1"], "argument --context: expected an integer >= 2"),
+        (["eval", model, "--data", text, "--context", "4096"], "longer than the model's 128 positions"),
+        (["eval", model, "--data", text, "--context", "32", "--stride", "64"], "--stride 64 must be <= --context 32"),
+        (["eval", model, "--data", text, "--set", "degree=2"], "--set needs --kind"),
+        (["eval", str(converted), "--data", text, "--context", "32", "--kind", "linear"], "already uses polysketch"),
+        (["eval", model, "--data", text, "--eval-fraction", "1.5"], "--eval-fraction: expected a number in (0, 1)"),
+        (["bench", "--kinds", "nope"], "argument --kinds: invalid choice: 'nope'"),
+        (["bench", "--lengths", "0"], "argument --lengths: expected an integer >= 1"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["bench", "--device", "cuda"], "--device cuda: no CUDA device"))
+    return cases
+
+
+def test_bad_input_is_a_usage_error(tiny, converted, tmp_path, capsys):
+    missing = tmp_path / "not-written"
+    for argv, message in _bad_inputs(tiny, converted, str(missing)):
+        code, out, err = run(argv, capsys)
+        assert code == 2, (argv, code, err)
+        assert message in err, (argv, err)
+        assert "usage: hf-polyattn" in err and "Traceback" not in err, argv
+        assert not missing.exists(), argv  # nothing written on bad input
+
+
+def test_console_script(tmp_path):
+    script = shutil.which("hf-polyattn", path=str(Path(sys.executable).parent))
+    assert script, "the hf-polyattn console script is not installed next to this Python"
+    res = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "convert" in res.stdout and "eval" in res.stdout
+    res = subprocess.run([script, "convert", str(tmp_path / "nope"), "--kind", "linear", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
