@@ -31,9 +31,10 @@ PROG = "hf-polyattn"
 KIND_FIELDS = {
     "polynomial": ("degree", "alpha", "beta", "poly_coefficients", "learn_coefficients", "exact_path",
                    "max_tensor_features"),
-    "polysketch": ("degree", "sketch", "sketch_size", "local_exact", "local_kernel", "causal_algorithm"),
-    "linear": ("feature_map", "local_exact", "local_kernel", "causal_algorithm"),
-    "performer": ("num_features", "local_exact", "local_kernel", "causal_algorithm"),
+    "polysketch": ("degree", "sketch", "sketch_size", "local_exact", "local_kernel", "window", "window_mix",
+                   "causal_algorithm"),
+    "linear": ("feature_map", "local_exact", "local_kernel", "window", "window_mix", "causal_algorithm"),
+    "performer": ("num_features", "local_exact", "local_kernel", "window", "window_mix", "causal_algorithm"),
 }
 
 # --task of convert -> the transformers auto class; "auto" = the class named in the checkpoint's config.architectures

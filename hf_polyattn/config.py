@@ -32,7 +32,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "backend": BACKENDS,
 }
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
-                "window": 0}
+                "window": 0, "feature_proj": 0}
 
 
 def _is_power_of_two(x: int) -> bool:
@@ -131,6 +131,14 @@ class PolyAttnConfig:
     )
     block_size: int = field(default=256, metadata={"help": "block size b of the causal LT multiplication"})
     qk_norm: bool = field(default=False, metadata={"help": "learnable per-head LayerNorm on q and k"})
+    feature_proj: int = field(
+        default=0,
+        metadata={
+            "help": "learnable per-head projection of q and k to this many dimensions (>= head_dim) before the "
+            "kernel, then qk_norm; starts as the identity padded with zeros (today's kernel exactly when equal to "
+            "head_dim); 0 = off"
+        },
+    )
     alpha: float = field(default=0.0, metadata={"help": "polynomial kernel bias: ((s q.k + alpha)/beta)^p"})
     beta: float = field(default=1.0, metadata={"help": "polynomial kernel scale: ((s q.k + alpha)/beta)^p"})
     denominator_offset: float = field(

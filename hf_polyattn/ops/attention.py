@@ -38,7 +38,7 @@ from .feature_maps import (
 from .sketches import symmetric_square
 from .window import shifted_lt, window_scores, window_tiles
 
-__all__ = ["HeadLayerNorm", "PolyAttention", "RecurrentState", "layer_seed"]
+__all__ = ["HeadLayerNorm", "HeadProjection", "PolyAttention", "RecurrentState", "layer_seed"]
 
 _QUADRATIC_CHUNK = 1024  # query rows per rematerialised chunk of the quadratic path
 # Diagonal blocks per rematerialised group of the exact local part. CPU: 8 (measured, see
@@ -72,6 +72,27 @@ class HeadLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x, x.shape[-1:], eps=self.eps)
         return y * self.weight.to(y.dtype) + self.bias.to(y.dtype)
+
+
+class HeadProjection(nn.Module):
+    """A learnable per-kv-head map x -> x W (d -> d') of q and k before the kernel (Hedgehog /
+    LoLCATs' trainable feature projection). W starts as the identity padded with zeros, so
+    (qW).(kW) = q.k: an untrained projection leaves dot-product kernels as they were (for
+    d' = d every kernel; a coordinatewise map such as elu+1 also sees the d' - d zeros)."""
+
+    def __init__(self, heads: int, dim: int, out_dim: int):
+        super().__init__()
+        self.dim, self.out_dim = dim, out_dim
+        self.weight = nn.Parameter(torch.zeros(heads, 1, dim, out_dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        eye = torch.eye(self.dim, self.out_dim, dtype=torch.float64, device="cpu")
+        self.weight.copy_(eye.expand(self.weight.shape).to(self.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.weight.to(x.dtype))
 
 
 @dataclass
@@ -170,9 +191,17 @@ class PolyAttention(nn.Module):
         self.groups = num_heads // num_kv_heads
         self.layer_idx = layer_idx
         seed = layer_seed(config.seed, layer_idx)
+        # the dimension the kernel sees: head_dim, or feature_proj after the learnable projection
+        kdim = config.feature_proj or head_dim
+        if config.feature_proj:
+            if config.feature_proj < head_dim:
+                raise ValueError(f"feature_proj must be 0 (off) or >= head_dim ({head_dim}) so that the projection "
+                                 f"can start as the identity, got {config.feature_proj}")
+            self.feature_proj = HeadProjection(num_kv_heads, head_dim, config.feature_proj)
+        self.kernel_dim = kdim
         if config.qk_norm:
-            self.q_norm = HeadLayerNorm(num_kv_heads, self.groups, head_dim)
-            self.k_norm = HeadLayerNorm(num_kv_heads, 1, head_dim)
+            self.q_norm = HeadLayerNorm(num_kv_heads, self.groups, kdim)
+            self.k_norm = HeadLayerNorm(num_kv_heads, 1, kdim)
         if config.poly_coefficients is not None:
             coeffs = torch.tensor(config.poly_coefficients, dtype=torch.float32)
             if config.learn_coefficients:
@@ -186,17 +215,17 @@ class PolyAttention(nn.Module):
         fm: FeatureMap
         if kind == "polynomial":
             fm = PolynomialFeatureMap(
-                head_dim, config.degree, config.alpha, config.beta,
+                kdim, config.degree, config.alpha, config.beta,
                 coefficients=(lambda: self.coefficients) if config.poly_coefficients is not None else None,
                 num_coefficients=len(config.poly_coefficients or ()),
             )
         elif kind == "polysketch":
-            fm = FEATURE_MAPS["polysketch"](num_kv_heads, head_dim, config.degree, config.sketch_size,
+            fm = FEATURE_MAPS["polysketch"](num_kv_heads, kdim, config.degree, config.sketch_size,
                                             config.sketch, seed)
         elif kind == "performer":
-            fm = FEATURE_MAPS["performer"](num_kv_heads, head_dim, config.num_features, seed)
+            fm = FEATURE_MAPS["performer"](num_kv_heads, kdim, config.num_features, seed)
         else:
-            fm = FEATURE_MAPS[config.feature_map](head_dim)
+            fm = FEATURE_MAPS[config.feature_map](kdim)
         self.feature_map = fm
 
     # ------------------------------------------------------------------ state
@@ -236,7 +265,7 @@ class PolyAttention(nn.Module):
         feats = self.num_features
         if feats > cfg.max_tensor_features:
             return "quadratic"
-        d = self.head_dim
+        d = self.kernel_dim
         quad = 4 * q_len * kv_len * d * (0.5 if causal else 1.0)
         tensor = 4 * (q_len + kv_len) * feats * (d + 1) + (2 * q_len * cfg.block_size * feats if causal else 0)
         return "tensor" if tensor < quad else "quadratic"
@@ -326,8 +355,8 @@ class PolyAttention(nn.Module):
         else:
             path = "linear"
 
-        if self.config.qk_norm:
-            q5, k5 = self.q_norm(q5), self.k_norm(k5)
+        raw = (q5, k5)  # the model's own q, k: a sliding window's exact part scores with them
+        q5, k5 = self.kernel_inputs(q5, k5)
         if path == "tensor" and work == torch.float32:
             # Exact tensor-power features cancel: (q.k)^p is a sum of C(d+p-1, p) products of
             # mixed sign, each up to (|q||k|)^p. In float32 that lost 1.2e-4 against a float64
@@ -336,7 +365,7 @@ class PolyAttention(nn.Module):
             # bounds the float64 cost; the state is float64 too.
             q5, k5, v5 = q5.double(), k5.double(), v5.double()
         if state is not None and lq == 1 and path != "quadratic":
-            out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value)
+            out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw)
             return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), new_state
         fk = vext = kv_end = None
         if path == "quadratic":
@@ -344,7 +373,7 @@ class PolyAttention(nn.Module):
         elif path == "tensor":
             out, kv_end = self._tensor(q5, k5, v5, mask, causal, scale, kv0)
         else:
-            out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0)
+            out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0, raw)
         out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
         if state is None:
             return out
@@ -352,7 +381,16 @@ class PolyAttention(nn.Module):
             return out, RecurrentState(kv_end, None, None, None, state.length + lk)
         return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path)
 
-    def _decode_step(self, q5, k5, v5, mask, scale, state, key, value):
+    def kernel_inputs(self, q5: torch.Tensor, k5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k as the kernel sees them: the learnable projection (feature_proj), then the q/k
+        LayerNorm (qk_norm): q' = LayerNorm(q W), the calibration probe's map in PEERS.md."""
+        if self.config.feature_proj:
+            q5, k5 = self.feature_proj(q5), self.feature_proj(k5)
+        if self.config.qk_norm:
+            q5, k5 = self.q_norm(q5), self.k_norm(k5)
+        return q5, k5
+
+    def _decode_step(self, q5, k5, v5, mask, scale, state, key, value, raw):
         """One new token with a recurrent state: O(F d) work, no block machinery.
 
         q5 is the new query, k5/v5 the unfolded keys (the current block's buffer when
@@ -373,7 +411,8 @@ class PolyAttention(nn.Module):
         local = cfg.resolved_local_kernel
         total = state.length + 1
         if cfg.window:
-            return self._decode_window(q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total)
+            return self._decode_window(raw[0], raw[1], k_in, vext, fq, q_log_scale, mask, scale, state, key, value,
+                                       total)
         if local is None:
             kv = torch.matmul(self.feature_map(k_in, False).transpose(-1, -2), vext)
             kv = kv if state.kv is None else state.kv + kv
@@ -560,7 +599,7 @@ class PolyAttention(nn.Module):
         d = self.head_dim
         return _safe_divide(num[..., :d], num[..., d:] + self.config.denominator_offset)
 
-    def _linear(self, q5, k5, v5, mask, causal, scale, kv0):
+    def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw):
         cfg = self.config
         lq, lk = q5.shape[3], k5.shape[3]
         q_log_scale = None
@@ -587,7 +626,7 @@ class PolyAttention(nn.Module):
             # zero value *and* normaliser column at padded keys: they add nothing anywhere.
             vext = vext * mask[:, None, None, :, None].to(vext.dtype)
         if cfg.window:
-            out = self._windowed(q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square)
+            out = self._windowed(raw[0], raw[1], fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square)
             return out, (fk, square), vext
         local = cfg.resolved_local_kernel
         block = cfg.block_size
@@ -629,7 +668,11 @@ class PolyAttention(nn.Module):
         return self._normalise(num), (fk, square), vext
 
     def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square):
-        """Sliding-window hybrid (ops/window.py): exact on the previous ``window`` keys, kernel before."""
+        """Sliding-window hybrid (ops/window.py): exact on the previous ``window`` keys, kernel before.
+
+        q5, k5 are the model's own q, k (no projection, no qk LayerNorm): the exact part is the
+        model's softmax (or polynomial) on its own scores, as in LoLCATs; fq, fk the features.
+        """
         cfg = self.config
         w, block, backend = cfg.window, cfg.block_size, cfg.backend
         lq, lk = q5.shape[3], k5.shape[3]

@@ -13,9 +13,11 @@ Three implementations of one algorithm (PolySketchFormer Section 3), one naive t
   squared features on chip (``pip install hf_polyattn[gpu]``).
 
 ``auto`` picks ``triton`` on CUDA when Triton imports, ``batched`` on any other accelerator
-or on CUDA without Triton, ``loop`` on the CPU. ``PolyAttnConfig.backend`` forces one; so
-does the environment variable ``HF_POLYATTN_BACKEND`` when the config says ``auto``
-(handy for benchmarks and CI without touching saved configs).
+or on CUDA without Triton, ``loop`` on the CPU (measured: ``recipes/benchmark_backends.py``;
+on 2 CPU cores batched was up to 2.6x slower). The GPU choice is by design, not yet measured.
+``PolyAttnConfig.backend`` forces one; so does the environment variable
+``HF_POLYATTN_BACKEND`` when the config says ``auto`` (handy for benchmarks and CI without
+touching saved configs).
 """
 
 from __future__ import annotations

@@ -20,12 +20,16 @@ __all__ = ["reference_attention", "reference_weights"]
 
 
 def _kernel_inputs(module: PolyAttention, q: torch.Tensor, k: torch.Tensor):
+    """(q, k) as the kernel sees them (projection, then LayerNorm) and the raw (q, k)."""
     b, h, lq, d = q.shape
     q5 = q.reshape(b, module.num_kv_heads, module.groups, lq, d)
     k5 = k.unsqueeze(2)
+    raw = (q5, k5)
+    if module.config.feature_proj:
+        q5, k5 = q5 @ module.feature_proj.weight, k5 @ module.feature_proj.weight
     if module.config.qk_norm:
         q5, k5 = module.q_norm(q5), module.k_norm(k5)
-    return q5, k5
+    return q5, k5, raw
 
 
 def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
@@ -33,9 +37,10 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
     """Unnormalised attention weights (B, H, Lq, Lk), masked entries 0."""
     cfg = module.config
     s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
-    q5, k5 = _kernel_inputs(module, q, k)
+    q5, k5, (q_raw, k_raw) = _kernel_inputs(module, q, k)
     lq, lk = q.shape[2], k.shape[2]
     x = (q5 @ k5.transpose(-1, -2)) * s
+    x_raw = (q_raw @ k_raw.transpose(-1, -2)) * s  # a sliding window scores with the model's own q, k
 
     def exact(xx: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == "softmax":
@@ -67,7 +72,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
             inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
             if cfg.window_mix:
                 w = w * module.window_mix.to(w.dtype)
-            w = torch.where(inside, exact(x, local), w)
+            w = torch.where(inside, exact(x_raw, local), w)
         elif local is not None:
             pos_q = torch.arange(lq, device=q.device) + (lk - lq if causal else 0)
             pos_k = torch.arange(lk, device=q.device)

@@ -102,6 +102,8 @@ def attention_label(attention: str, polyattn: dict[str, Any] | None) -> str:
         local = PolyAttnConfig.from_dict(c).resolved_local_kernel
         parts.append(f"exact {local} {c.get('window')}-token sliding window" + (" (mixed)" if c.get("window_mix")
                                                                                else ""))
+    if c.get("feature_proj"):
+        parts.append(f"learnable projection to {c.get('feature_proj')}")
     if c.get("qk_norm"):
         parts.append("qk LayerNorm")
     return f"{attention} ({', '.join(parts)})"

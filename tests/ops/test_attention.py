@@ -35,6 +35,12 @@ KINDS = [
     # regression: FAVOR+'s per-query stabiliser was not undone against exact polynomial blocks (error 1.1)
     ("performer-local-poly", dict(kind="performer", num_features=32, local_exact=True, local_kernel="polynomial")),
     ("linear-elu-local-poly", dict(kind="linear", feature_map="elu", local_exact=True, local_kernel="polynomial")),
+    # learnable projection d -> d' of q and k before the kernel (then the LayerNorm)
+    ("ps4-proj12-norm-local", dict(kind="polysketch", feature_proj=12, qk_norm=True, local_exact=True)),
+    ("poly2-tensor-proj10", dict(kind="polynomial", degree=2, feature_proj=10, exact_path="tensor")),
+    ("poly4-quadratic-proj8", dict(kind="polynomial", feature_proj=8, exact_path="quadratic")),
+    ("performer-proj12-window", dict(kind="performer", num_features=32, feature_proj=12, qk_norm=True, window=5)),
+    ("linear-elu-proj8-window-mix", dict(kind="linear", feature_proj=8, window=4, window_mix=True)),
 ]
 
 # (id, batch, heads, kv_heads, q_len, kv_len, causal, padding)
@@ -67,7 +73,7 @@ def _module(kwargs, heads, kv_heads, dtype=torch.float64):
     mod = PolyAttention(cfg, num_heads=heads, head_dim=D, num_kv_heads=kv_heads, layer_idx=1).to(dtype)
     with torch.no_grad():  # move learnable parameters off their neutral init so their gradients matter
         for name, p in mod.named_parameters():
-            if "norm" in name or name.endswith(".out"):
+            if "norm" in name or name.endswith(".out") or "feature_proj" in name or "window_mix" in name:
                 p.add_(0.1 * torch.randn_like(p))
     return mod
 
@@ -85,7 +91,7 @@ def test_fast_path_matches_reference(kind, shape):
     _, kwargs = kind
     _, batch, heads, kv_heads, lq, lk, causal, pad = shape
     mod = _module(kwargs, heads, kv_heads)
-    if mod.config.local_exact and not causal and lq != lk:
+    if (mod.config.local_exact or mod.config.window) and not causal and lq != lk:
         with pytest.raises(ValueError, match="q_len == kv_len"):
             mod(*_inputs(batch, heads, kv_heads, lq, lk), causal=causal)
         return
@@ -101,8 +107,9 @@ def test_fast_path_matches_reference(kind, shape):
     slow = torch.autograd.grad((ref * grad).sum(), [q, k, v, *params], allow_unused=True)
     names = ["dq", "dk", "dv"] + [n for n, p in mod.named_parameters() if p.requires_grad]
     for name, a, b in zip(names, fast, slow):
-        assert (a is None) == (b is None), name
-        if a is not None:
+        if a is None or b is None:  # unused on one side (no key beyond a window): zero on the other
+            assert (a is None or not a.abs().any()) and (b is None or not b.abs().any()), name
+        else:
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -219,3 +226,25 @@ def test_local_exact_warns_once_on_misaligned_left_padding():
     shifted[0, :3] = False
     with pytest.warns(UserWarning, match="left padding"):
         mod(q, k, v, causal=True, key_padding_mask=shifted)
+
+
+def test_feature_proj_starts_as_the_identity_and_trains():
+    """An untrained projection (identity padded with zeros) computes today's kernel; its weight
+    receives gradients; d' < head_dim is refused (it could not start as the identity)."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 20, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    for opts in (dict(kind="polysketch", sketch_size=8, local_exact=True), dict(kind="linear", window=4),
+                 dict(kind="polynomial", degree=2, exact_path="tensor")):
+        plain = PolyAttention(PolyAttnConfig(block_size=BLOCK, **opts), 2, D).double()
+        proj = PolyAttention(PolyAttnConfig(block_size=BLOCK, feature_proj=D, **opts), 2, D).double()
+        proj.load_state_dict(plain.state_dict(), strict=False)
+        torch.testing.assert_close(proj(q, k, v, causal=True), plain(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
+        proj(q, k, v, causal=True).square().sum().backward()
+        assert proj.feature_proj.weight.grad.abs().max() > 0
+    # wider than head_dim: zero-padded q, k give the same dot products, so the exact polynomial kernel is
+    # unchanged (feature maps see the extra zero coordinates: elu+1 adds 1 per coordinate)
+    wide = PolyAttention(PolyAttnConfig(kind="polynomial", feature_proj=12), 2, D).double()
+    narrow = PolyAttention(PolyAttnConfig(kind="polynomial"), 2, D).double()
+    torch.testing.assert_close(wide(q, k, v, causal=False), narrow(q, k, v, causal=False), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"feature_proj must be 0 \(off\) or >= head_dim \(8\)"):
+        PolyAttention(PolyAttnConfig(kind="linear", feature_proj=4), 2, D)

@@ -164,6 +164,12 @@ def test_paper_tables_long_section_regenerates_byte_identical(tmp_path):
     assert out.read_bytes() == (RESULTS / "SECTION_paper_tables_long.md").read_bytes()
 
 
+def test_retrofit_window_section_regenerates_byte_identical(tmp_path):
+    out = tmp_path / "SECTION_retrofit_window.md"
+    _run_module("recipes.experiments.retrofit_window.fill_section", "--out", str(out))
+    assert out.read_bytes() == (RESULTS / "SECTION_retrofit_window.md").read_bytes()
+
+
 def test_results_md_assembles_from_sections(tmp_path):
     """build_results.py's output equals the committed RESULTS.md (run on a copy of recipes/, from elsewhere)."""
     copy = tmp_path / "recipes"

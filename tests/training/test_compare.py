@@ -63,3 +63,8 @@ def test_attention_label_names_the_settings():
     cfg = {"kind": "polysketch", "sketch": "learned", "sketch_size": 32, "degree": 4, "local_exact": True,
            "block_size": 64, "qk_norm": False}
     assert attention_label("polysketch", cfg) == "polysketch (learned r=32, p=4, exact polynomial 64-token blocks)"
+    window = {"kind": "polysketch", "sketch": "learned", "sketch_size": 16, "degree": 4, "window": 64,
+              "window_mix": True, "feature_proj": 64, "qk_norm": True}
+    assert attention_label("polysketch", window) == (
+        "polysketch (learned r=16, p=4, exact softmax 64-token sliding window (mixed), learnable projection to 64, "
+        "qk LayerNorm)")
