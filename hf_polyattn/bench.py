@@ -48,6 +48,9 @@ KINDS = {
     "performer": dict(kind="performer", num_features=256, block_size=256),
     "polysketch-cumsum": dict(kind="polysketch", sketch_size=32, causal_algorithm="cumsum"),
     "polynomial-exact": dict(kind="polynomial", degree=4, exact_path="quadratic"),
+    # the sliding-window hybrid of the demo (exact softmax on the previous 128 keys, the kernel beyond)
+    "polysketch-window128": dict(kind="polysketch", sketch_size=32, window=128, feature_proj=64, block_size=256),
+    "linear-window128": dict(kind="linear", feature_map="elu", window=128, block_size=256),
 }
 # Rows measured with another library's kernel (not a PolyAttnConfig): name -> module it needs.
 EXTERNAL = {"fla-linear-elu": "fla"}

@@ -42,7 +42,7 @@ _KIND_TITLES = {
 
 
 def template_path() -> str:
-    """The model-card template shipped inside the package (a copy of model_cards/)."""
+    """The model-card template shipped inside the package (the only copy in the repository)."""
     return str(resources.files("hf_polyattn").joinpath("model_card_template.md"))
 
 

@@ -204,6 +204,7 @@ MODULE_KINDS = [
     dict(kind="polysketch", sketch="srht", sketch_size=4, degree=2),
     dict(kind="linear", feature_map="elu"),
     dict(kind="performer", num_features=8, local_exact=True),
+    dict(kind="polysketch", sketch="learned", sketch_size=4, window=5, feature_proj=12, qk_norm=True),
 ]
 
 

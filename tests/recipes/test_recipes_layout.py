@@ -19,7 +19,7 @@ RESULTS = RECIPES / "results"
 
 # every recipe with a command line; those with a --data default must point at an existing file
 RECIPES_WITH_DATA = ["retrofit", "transfer", "finetune", "evaluate", "train_gpt2_scratch", "demo", "paper_tables"]
-RECIPES_WITHOUT_DATA = ["thesis_reversal", "sketch_accuracy", "benchmark_decode"]
+RECIPES_WITHOUT_DATA = ["thesis_reversal", "sketch_accuracy", "benchmark_decode", "benchmark_backends"]
 
 
 @pytest.fixture(scope="module")
