@@ -151,7 +151,8 @@ def _measure(kind: str, n: int, args) -> dict:
         from hf_polyattn import PolyAttnConfig
         from hf_polyattn.ops import PolyAttention
 
-        mod = PolyAttention(PolyAttnConfig(**KINDS[kind]), args.heads, args.head_dim).to(dev)
+        # in the dtype of the inputs, as in a model of that dtype (a bf16 model holds bf16 sketches)
+        mod = PolyAttention(PolyAttnConfig(**KINDS[kind]), args.heads, args.head_dim).to(dev, dtype)
 
         def step():
             mod(q, k, v, causal=True).sum().backward()

@@ -35,7 +35,7 @@ from .feature_maps import (
     FeatureMap,
     PolynomialFeatureMap,
 )
-from .sketches import symmetric_square
+from .sketches import project, symmetric_square
 from .window import shifted_lt, window_scores, window_tiles
 
 __all__ = ["HeadLayerNorm", "HeadProjection", "PolyAttention", "RecurrentState", "layer_seed"]
@@ -92,7 +92,7 @@ class HeadProjection(nn.Module):
         self.weight.copy_(eye.expand(self.weight.shape).to(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(x, self.weight.to(x.dtype))
+        return project(x, self.weight)
 
 
 @dataclass
@@ -373,7 +373,9 @@ class PolyAttention(nn.Module):
         elif path == "tensor":
             out, kv_end = self._tensor(q5, k5, v5, mask, causal, scale, kv0)
         else:
-            out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0, raw)
+            # half-precision models: the Triton kernels' dots take tf32 operands (fp32 accumulation)
+            tf32 = True if out_dtype in (torch.bfloat16, torch.float16) else None
+            out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0, raw, tf32)
         out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
         if state is None:
             return out
@@ -599,7 +601,7 @@ class PolyAttention(nn.Module):
         d = self.head_dim
         return _safe_divide(num[..., :d], num[..., d:] + self.config.denominator_offset)
 
-    def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw):
+    def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
         cfg = self.config
         lq, lk = q5.shape[3], k5.shape[3]
         q_log_scale = None
@@ -626,7 +628,7 @@ class PolyAttention(nn.Module):
             # zero value *and* normaliser column at padded keys: they add nothing anywhere.
             vext = vext * mask[:, None, None, :, None].to(vext.dtype)
         if cfg.window:
-            out = self._windowed(raw[0], raw[1], fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square)
+            out = self._windowed(raw[0], raw[1], fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32)
             return out, (fk, square), vext
         local = cfg.resolved_local_kernel
         block = cfg.block_size
@@ -638,7 +640,7 @@ class PolyAttention(nn.Module):
             if cfg.causal_algorithm == "cumsum":
                 num = lt_multiply_cumsum(full(fq), full(fk), vext)
             else:
-                num = lt_product(fq, fk, vext, block, local is None, square, cfg.backend)
+                num = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32)
             if kv0 is not None:
                 num = num + torch.matmul(full(fq), kv0)
             if local is not None:
@@ -667,7 +669,7 @@ class PolyAttention(nn.Module):
                 num = loc + far if far_scale is None else loc + far_scale * far
         return self._normalise(num), (fk, square), vext
 
-    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square):
+    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32=None):
         """Sliding-window hybrid (ops/window.py): exact on the previous ``window`` keys, kernel before.
 
         q5, k5 are the model's own q, k (no projection, no qk LayerNorm): the exact part is the
@@ -681,7 +683,7 @@ class PolyAttention(nn.Module):
             qs, fqs = (F.pad(q5, (0, 0, pad, 0)), F.pad(fq, (0, 0, pad, 0))) if pad else (q5, fq)
             if q_log_scale is not None and pad:
                 q_log_scale = F.pad(q_log_scale, (0, 0, pad, 0))
-            far = shifted_lt(fqs, fk, vext, w, block, square, backend)
+            far = shifted_lt(fqs, fk, vext, w, block, square, backend, tf32)
             if kv0 is not None:
                 far = far + torch.matmul(symmetric_square(fqs) if square else fqs, kv0)
         else:
@@ -693,8 +695,8 @@ class PolyAttention(nn.Module):
             def flip(t):
                 return t.flip(-2)
 
-            far = shifted_lt(fq, fk, vext, w, block, square, backend) + flip(
-                shifted_lt(flip(fq), flip(fk), flip(vext), w, block, square, backend))
+            far = shifted_lt(fq, fk, vext, w, block, square, backend, tf32) + flip(
+                shifted_lt(flip(fq), flip(fk), flip(vext), w, block, square, backend, tf32))
         grad = torch.is_grad_enabled() and (
             any(t is not None and t.requires_grad for t in (qs, k5, vext, q_log_scale))
             or any(p.requires_grad for p in self.parameters()))

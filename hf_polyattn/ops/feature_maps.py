@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sketches import PolynomialSketch, symmetric_power, symmetric_square
+from .sketches import PolynomialSketch, project, symmetric_power, symmetric_square
 
 __all__ = [
     "FEATURE_MAPS",
@@ -142,7 +142,7 @@ class PerformerFeatureMap(FeatureMap):
 
     def forward_with_log_scale(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Features divided by exp(c) and c (per row for queries, one constant for keys)."""
-        proj = torch.matmul(x, self.omega.to(x.dtype)) - 0.5 * (x * x).sum(-1, keepdim=True)
+        proj = project(x, self.omega) - 0.5 * (x * x).sum(-1, keepdim=True)
         if is_query:
             c = proj.amax(dim=-1, keepdim=True).detach()
         else:

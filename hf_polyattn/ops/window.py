@@ -34,7 +34,7 @@ __all__ = ["shifted_lt", "window_scores", "window_tiles"]
 
 
 def shifted_lt(fq: torch.Tensor, fk: torch.Tensor, vext: torch.Tensor, shift: int, block: int, square: bool,
-               backend: str = "auto") -> torch.Tensor:
+               backend: str = "auto", tf32: bool | None = None) -> torch.Tensor:
     """Row i = sum_{j <= i - shift} phi(q_i).phi(k_j) vext_j (zero for i < shift).
 
     fq (..., n, f), fk (..., n, f), vext (..., n, e), broadcastable leading dims.
@@ -44,7 +44,7 @@ def shifted_lt(fq: torch.Tensor, fk: torch.Tensor, vext: torch.Tensor, shift: in
     if shift >= n:
         return vext.new_zeros(*lead, n, vext.shape[-1])
     out = lt_product(fq[..., shift:, :], fk[..., : n - shift, :], vext[..., : n - shift, :], block, True, square,
-                     backend)
+                     backend, tf32)
     return F.pad(out, (0, 0, shift, 0))
 
 

@@ -31,16 +31,31 @@ if DEVICE == "cpu":
 
 # fp32: the kernels accumulate in fp32 over <= ~100 terms of size ~10: ~1e-6 relative error
 FP32_TOL = dict(rtol=1e-4, atol=1e-4)
+# Half inputs take tf32 dots on a GPU (operands rounded to 2^-11; a product of two rounded
+# operands 2^-10): bounded per element by TF32_REL x the same sum of absolute terms, and
+# normwise for gradients (8x the unit roundoff as margin for the sums). The interpreter does
+# every dot in full fp32, where the same bounds hold trivially.
+TF32_REL = 2**-8
+COMPILED = DEVICE == "cuda"
 
 
-def _dense(a, b, c, block, include_diag, square):
+def _normwise_close(x, y, rel, what):
+    err = (x.double() - y).norm() / y.norm().clamp_min(1e-30)
+    assert err <= rel, f"{what}: relative Frobenius error {err:.2e} > {rel:.2e}"
+
+
+def _dense(a, b, c, block, include_diag, square, absolute=False):
+    """The O(n^2) product; ``absolute``: the same sum of |terms| (the scale of rounding errors)."""
     fa, fb = (symmetric_square(a), symmetric_square(b)) if square else (a, b)
     n = a.shape[-2]
     i = torch.arange(n, device=a.device)
     keep = i[None, :] <= i[:, None]
     if not include_diag:
         keep &= (i[None, :] // block) != (i[:, None] // block)
-    return ((fa @ fb.transpose(-1, -2)) * keep) @ c
+    scores = fa @ fb.transpose(-1, -2)
+    if absolute:
+        return (scores.abs() * keep) @ c.abs()
+    return (scores * keep) @ c
 
 
 def _inputs(lead_a, lead_bc, n, r, e, dtype, seed=0, scale=1.0):
@@ -55,23 +70,32 @@ def _grads(out, g, xs):
     return torch.autograd.grad((out * g).sum(), xs)
 
 
-def _check_against_references(a, b, c, block, diag, square, grad_tol):
-    """Output (fp32 tolerances: inputs are exact in fp32) and gradients against both references."""
-    out = lt_multiply_triton(a, b, c, block, diag, square)
+def _check_against_references(a, b, c, block, diag, square, grad_tol, tf32=None):
+    """Output and gradients against both references: fp32 tolerances (inputs are exact in fp32)
+    unless the dots run in tf32 (half inputs on a GPU, or tf32=True): then the tf32 bounds above."""
+    out = lt_multiply_triton(a, b, c, block, diag, square, tf32)
     assert out.dtype == torch.float32
     assert torch.isfinite(out).all()
     a64, b64, c64 = (x.detach().double().requires_grad_() for x in (a, b, c))
     ref = lt_multiply(a64, b64, c64, block, diag, square)
     dense = _dense(a64, b64, c64, block, diag, square)
     torch.testing.assert_close(ref, dense)  # the two references agree
-    torch.testing.assert_close(out.double(), ref, **FP32_TOL)
+    in_tf32 = COMPILED and (tf32 or (tf32 is None and a.dtype != torch.float32))
+    if in_tf32:
+        absolute = _dense(a64, b64, c64, block, diag, square, absolute=True)
+        assert ((out.double() - ref).abs() <= TF32_REL * absolute + 1e-6).all()
+    else:
+        torch.testing.assert_close(out.double(), ref, **FP32_TOL)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     got = _grads(out, g, (a, b, c))
     want = _grads(dense, g.double(), (a64, b64, c64))
     for name, x, y, inp in zip("abc", got, want, (a, b, c)):
         assert x.shape == inp.shape and x.dtype == inp.dtype
         assert torch.isfinite(x).all()
-        torch.testing.assert_close(x.double(), y, **grad_tol, msg=lambda m, nm=name: f"d{nm}: {m}")
+        if in_tf32:
+            _normwise_close(x, y, TF32_REL, f"d{name}")
+        else:
+            torch.testing.assert_close(x.double(), y, **grad_tol, msg=lambda m, nm=name: f"d{nm}: {m}")
 
 
 # n is never a multiple of the block; e odd (head_dim + 1 style); A has G = 2 query groups that
@@ -99,6 +123,18 @@ def test_matches_references(n, r, e, block, lead_a, lead_bc, square, diag, dtype
     _check_against_references(a, b, c, block, diag, square, grad_tol)
 
 
+@pytest.mark.parametrize("square", [False, True], ids=["sq0", "sq1"])
+def test_tf32_switch(square):
+    """tf32=False keeps fp32 accuracy for bf16 inputs (tf32x3 dots); tf32=True on fp32 inputs gives
+    the tf32 bounds; anything but None/True/False is refused."""
+    a, b, c = _inputs((2, 2), (2, 1), 50, 8, 9, torch.bfloat16, seed=8)
+    _check_against_references(a, b, c, 16, True, square, dict(rtol=2**-8, atol=1e-3), tf32=False)
+    a, b, c = _inputs((2, 2), (2, 1), 50, 8, 9, torch.float32, seed=8)
+    _check_against_references(a, b, c, 16, False, square, FP32_TOL, tf32=True)
+    with pytest.raises(ValueError, match="tf32"):
+        lt_multiply_triton(a, b, c, 16, True, square, "yes")
+
+
 LAYOUTS = [
     # id, n, r, e, block, diag, square, lead_a, lead_bc
     ("chunk-2-row-tiles", 150, 4, 5, 128, False, True, (1, 2), (1, 1)),  # T=128 > 64-row tile
@@ -106,7 +142,8 @@ LAYOUTS = [
     ("block-not-pow2-nodiag", 41, 3, 7, 12, False, True, (2, 1), (1, 3)),  # b, c broadcast to (2, 3)
     ("block-below-tile", 29, 5, 3, 4, True, False, (3,), (3,)),  # include_diag: runs as T=16
     ("block-below-tile-nodiag", 29, 5, 3, 4, False, True, (3,), (3,)),  # 4-row chunks in 16-row tiles
-    ("identity-r80-e130", 40, 80, 130, 16, True, False, (2,), (1,)),  # 2 feature tiles, 2 e tiles
+    ("identity-r80-e130", 40, 80, 130, 16, True, False, (2,), (1,)),  # 2 feature tiles, 2 e tiles, 32-row tiles
+    ("identity-r200-16-row-tiles", 40, 200, 9, 32, True, False, (2,), (1,)),  # R = 256: 16-row tiles (smem)
     ("square-r20-3-ftiles", 40, 20, 17, 16, True, True, (1,), (1,)),  # F = 210 in 4 tiles of 64
     ("a-broadcast-over-heads", 33, 4, 5, 16, True, True, (1, 1), (3, 1)),  # dA summed over 3 heads
     ("no-lead-dims", 23, 4, 5, 16, True, True, (), ()),
@@ -163,8 +200,16 @@ def test_half_inputs_do_not_overflow():
     a, b, c = _inputs((2,), (1,), n, r, e, torch.float16, seed=5, scale=30.0)
     assert ((a.detach().double()[0] @ b.detach().double()[0].T) ** 2).max() > 1e6  # would overflow in fp16
     out = lt_multiply_triton(a, b, c, 16, True, True)
-    ref = _dense(a.detach().double(), b.detach().double(), c.detach().double(), 16, True, True)
+    a64, b64, c64 = (x.detach().double() for x in (a, b, c))
+    ref = _dense(a64, b64, c64, 16, True, True)
     assert torch.isfinite(out).all()
+    if COMPILED:  # tf32 dots (half inputs): the per-element bound against the sum of absolute terms
+        absolute = _dense(a64, b64, c64, 16, True, True, absolute=True)
+        assert ((out.double() - ref).abs() <= TF32_REL * absolute).all()
+    else:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    # fp32-accurate dots on request: the same fp32 tolerance as fp32 inputs
+    out = lt_multiply_triton(a, b, c, 16, True, True, tf32=False)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 

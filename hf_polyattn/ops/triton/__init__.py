@@ -31,8 +31,9 @@ def lt_multiply_triton(
     block_size: int = 256,
     include_diag: bool = True,
     square: bool = False,
+    tf32: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``hf_polyattn.ops.causal.lt_multiply`` (fp32 output); see ``.causal``."""
     from .causal import lt_multiply_triton as impl
 
-    return impl(a, b, c, block_size, include_diag, square)
+    return impl(a, b, c, block_size, include_diag, square, tf32)

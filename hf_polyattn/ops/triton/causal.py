@@ -4,16 +4,19 @@ Memory and launches (the design constraints of this module):
 
 * Nothing of size n x F is ever stored: features are formed tile by tile in registers from the
   r-dim inputs. At n = 32k, r = 32 (F = 528) an fp32 feature tensor would be 69 MB per head.
-* Per-chunk states, fp32 (n / T) x F x e per kv head: 128 x 528 x 65 x 4 B = 17.6 MB at n = 32k,
-  r = 32, e = 65, T = 256 (the inputs are n (r + e) = 3.2 M values, 6.4 MB in bf16). They are kept
-  because they let every output tile run in parallel (n / 64 x heads programs); one running
-  (528 x 65) fp32 state is 137 KB, more than a program can hold on chip, so a sequential walk would
-  have to keep it in memory anyway and serialise the whole sequence on one SM per head.
-  Backward recomputes them (prefix states P and suffix states U, the same kernel): only a, b, c are
-  saved, so nothing F-sized lives between forward and backward (17.6 MB x heads x layers otherwise).
-* Forward: 2 launches (states, output). Backward: up to 5 (P, U, dA, dB, dC), plus a sum over
-  broadcast dims when an input was broadcast (dB, dC are already reduced over query groups inside
-  the kernels: B and C are never copied G times).
+* Per-chunk states, fp32 (n / T) x F x SE per kv head (SE = e rounded up to 8): 128 x 528 x 72 x 4 B
+  = 19.5 MB at n = 32k, r = 32, e = 65, T = 256 (the inputs are n (r + e) = 3.2 M values, 6.4 MB in
+  bf16). They are kept because they let every output tile run in parallel (n / 64 x heads
+  programs); one running (528 x 65) fp32 state is 137 KB, more than a program can hold on chip.
+  Every chunk's own state is computed in parallel and one cumsum over chunks makes them running
+  sums (a sequential walk over chunks in 144 programs was latency-bound: 5.2 ms of a 30 ms
+  forward+backward at n = 32k, H = 16 on an H100). Backward recomputes them (prefix states P and
+  suffix states U, the same kernel): only a, b, c are saved, so nothing F-sized lives between
+  forward and backward (19.5 MB x heads x layers otherwise).
+* Forward: 2 launches + 1 cumsum. Backward: up to 5 launches (P, U, dA, dB, dC) + 2 cumsums, plus a
+  sum over broadcast dims when an input was broadcast (dB, dC are already reduced over query groups
+  inside the kernels: B and C are never copied G times). Head offset tables are cached per layout,
+  so a call makes no host-to-device copy (each one synchronised the stream: 11 per call before).
 * Chunk T = block_size, so ``include_diag=False`` drops exactly the block_size x block_size blocks
   aligned at 0 (the diagonal chunks are then simply not computed). With ``include_diag=True`` the
   result does not depend on T, and block sizes below 16 run as T = 16 (the smallest matmul tile).
@@ -30,8 +33,9 @@ from . import _kernels as K
 
 __all__ = ["lt_multiply_triton"]
 
-# untuned first choices (the GPU benchmark is for a later session): 64-row tiles, 64 features per
-# tile (a 64 x 64 fp32 phi tile is 32 registers a thread at 4 warps), e padded to one tile up to 128
+# 64-row tiles, 64 features per tile (a 64 x 64 fp32 phi tile is 32 registers a thread at 4 warps), e
+# padded to one tile up to 128. Rows per tile shrink as r grows: the diagonal part holds (rows x R)
+# fp32 tiles of a and b, and at R = 256 with 64 rows they needed 352 KB of shared memory (H100: 227 KB).
 _MAX_TILE_ROWS = 64
 _MAX_TILE_FEATURES = 64
 _MAX_TILE_E = 128
@@ -47,11 +51,17 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, x - 1).bit_length())
 
 
+def _tile_rows(R: int) -> int:
+    return _MAX_TILE_ROWS if R <= 64 else max(16, _MAX_TILE_ROWS * 64 // R)
+
+
 def _is_interpreted() -> bool:
     return type(K._out_kernel).__name__ == "InterpretedFunction"
 
 
-def _check(a, b, c, block_size, include_diag, square) -> None:
+def _check(a, b, c, block_size, include_diag, square, tf32) -> None:
+    if tf32 is not None and not isinstance(tf32, bool):
+        raise ValueError(f"tf32 must be None, True or False, got {tf32!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     for name, x in (("a", a), ("b", b), ("c", c)):
@@ -80,6 +90,8 @@ def _check(a, b, c, block_size, include_diag, square) -> None:
 
 
 _TABLES: dict = {}
+_OFFSETS: dict = {}
+_OFFSETS_MAX = 256  # distinct layouts kept (a model has a handful: one per shape of q, k, v, grad)
 
 
 def _feature_tables(r: int, square: bool, device):
@@ -104,7 +116,7 @@ class _Plan:
     through x's own strides (stride 0 where x is broadcast: no copies).
     """
 
-    def __init__(self, a, b, c, block_size, include_diag, square):
+    def __init__(self, a, b, c, block_size, include_diag, square, tf32=None):
         self.n, self.r, self.e = a.shape[-2], a.shape[-1], c.shape[-1]
         self.square, self.include_diag = square, include_diag
         self.lead = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2]))
@@ -119,20 +131,28 @@ class _Plan:
         self.F = self.r * (self.r + 1) // 2 if square else self.r
         self.T = block_size if not include_diag else max(block_size, 16)
         self.NC = -(-self.n // self.T)
-        self.BQ = min(_MAX_TILE_ROWS, _pow2(self.T))
-        self.QPC = -(-self.T // self.BQ)  # row tiles per chunk
         self.R = _pow2(self.r)
+        self.BQ = min(_tile_rows(self.R), _pow2(self.T))
+        self.QPC = -(-self.T // self.BQ)  # row tiles per chunk
         self.BF = min(_MAX_TILE_FEATURES, _pow2(self.F)) if square else min(self.R, _MAX_TILE_FEATURES)
         self.BE = min(_MAX_TILE_E, _pow2(self.e))
+        self.SE = -(-self.e // 8) * 8  # state row stride: 32-byte aligned rows
         self.device = a.device
         self.i0, self.i1, self.w = _feature_tables(self.r, square, a.device)
-        dtypes = {a.dtype, b.dtype, c.dtype}
-        # fp32 inputs get fp32-accurate dots unless the user allowed tf32 for fp32 matmuls (as torch
-        # does); half inputs are exact in tf32 and the state/feature rounding (2^-11) is below theirs
-        highest = torch.get_float32_matmul_precision() == "highest"
-        self.prec = "tf32x3" if dtypes == {torch.float32} and highest else "tf32"
+        self.prec = _precision(tf32, {a.dtype, b.dtype, c.dtype})
 
-    def offsets(self, x: torch.Tensor) -> torch.Tensor:
+    def offsets(self, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """(H, G) int64 offsets of x's matrices (``kv``: the (H,) column of group 0), cached per layout."""
+        key = (kv, self.lead, tuple(self.perm), tuple(x.shape[:-2]), tuple(x.stride()[:-2]), str(self.device))
+        table = _OFFSETS.get(key)
+        if table is None:
+            if len(_OFFSETS) >= _OFFSETS_MAX:
+                _OFFSETS.clear()
+            table = self._offsets(x)
+            table = _OFFSETS[key] = table[:, 0].contiguous() if kv else table
+        return table
+
+    def _offsets(self, x: torch.Tensor) -> torch.Tensor:
         nd = len(self.lead)
         xe = x.expand(*self.lead, *x.shape[-2:])
         off = torch.zeros((1,) * nd, dtype=torch.int64)
@@ -144,19 +164,36 @@ class _Plan:
         return off.contiguous().to(self.device)
 
     def kv_offsets(self, x: torch.Tensor) -> torch.Tensor:
-        return self.offsets(x)[:, 0].contiguous()
+        return self.offsets(x, kv=True)
 
     def states(self, x, y, x_off, y_off, groups: int, reverse: bool) -> torch.Tensor:
-        """(H, NC, F, e) fp32 exclusive prefix (reverse: suffix) sums of phi(X_m)^T Y_m over chunks."""
-        s = torch.empty(self.H, self.NC, self.F, self.e, dtype=torch.float32, device=self.device)
-        grid = (_cdiv(self.F, self.BF), _cdiv(self.e, self.BE), self.H)
+        """(H, NC-1, F, SE) fp32 running sums of phi(X_m)^T Y_m over chunks: slot k holds chunks 0..k
+        (reverse: slot k holds chunks NC-1-k..NC-1), summed over ``groups`` query groups."""
+        s = torch.empty(self.H, self.NC - 1, self.F, self.SE, dtype=torch.float32, device=self.device)
+        if self.NC == 1:
+            return s  # one chunk: everything is diagonal, no state is read
+        grid = (self.NC - 1, _cdiv(self.F, self.BF), self.H * _cdiv(self.e, self.BE))
         K._state_kernel[grid](
             x, y, s, x_off, y_off, self.i0, self.i1, self.w,
-            self.n, self.F, self.e, groups, self.T, self.NC, x.stride(-2), x.stride(-1), y.stride(-2), y.stride(-1),
+            self.n, self.F, self.e, self.SE, groups, self.T, self.NC,
+            x.stride(-2), x.stride(-1), y.stride(-2), y.stride(-1),
             REVERSE=reverse, SQUARE=self.square, BT=self.BQ, BF=self.BF, BE=self.BE, PREC=self.prec,
             num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
-        return s
+        return s.cumsum_(1)
+
+
+def _precision(tf32, dtypes) -> str:
+    """Triton's dot precision: "tf32" (operands rounded to 10 mantissa bits, fp32 accumulation) or
+    "tf32x3" (three tf32 products: fp32 accuracy, ~1e-6 relative, 3x the tensor-core work).
+
+    ``tf32=None`` follows the inputs: fp32 inputs get fp32-accurate dots unless the user allowed
+    tf32 for fp32 matmuls (``torch.set_float32_matmul_precision``, as torch itself does); half
+    inputs get tf32, whose operand rounding (2^-11) is below their own (bf16 2^-8, fp16 2^-11).
+    """
+    if tf32 is None:
+        tf32 = dtypes != {torch.float32} or torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if tf32 else "tf32x3"
 
 
 def _cdiv(x: int, y: int) -> int:
@@ -170,7 +207,7 @@ def _forward(p: _Plan, a, b, c) -> torch.Tensor:
     grid = (p.NC * p.QPC, p.H * p.G, _cdiv(p.e, p.BE))
     K._out_kernel[grid](
         a, b, c, s, out, p.offsets(a), b_off, c_off, p.offsets(out), p.i0, p.i1, p.w,
-        p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC,
+        p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC,
         a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2), c.stride(-1),
         out.stride(-2), out.stride(-1),
         INCLUDE_DIAG=p.include_diag, SQUARE=p.square, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec,
@@ -191,7 +228,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
         buf = torch.empty(*p.lead, p.n, p.r, dtype=torch.float32, device=p.device)
         K._da_kernel[(p.NC * p.QPC, p.H * p.G)](
             a, b, c, g, s, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
-            p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+            p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
             g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
         )
         del s
@@ -203,7 +240,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
             buf = torch.empty(*p.kv_lead, p.n, p.r, dtype=torch.float32, device=p.device)
             K._db_kernel[(p.NC * p.QPC, p.H)](
                 a, b, c, g, u, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
-                p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+                p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
             )
             db = buf.sum_to_size(b.shape).to(b.dtype)
@@ -211,7 +248,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
             buf = torch.empty(*p.kv_lead, p.n, p.e, dtype=torch.float32, device=p.device)
             K._dc_kernel[(p.NC * p.QPC, p.H, _cdiv(p.e, p.BE))](
                 a, b, g, u, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
-                p.n, p.r, p.F, p.e, p.G, p.T, p.NC, p.QPC, *strides,
+                p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC, *strides,
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
             )
             dc = buf.sum_to_size(c.shape).to(c.dtype)
@@ -220,10 +257,10 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
 
 class _LTMultiplyTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, c, block_size: int, include_diag: bool, square: bool):  # noqa: D102
+    def forward(ctx, a, b, c, block_size: int, include_diag: bool, square: bool, tf32):  # noqa: D102
         ctx.save_for_backward(a, b, c)
-        ctx.args = (block_size, include_diag, square)
-        p = _Plan(a, b, c, block_size, include_diag, square)
+        ctx.args = (block_size, include_diag, square, tf32)
+        p = _Plan(a, b, c, block_size, include_diag, square, tf32)
         if p.n == 0 or p.H * p.G == 0 or p.e == 0:
             return torch.zeros(*p.lead, p.n, p.e, dtype=torch.float32, device=a.device)
         return _forward(p, a, b, c)
@@ -236,9 +273,9 @@ class _LTMultiplyTriton(torch.autograd.Function):
         p = _Plan(a, b, c, *ctx.args)
         if p.n == 0 or p.H * p.G == 0 or p.e == 0 or p.r == 0:
             zeros = [torch.zeros_like(x) if need else None for x, need in zip((a, b, c), (need_a, need_b, need_c))]
-            return (*zeros, None, None, None)
+            return (*zeros, None, None, None, None)
         da, db, dc = _backward(p, a, b, c, grad_out.float(), need_a, need_b, need_c)
-        return da, db, dc, None, None, None
+        return da, db, dc, None, None, None, None
 
 
 def lt_multiply_triton(
@@ -248,6 +285,7 @@ def lt_multiply_triton(
     block_size: int = 256,
     include_diag: bool = True,
     square: bool = False,
+    tf32: bool | None = None,
 ) -> torch.Tensor:
     """lt(phi(A) phi(B)^T) C with Triton kernels; same semantics and checks as ``ops.causal.lt_multiply``.
 
@@ -255,6 +293,9 @@ def lt_multiply_triton(
     tensor square. ``include_diag=False`` leaves out the block_size x block_size diagonal blocks
     aligned at 0. A (..., n, r), B (..., n, r), C (..., n, e) with broadcastable leading dims;
     fp32 / bf16 / fp16 inputs, fp32 output and fp32 accumulation. Differentiable in a, b, c.
+    ``tf32``: the dots' operand precision (see ``_precision``): None follows the inputs' dtypes,
+    True rounds operands to tf32 (what a half-precision model asks for; ~2^-10 relative per
+    term), False keeps fp32 accuracy.
     """
-    _check(a, b, c, block_size, include_diag, square)
-    return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square))
+    _check(a, b, c, block_size, include_diag, square, tf32)
+    return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square), tf32)

@@ -1,0 +1,186 @@
+"""Where the GPU time of the Triton backend goes: kernel timings, a profile, layer timings vs SDPA.
+
+Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64, bf16, B=1:
+
+* ``sdpa_rows``: SDPA (flash) causal forward and forward+backward, n = 2k..64k;
+* ``lt_rows``: the Triton causal product alone (``ops.triton.lt_multiply_triton``) for polysketch's
+  squared sketches (r = 32, 16) and identity features (r = 64), with and without diagonal blocks,
+  against the ``batched`` PyTorch product at 8k (and its max relative error against fp32);
+* ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
+  product alone; a polysketch + local exact layer in a bf16 module);
+* ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend;
+* ``fla_rows``: fla-core's ``chunk_linear_attn`` with elu+1 features, when fla-core is installed
+  (its autotuning takes minutes on the first call of each shape).
+
+    python recipes/profile_gpu_kernels.py --out recipes/results/profile_gpu_kernels
+    python recipes/profile_gpu_kernels.py lt_rows profile_lt     # some sections only
+
+Rows are printed as JSON lines (and written to <out>/rows.json at the end); the profiler tables
+are printed. Tables in recipes/results/profile_gpu_kernels/ were made by running it with its
+output captured (``| tee``).
+"""
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from hf_polyattn import PolyAttnConfig
+from hf_polyattn.ops import PolyAttention
+from hf_polyattn.ops.causal import lt_multiply_batched
+
+dev = "cuda"
+H = 16
+results = []
+
+
+def rec(**kw):
+    results.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def fb(fn, *xs):
+    def run():
+        for x in xs:
+            x.grad = None
+        fn().float().sum().backward()
+    return run
+
+
+def inputs(n, r, e, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(1, H, n, r, generator=g) / r ** 0.5).to(dev, dtype).requires_grad_()
+    b = (torch.randn(1, H, n, r, generator=g) / r ** 0.5).to(dev, dtype).requires_grad_()
+    c = torch.randn(1, H, n, e, generator=g).to(dev, dtype).requires_grad_()
+    return a, b, c
+
+
+def section(name, fn):
+    try:
+        fn()
+    except Exception:
+        print(f"!! {name} failed", flush=True)
+        traceback.print_exc()
+        torch.cuda.empty_cache()
+
+
+def sdpa_rows():
+    for n in (2048, 8192, 32768, 65536):
+        q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        f = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        rec(what="sdpa", n=n, fwd_ms=do_bench(f), fb_ms=do_bench(fb(f, q, k, v)))
+
+
+def lt_rows():
+    for n in (8192, 32768, 65536):
+        for r, square in ((32, True), (16, True), (64, False)):
+            for diag in (True, False):
+                a, b, c = inputs(n, r, 65)
+                f = lambda a=a, b=b, c=c, d=diag, s=square: lt_multiply_triton(a, b, c, 256, d, s)  # noqa: E731
+                row = dict(what="lt_triton", n=n, r=r, square=square, diag=diag, fwd_ms=do_bench(f),
+                           fb_ms=do_bench(fb(f, a, b, c)))
+                if n == 8192:
+                    gb = lambda a=a, b=b, c=c, d=diag, s=square: lt_multiply_batched(a, b, c, 256, d, s)  # noqa: E731
+                    row["batched_fb_ms"] = do_bench(fb(gb, a, b, c))
+                    # accuracy against the batched fp32 path
+                    ref = lt_multiply_batched(a.float(), b.float(), c.float(), 256, diag, square)
+                    got = f()
+                    row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                rec(**row)
+                del a, b, c
+                torch.cuda.empty_cache()
+
+
+def profile_lt():
+    a, b, c = inputs(32768, 32, 65)
+    f = fb(lambda: lt_multiply_triton(a, b, c, 256, False, True), a, b, c)
+    f()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+
+
+LAYER = {
+    "polysketch": dict(kind="polysketch"),
+    "polysketch-local": dict(kind="polysketch", sketch="learned", local_exact=True),
+    "polysketch-window128": dict(kind="polysketch", sketch_size=32, window=128, feature_proj=64),
+    "linear-elu": dict(kind="linear"),
+    "performer": dict(kind="performer", num_features=256),
+}
+
+
+def layer_rows():
+    for label, opts in LAYER.items():
+        for backend in ("triton", "batched"):
+            pa = PolyAttention(PolyAttnConfig(backend=backend, **opts), H, 64).to(dev).to(torch.bfloat16)
+            for n in (2048, 8192, 32768, 65536):
+                if backend == "batched" and n > 32768:
+                    continue
+                q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                f = lambda pa=pa, q=q, k=k, v=v: pa(q, k, v, causal=True)  # noqa: E731
+                try:
+                    torch.cuda.reset_peak_memory_stats()
+                    rec(what="layer", kind=label, backend=backend, n=n, fwd_ms=do_bench(f),
+                        fb_ms=do_bench(fb(f, q, k, v)), peak_mb=torch.cuda.max_memory_allocated() / 2**20)
+                except Exception as err:
+                    rec(what="layer", kind=label, backend=backend, n=n, error=repr(err)[:300])
+                del q, k, v
+                torch.cuda.empty_cache()
+
+
+def profile_layer():
+    pa = PolyAttention(PolyAttnConfig(kind="polysketch", sketch="learned", local_exact=True, backend="triton"),
+                       H, 64).to(dev).to(torch.bfloat16)
+    q, k, v = (torch.randn(1, H, 32768, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    f = fb(lambda: pa(q, k, v, causal=True), q, k, v)
+    f()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        f()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+
+
+def fla_rows():
+    from fla.ops.linear_attn import chunk_linear_attn
+    for n in (8192, 32768):
+        q, k, v = (torch.randn(1, n, H, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+        def f(q=q, k=k, v=v):
+            return chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, normalize=True)[0]
+        rec(what="fla_linear_elu", n=n, fwd_ms=do_bench(f), fb_ms=do_bench(fb(f, q, k, v)))
+
+
+SECTIONS = ["sdpa_rows", "lt_rows", "profile_lt", "layer_rows", "profile_layer", "fla_rows"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="profile_gpu_kernels.py")
+    p.add_argument("sections", nargs="*", choices=SECTIONS, default=SECTIONS, help="what to run (default: all)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for rows.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device (the Triton kernels run on CPU only under TRITON_INTERPRET=1, for tests)")
+    global triton, do_bench, lt_multiply_triton
+    import triton
+    from triton.testing import do_bench
+
+    from hf_polyattn.ops.triton import lt_multiply_triton
+    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    for name in args.sections:
+        print(f"== {name}", flush=True)
+        section(name, globals()[name])
+    with open(os.path.join(args.out, "rows.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
