@@ -263,6 +263,21 @@ def model_class(path: str, task: str):
     return transformers.AutoModel
 
 
+def load_tokenizer(path: str):
+    """The tokenizer of checkpoint ``path``, or None when it has none.
+
+    transformers builds a tokenizer that holds only its special tokens from a checkpoint without tokenizer
+    files (a BERT folder gives 5 tokens, a GPT-2 one 1): copied by convert it would turn every word into
+    [UNK] later, and eval would score no token. That counts as no tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        return None
+    return tokenizer
+
+
 def _load(cls, path: str, **kwargs):
     try:
         return cls.from_pretrained(path, **kwargs)
@@ -291,12 +306,12 @@ def cmd_convert(args, argv) -> int:
     model.save_pretrained(out)
     tokenizer_note = "no tokenizer in MODEL: none copied"
     try:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(path).save_pretrained(out)
-        tokenizer_note = "tokenizer copied"
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        tokenizer = None
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+        tokenizer_note = "tokenizer copied"
     print(f"converted {args.model} ({type(model).__name__}, {layers} attention layers) to "
           f"{describe_config(cfg)}\nsaved to {out} ({tokenizer_note})\n"
           f"load it with: import hf_polyattn; transformers.{type(model).__name__}.from_pretrained({str(out)!r})")
@@ -329,12 +344,13 @@ def cmd_eval(args, argv) -> int:
         else:
             raise UsageError(f"eval computes the perplexity of a causal LM; {args.model!r} is a {cls.__name__}")
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
+        tokenizer = load_tokenizer(args.tokenizer or path)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): "
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    if tokenizer is None:
+        raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): it has no "
+                         "tokenizer files, only special tokens")
     try:
         data = load_text_data(args.data, tokenizer, eval_fraction=args.eval_fraction,
                               max_eval_tokens=args.max_eval_tokens, text_column=args.text_column)
@@ -425,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="swap a checkpoint's attention for a polyattn kind and save it",
                        description=_wrap("Load MODEL, give every attention layer the polyattn kind --kind "
-                                   "(hf_polyattn.convert) and save_pretrained it to --out, with its tokenizer. "
-                                   "Reload it with from_pretrained after `import hf_polyattn`."),
+                                   "(hf_polyattn.convert) and save_pretrained it to --out, with its tokenizer when it "
+                                   "has one. Reload it with from_pretrained after `import hf_polyattn`."),
                        formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="checkpoint: a local directory with config.json, a Hub id, or the offline aliases "
@@ -495,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `hf-polyattn kinds | head`: the reader left; no traceback
+        try:  # Python flushes stdout again at exit: point it at devnull so that flush cannot fail
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
 
 
 if __name__ == "__main__":

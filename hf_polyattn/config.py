@@ -33,25 +33,40 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
                 "window": 0, "feature_proj": 0}
+# ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
+# sketches / features of a smaller one (2**62 those of 0).
+_INT_MAXIMUM = {"seed": 2**62 - 1}
+# Every float option enters the kernels, which compute in float32: 1e300 is finite in Python but
+# inf there (a denominator_offset of 1e300 zeroes the attention like inf did).
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _is_power_of_two(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     # bool is an int subclass (True would be degree 1); floats such as 4.0 are refused, not truncated.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be an int in [{minimum}, {maximum}], got {value!r}")
     return int(value)
 
 
-def _check_float(name: str, value: Any) -> float:
+def _real(name: str, value: Any, what: str, shown: str) -> float:
     # NaN/inf would not fail here or in the kernels: NaN compares False with everything and
-    # silently zeroes (or NaNs) the attention weights downstream.
+    # silently zeroes (or NaNs) the attention weights downstream; so would a float32 overflow.
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite real number (int or float), got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {shown}")
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be {what} of magnitude <= {FLOAT32_MAX:.8g} (float32, the kernels' "
+                         f"working precision), got {shown}")
     return float(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    return _real(name, value, "a finite real number (int or float)", repr(value))
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -69,20 +84,15 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 def _check_coefficients(name: str, value: Any) -> tuple[float, ...]:
     # A str is a sequence too: "12" would become (1.0, 2.0).
+    what = "a list or tuple of finite real numbers a_0..a_D"
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} must be a list or tuple of finite real numbers a_0..a_D, got {value!r}")
-    coeffs = []
-    for i, c in enumerate(value):
-        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c):
-            raise ValueError(f"{name} must be a list or tuple of finite real numbers a_0..a_D, got {c!r} at "
-                             f"index {i} of {value!r}")
-        coeffs.append(float(c))
-    return tuple(coeffs)
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return tuple(_real(name, c, what, f"{c!r} at index {i} of {value!r}") for i, c in enumerate(value))
 
 
 _CHECKS = {
     "bool": lambda name, value: _check_bool(name, value),
-    "int": lambda name, value: _check_int(name, value, _INT_MINIMUM[name]),
+    "int": lambda name, value: _check_int(name, value, _INT_MINIMUM[name], _INT_MAXIMUM.get(name)),
     "float": _check_float,
     "str": lambda name, value: _check_choice(name, value, _CHOICES[name]),
     "tuple[float, ...]": _check_coefficients,

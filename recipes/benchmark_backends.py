@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4, help="attention heads H")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths n")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (best is kept)")
-    p.add_argument("--out", default=None, help="output folder (default recipes/results/benchmark_backends)")
+    p.add_argument("--out", default=str(RESULTS / "benchmark_backends"), help="output folder (default: %(default)s)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype_name = args.dtype or ("fp32" if device.type == "cpu" else "bf16")
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             rows.append({"kind": label, "n": n, "ms": {b: round(t * 1e3, 2) for b, t in times.items()},
                          "ratio_to_loop": {b: round(t / times["loop"], 3) for b, t in times.items()}})
             print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.out) if args.out else RESULTS / "benchmark_backends"
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{device.type}-{dtype_name}"
     info = machine(device.type)

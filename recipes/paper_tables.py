@@ -247,7 +247,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--save_every", type=int, default=100)
-    p.add_argument("--out", default=str(RESULTS / "paper_tables"))
+    p.add_argument("--out", default=str(RESULTS / "paper_tables"),
+                   help="results folder: results.json, tables, plots (default: %(default)s)")
     p.add_argument("--runs_dir", default=None, help="checkpoints (default: runs/paper_tables, or OUT/runs if --quick)")
     p.add_argument("--quick", action="store_true", help="tiny grid: contexts 64 128, 30 steps, small eval")
     args = p.parse_args(argv)

@@ -392,7 +392,8 @@ def main(argv=None) -> int:
     ap.add_argument("--transferred_layers", "--transferred-layers", type=int, nargs="+", default=[0, 3])
     ap.add_argument("--transferred-only", action="store_true",
                     help="measure only --transferred and add the rows to an existing results.json in --out")
-    ap.add_argument("--out", default=str(_defaults.RESULTS / "sketch_accuracy"))
+    ap.add_argument("--out", default=str(_defaults.RESULTS / "sketch_accuracy"),
+                    help="results folder: results.json, table.md, plot (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="tiny run (tests): r 8 64, p 4, 4 seeds, n 128")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tables-only", action="store_true", help="rewrite table.md and the plot from results.json")

@@ -342,7 +342,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (0 with --quick)")
     p.add_argument("--kinds", nargs="+", default=None, choices=ALL_KINDS,
                    help="default: all 17 (softmax x4 learned2 with --quick)")
-    p.add_argument("--out", default=str(RESULTS / "thesis_reversal"))
+    p.add_argument("--out", default=str(RESULTS / "thesis_reversal"),
+                   help="results folder: results.json, table.md, runs.md, plots (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: softmax + x4 + learned2, 1 seed")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3, help="not stated in the thesis")

@@ -299,3 +299,50 @@ def test_console_script(tmp_path):
     res = subprocess.run([script, "convert", str(tmp_path / "nope"), "--kind", "linear", "--out", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+
+
+# ----------------------------------------------------------------------------------------------- no tokenizer
+
+
+@pytest.fixture(scope="module")
+def without_tokenizer(tmp_path_factory):
+    """A tiny BERT and a tiny GPT-2 saved without tokenizer files."""
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    root = tmp_path_factory.mktemp("no-tokenizer")
+    BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(root / "bert")
+    GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(root / "gpt2")
+    return root
+
+
+def test_convert_copies_no_special_tokens_only_tokenizer(without_tokenizer, tmp_path, capsys):
+    """transformers builds a BERT tokenizer of its 5 special tokens from a folder without tokenizer files;
+    convert used to save it as 'tokenizer copied', and every word would have become [UNK] later."""
+    out = tmp_path / "out"
+    code, text, _ = run(["convert", without_tokenizer / "bert", "--kind", "linear", "--out", out], capsys)
+    assert code == 0 and "(no tokenizer in MODEL: none copied)" in text
+    assert not [p.name for p in out.iterdir() if "tokenizer" in p.name or p.name in ("vocab.txt", "vocab.json")]
+
+
+def test_eval_without_tokenizer_files_is_a_usage_error(without_tokenizer, tiny, capsys):
+    """A GPT-2 folder without tokenizer files gave a 1-token tokenizer and 'need at least 2 tokens, got 0'."""
+    code, _, err = run(["eval", without_tokenizer / "gpt2", "--data", tiny["text"], "--context", 32], capsys)
+    assert code == 2
+    assert "no tokenizer for" in err and "pass --tokenizer DIR" in err and "only special tokens" in err
+
+
+# ----------------------------------------------------------------------------------------------- pipes
+
+
+def test_output_into_a_closed_pipe_is_no_traceback():
+    """`hf-polyattn kinds | head -1`: the reader closes the pipe; a BrokenPipeError traceback used to follow."""
+    script = shutil.which("hf-polyattn", path=str(Path(sys.executable).parent))
+    assert script
+    for argv in (["kinds"], ["kinds", "--json"], ["--help"]):
+        res = subprocess.run(["bash", "-c", f'"{script}" {" ".join(argv)} | head -1; exit "${{PIPESTATUS[0]}}"'],
+                             capture_output=True, text=True, timeout=120)
+        assert len(res.stdout.splitlines()) == 1, argv
+        assert "Traceback" not in res.stderr and "BrokenPipeError" not in res.stderr, (argv, res.stderr)
+        assert res.returncode in (0, 141), (argv, res.returncode)

@@ -31,7 +31,9 @@ def _as_config(config: PolyAttnConfig | dict | str | None, overrides: dict[str, 
     elif isinstance(config, dict):
         config = PolyAttnConfig.from_dict({**config, **overrides})
     elif isinstance(config, PolyAttnConfig):
-        config = config.replace(**overrides) if overrides else config
+        # Always a validated copy: fields assigned after construction (cfg.qk_norm = "no", cfg.alpha = nan)
+        # bypassed __post_init__, and later edits of the caller's object must not reach the model.
+        config = config.replace(**overrides)
     else:
         raise TypeError(f"config must be a PolyAttnConfig, a dict of its fields or a kind name {list(KINDS)}, "
                         f"got {type(config).__name__}")

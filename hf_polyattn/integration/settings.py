@@ -73,13 +73,12 @@ def resolve_polyattn_config(config: PreTrainedConfig) -> PolyAttnConfig | None:
     if kind is None:
         return None
     stored = getattr(config, CONFIG_KEY, None)
-    if isinstance(stored, PolyAttnConfig):
-        cfg = stored
-    elif isinstance(stored, dict):
-        try:
-            cfg = PolyAttnConfig.from_dict(stored)
+    if isinstance(stored, (PolyAttnConfig, dict)):
+        try:  # a PolyAttnConfig is validated again: fields assigned after construction skipped __post_init__
+            cfg = stored.replace() if isinstance(stored, PolyAttnConfig) else PolyAttnConfig.from_dict(stored)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"config.json key {CONFIG_KEY!r} is not a valid PolyAttnConfig: {err}") from err
+            where = f"config.{CONFIG_KEY}" if isinstance(stored, PolyAttnConfig) else f"config.json key {CONFIG_KEY!r}"
+            raise ValueError(f"{where} is not a valid PolyAttnConfig: {err}") from err
     elif stored is None:
         cfg = PolyAttnConfig(kind=kind)
     else:

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from integration_helpers import VOCAB, build
+from integration_helpers import ARCHS, VOCAB, build
 
 import hf_polyattn
 from hf_polyattn import PolyAttnConfig
@@ -165,3 +165,57 @@ def test_bad_stored_config_refused_at_load(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"not a valid PolyAttnConfig: qk_norm must be a bool"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------- values finite in Python but not in the kernels
+@pytest.mark.parametrize("name, value", [("alpha", 1e300), ("beta", -1e39), ("denominator_offset", 1e300)])
+def test_floats_beyond_float32_rejected(name, value):
+    """1e300 is finite in Python but inf in the float32 kernels: denominator_offset=1e300 zeroed the attention
+    exactly as inf did; alpha=1e300 and poly_coefficients=(1e300, 1) gave NaN."""
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite real number \(int or float\) of magnitude "
+                                         r"<= 3\.4028235e\+38 \(float32"):
+        PolyAttnConfig(**BASE, **{name: value})
+    with pytest.raises(ValueError, match=r"^poly_coefficients must be .* of magnitude <= 3\.4028235e\+38 .*got "
+                                         r"1e\+300 at index 0"):
+        PolyAttnConfig(kind="polynomial", poly_coefficients=(1e300, 1.0))
+    PolyAttnConfig(**BASE, **{name: 3.0e38 if name != "beta" else -3.0e38})  # the largest float32s still pass
+
+
+def test_seed_beyond_the_layer_seed_range_rejected():
+    """layer_seed reduces seed * 1_000_003 modulo 2**62: seed 2**62 drew seed 0's sketches, silently."""
+    with pytest.raises(ValueError, match=r"^seed must be an int in \[0, 4611686018427387903\], got 46116860184"):
+        PolyAttnConfig(kind="polysketch", seed=2**62)
+    assert PolyAttnConfig(kind="polysketch", seed=2**62 - 1).seed == 2**62 - 1
+
+
+# ------------------------------------------------- a config edited after construction is validated again
+@pytest.mark.parametrize("name, value, match", [
+    ("qk_norm", "no", r"qk_norm must be a bool"),
+    ("alpha", NAN, r"alpha must be a finite real number"),
+    ("denominator_offset", INF, r"denominator_offset must be a finite real number"),
+    ("degree", 3, r"degree must be even for kind='polynomial'"),
+    ("kind", "bogus", r"kind must be one of \['polynomial'"),
+])
+def test_fields_assigned_after_construction_are_validated_by_convert(name, value, match):
+    """PolyAttnConfig is a plain dataclass: ``cfg.qk_norm = "no"`` skipped __post_init__ and convert() used it
+    (q/k LayerNorms ON, NaN alpha -> zero attention, kind='bogus' -> a transformers error naming nothing)."""
+    cfg = PolyAttnConfig(kind="polynomial", degree=2)
+    setattr(cfg, name, value)
+    model = build("llama")
+    with pytest.raises(ValueError, match=match):
+        hf_polyattn.convert(model, cfg)
+    assert model.config._attn_implementation not in hf_polyattn.config.KINDS  # nothing changed
+    from transformers import LlamaForCausalLM
+
+    config = ARCHS["llama"].make_config()
+    config._attn_implementation = "polynomial"
+    config.polyattn = cfg  # construction with a PolyAttnConfig object in the model config
+    with pytest.raises(ValueError, match=rf"^config\.polyattn is not a valid PolyAttnConfig: {match}"):
+        LlamaForCausalLM(config)
+
+
+def test_convert_keeps_a_copy_of_the_callers_config():
+    cfg = PolyAttnConfig(kind="linear")
+    model = hf_polyattn.convert(build("llama"), cfg)
+    cfg.qk_norm = True  # an edit after convert() does not reach the converted model
+    assert hf_polyattn.get_polyattn_config(model).qk_norm is False

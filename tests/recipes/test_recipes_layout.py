@@ -19,7 +19,11 @@ RESULTS = RECIPES / "results"
 
 # every recipe with a command line; those with a --data default must point at an existing file
 RECIPES_WITH_DATA = ["retrofit", "transfer", "finetune", "evaluate", "train_gpt2_scratch", "demo", "paper_tables"]
-RECIPES_WITHOUT_DATA = ["thesis_reversal", "sketch_accuracy", "benchmark_decode", "benchmark_backends"]
+RECIPES_WITHOUT_DATA = ["thesis_reversal", "sketch_accuracy", "benchmark_decode", "benchmark_backends",
+                        "benchmark_attention"]
+# recipes whose --out default is their folder under recipes/results/ (e2e_speed picks it per device, tested apart)
+RESULTS_WRITERS = ["benchmark_attention", "benchmark_decode", "benchmark_backends", "paper_tables", "thesis_reversal",
+                   "sketch_accuracy"]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,16 @@ def test_help_from_elsewhere(helps, name):
     _, out = helps
     rc, _, stderr = out[name]
     assert rc == 0, stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", RESULTS_WRITERS)
+def test_help_from_elsewhere_results_go_to_the_repository(helps, name):
+    """Run from another directory, results land in <repo>/recipes/results/<name>, where build_results.py reads
+    them (benchmark_attention.py wrote to ./recipes/results/benchmark_attention of the working directory)."""
+    _, out = helps
+    rc, stdout, stderr = out[name]
+    assert rc == 0, stderr[-3000:]
+    assert _option_default(stdout, "--out") == str(RESULTS / name)
 
 
 def test_boolean_help_is_truthful(helps):
