@@ -234,13 +234,9 @@ def machine(args, info: dict | None = None) -> str:
         info = info or machine_info(args)
         return (f"{info['gpu']} ({info['gpu_memory_gib']} GiB), torch {info['torch']}, CUDA {info['cuda']}, "
                 f"driver {info.get('driver') or 'unknown'} ({args.dtype})")
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"CPU {cpu}, {os.cpu_count()} cores, {args.threads} threads ({args.dtype}); load average at start "
+    from .machine import cpu_name
+
+    return (f"CPU {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads ({args.dtype}); load average at start "
             f"{os.getloadavg()[0]:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
 
 

@@ -1,4 +1,4 @@
-"""What the recipes record about the machine they ran on: the one place that describes it.
+"""What the recipes record about the machine they ran on (the CPU's name from hf_polyattn.machine).
 
 ``machine()``: the speed recipes' record (e2e_speed, paper_tables); ``basics()``: the keys the training grids store
 in their settings (thesis_reversal, sketch_accuracy); ``describe()``: the one-line form printed above a table
@@ -12,14 +12,12 @@ import time
 
 import torch
 
+from hf_polyattn.machine import cpu_name
+
 
 def uptime() -> str:
     """`uptime`'s line: the load average says how shared the machine was while timing."""
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def cpu_name() -> str:
-    return platform.processor() or platform.machine()
 
 
 def machine(device: str = "cpu") -> dict:

@@ -19,7 +19,6 @@ Output folder layout::
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import machine
 from ..config import KINDS, PolyAttnConfig
 from .checkpoints import CheckpointError, check_supported, resolve_checkpoint
 from .data import (
@@ -352,7 +352,7 @@ class Retrofit:
         self.results["total_cpu_s"] = round(time.process_time() - self.cpu0, 1)
         self.results["total_wall_s"] = round(time.time() - self.wall0, 1)
         self.results["polyattn"] = self.pcfg.to_dict() if self.pcfg else None
-        self.results["machine"] = _machine()
+        self.results["machine"] = machine.summary()
         target = None
         if self.acc.is_main_process:
             (self.out / "results.json").write_text(json.dumps(self.results, indent=2))
@@ -402,14 +402,6 @@ def _lora_targets(model) -> list[str]:
         if set(cand) <= names:
             return cand
     raise CheckpointError(f"no known attention projection names for LoRA among {sorted(names)}")
-
-
-def _machine() -> str:
-    import platform
-
-    dev = "CUDA " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{os.cpu_count()}-core CPU ({platform.machine()}), {dev}, torch {torch.__version__}, " \
-           f"{torch.get_num_threads()} threads"
 
 
 def run(args: RetrofitArgs) -> dict[str, Any]:
