@@ -51,6 +51,8 @@ KINDS = {
     # the sliding-window hybrid of the demo (exact softmax on the previous 128 keys, the kernel beyond)
     "polysketch-window128": dict(kind="polysketch", sketch_size=32, window=128, feature_proj=64, block_size=256),
     "linear-window128": dict(kind="linear", feature_map="elu", window=128, block_size=256),
+    # the window alone (Longformer-style local attention): exact softmax on the previous 128 keys, nothing beyond
+    "sliding-window128": dict(kind="sliding_window", window=128),
 }
 # Rows measured with another library's kernel (not a PolyAttnConfig): name -> module it needs.
 EXTERNAL = {"fla-linear-elu": "fla"}

@@ -35,6 +35,7 @@ KIND_FIELDS = {
                    "causal_algorithm"),
     "linear": ("feature_map", "local_exact", "local_kernel", "window", "window_mix", "causal_algorithm"),
     "performer": ("num_features", "local_exact", "local_kernel", "window", "window_mix", "causal_algorithm"),
+    "sliding_window": ("window", "local_kernel", "degree"),
 }
 
 # --task of convert -> the transformers auto class; "auto" = the class named in the checkpoint's config.architectures

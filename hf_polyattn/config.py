@@ -12,13 +12,16 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("polynomial", "polysketch", "linear", "performer")
+KINDS = ("polynomial", "polysketch", "linear", "performer", "sliding_window")
 SKETCHES = ("gaussian", "srht", "learned")
-FEATURE_MAPS = ("elu", "relu", "taylor")
+FEATURE_MAPS = ("elu", "relu", "taylor", "hedgehog")
 LOCAL_KERNELS = ("polynomial", "softmax")
 EXACT_PATHS = ("auto", "quadratic", "tensor")
 CAUSAL_ALGORITHMS = ("block", "cumsum")
 BACKENDS = ("auto", "loop", "batched", "triton")
+# Fields a kind needs besides the shared defaults when it is named alone (attn_implementation="sliding_window",
+# convert(model, "sliding_window")): 256 keys, Longformer's one-sided window (its 512 spans both sides).
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {"sliding_window": {"window": 256}}
 
 # Allowed values of every str field and the minimum of every int field: __post_init__
 # validates each field by its annotation, so a new field without an entry here fails loudly.
@@ -184,6 +187,8 @@ class PolyAttnConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.kind == "sliding_window":
+            self._check_sliding_window()
         if self.kind == "polynomial" and self.poly_coefficients is None and self.degree % 2:
             raise ValueError(f"degree must be even for kind='polynomial' (got {self.degree}): odd powers go negative")
         if self.kind == "polysketch" and (self.degree < 2 or not _is_power_of_two(self.degree)):
@@ -225,6 +230,24 @@ class PolyAttnConfig:
         elif self.learn_coefficients:
             raise ValueError("learn_coefficients needs poly_coefficients (the initial a_0..a_D)")
 
+    @classmethod
+    def for_kind(cls, kind: str, **overrides: Any) -> PolyAttnConfig:
+        """The settings of ``kind`` named alone: the shared defaults, the kind's own (KIND_DEFAULTS), overrides."""
+        return cls(kind=kind, **{**KIND_DEFAULTS.get(kind, {}), **overrides})
+
+    def _check_sliding_window(self) -> None:
+        """kind='sliding_window' is the window alone (Longformer-style local attention): no kernel beyond it."""
+        if not self.window:
+            raise ValueError("kind='sliding_window' needs window >= 1: the number of previous keys each query "
+                             "attends to (|i - j| < window bidirectional)")
+        for name, off in (("local_exact", False), ("window_mix", False), ("qk_norm", False), ("feature_proj", 0)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name} shapes the kernel beyond the window; kind='sliding_window' has no kernel "
+                                 f"there: leave {name}={off!r}")
+        if self.local_kernel == "polynomial" and self.degree % 2:
+            raise ValueError(f"degree must be even for a polynomial window (got {self.degree}): odd powers go "
+                             "negative")
+
     def _check_types(self) -> None:
         """Validate (and normalise: ints to int, reals to float, coefficients to a tuple) every field by its
         annotation, so that no option can be silently misread (``"no"`` as True, NaN as a number)."""
@@ -252,7 +275,7 @@ class PolyAttnConfig:
 
     @property
     def is_linear_time(self) -> bool:
-        return self.kind != "polynomial"
+        return self.kind != "polynomial"  # sliding_window: O(n w) with w fixed
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -27,7 +27,7 @@ def _as_config(config: PolyAttnConfig | dict | str | None, overrides: dict[str, 
     elif isinstance(config, str):
         if config not in KINDS:
             raise ValueError(f"unknown attention kind {config!r}; allowed: {list(KINDS)}")
-        config = PolyAttnConfig(kind=config, **overrides)
+        config = PolyAttnConfig.for_kind(config, **overrides)
     elif isinstance(config, dict):
         config = PolyAttnConfig.from_dict({**config, **overrides})
     elif isinstance(config, PolyAttnConfig):

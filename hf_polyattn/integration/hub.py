@@ -38,6 +38,8 @@ _KIND_TITLES = {
     "polysketch": "PolySketch attention (sketched polynomial kernel in linear time, arXiv:2310.01655)",
     "linear": "linear attention (Katharopoulos et al., arXiv:2006.16236)",
     "performer": "Performer FAVOR+ attention (Choromanski et al., arXiv:2009.14794)",
+    "sliding_window": "sliding-window attention (exact local attention alone, Longformer: Beltagy et al., "
+                      "arXiv:2004.05150)",
 }
 
 

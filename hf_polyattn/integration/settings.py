@@ -80,7 +80,7 @@ def resolve_polyattn_config(config: PreTrainedConfig) -> PolyAttnConfig | None:
             where = f"config.{CONFIG_KEY}" if isinstance(stored, PolyAttnConfig) else f"config.json key {CONFIG_KEY!r}"
             raise ValueError(f"{where} is not a valid PolyAttnConfig: {err}") from err
     elif stored is None:
-        cfg = PolyAttnConfig(kind=kind)
+        cfg = PolyAttnConfig.for_kind(kind)
     else:
         raise ValueError(f"config.{CONFIG_KEY} must be a dict of PolyAttnConfig fields, got {type(stored).__name__}")
     if cfg.kind != kind:
@@ -88,7 +88,7 @@ def resolve_polyattn_config(config: PreTrainedConfig) -> PolyAttnConfig | None:
             "attn_implementation=%r overrides the stored polyattn settings of kind %r: using the defaults of %r",
             kind, cfg.kind, kind,
         )
-        cfg = PolyAttnConfig(kind=kind)
+        cfg = PolyAttnConfig.for_kind(kind)
     return cfg
 
 

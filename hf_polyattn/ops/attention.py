@@ -212,8 +212,10 @@ class PolyAttention(nn.Module):
             # LoLCATs' per-head factor on the far part (init 1 = today's plain sum)
             self.window_mix = nn.Parameter(torch.ones(num_kv_heads, self.groups, 1, 1))
         kind = config.kind
-        fm: FeatureMap
-        if kind == "polynomial":
+        fm: FeatureMap | None
+        if kind == "sliding_window":
+            fm = None  # the window alone: no kernel beyond it
+        elif kind == "polynomial":
             fm = PolynomialFeatureMap(
                 kdim, config.degree, config.alpha, config.beta,
                 coefficients=(lambda: self.coefficients) if config.poly_coefficients is not None else None,
@@ -224,6 +226,8 @@ class PolyAttention(nn.Module):
                                             config.sketch, seed)
         elif kind == "performer":
             fm = FEATURE_MAPS["performer"](num_kv_heads, kdim, config.num_features, seed)
+        elif getattr(FEATURE_MAPS[config.feature_map], "per_head", False):
+            fm = FEATURE_MAPS[config.feature_map](num_kv_heads, kdim)
         else:
             fm = FEATURE_MAPS[config.feature_map](kdim)
         self.feature_map = fm
@@ -246,7 +250,7 @@ class PolyAttention(nn.Module):
 
     @property
     def num_features(self) -> int:
-        return self.feature_map.num_features
+        return 0 if self.feature_map is None else self.feature_map.num_features
 
     def exact_path(self, q_len: int, kv_len: int, causal: bool) -> str:
         """Which exact path the polynomial kind takes ('tensor' or 'quadratic').
@@ -272,6 +276,8 @@ class PolyAttention(nn.Module):
 
     def _recurrent_path(self) -> str:
         """The path of a recurrent state (fixed for the whole generation)."""
+        if self.config.kind == "sliding_window":
+            return "window"
         if self.config.kind != "polynomial":
             return "linear"
         if self.config.exact_path == "quadratic" or (
@@ -352,6 +358,8 @@ class PolyAttention(nn.Module):
             path = self._recurrent_path()
         elif self.config.kind == "polynomial":
             path = self.exact_path(lq, lk, causal)
+        elif self.config.kind == "sliding_window":
+            path = "window"
         else:
             path = "linear"
 
@@ -364,12 +372,14 @@ class PolyAttention(nn.Module):
             # between cache (this path) and no cache (quadratic). F <= max_tensor_features
             # bounds the float64 cost; the state is float64 too.
             q5, k5, v5 = q5.double(), k5.double(), v5.double()
-        if state is not None and lq == 1 and path != "quadratic":
+        if state is not None and lq == 1 and path not in ("quadratic", "window"):
             out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw)
             return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), new_state
         fk = vext = kv_end = None
         if path == "quadratic":
             out = self._quadratic(q5, k5, v5, mask, causal, scale)
+        elif path == "window":
+            out = self._window_only(q5, k5, v5, mask, causal, scale)
         elif path == "tensor":
             out, kv_end = self._tensor(q5, k5, v5, mask, causal, scale, kv0)
         else:
@@ -706,6 +716,26 @@ class PolyAttention(nn.Module):
             self._window_exact(*args)
         num = loc + (far if far_scale is None else far_scale * far)
         return self._normalise(num[..., lk - lq :, :])
+
+    def _window_only(self, q5, k5, v5, mask, causal, scale):
+        """kind='sliding_window': exact attention on each query's window and nothing beyond it
+        (Longformer's local attention). O(n w d) time, O(n w) memory per head; the decode state is
+        the last ``window`` keys and values (kept by ``_next_state``), so a token costs O(w d)."""
+        lq, lk = q5.shape[3], k5.shape[3]
+        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
+        if mask is not None:
+            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        if causal:
+            qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5  # bottom-right aligned rows
+        elif lq != lk:
+            raise ValueError(f"kind='sliding_window' with bidirectional attention needs q_len == kv_len "
+                             f"(self-attention), got {lq} and {lk}")
+        else:
+            qs = q5
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, k5, vext))
+        args = (qs, k5, vext, mask, causal, scale, None)
+        loc, _ = checkpoint(self._window_exact, *args, use_reentrant=False) if grad else self._window_exact(*args)
+        return self._normalise(loc[..., lk - lq :, :])
 
     def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale):
         """Exact weights on each query's window and the factor that puts the far part on their scale."""

@@ -21,6 +21,7 @@ __all__ = [
     "FEATURE_MAPS",
     "EluFeatureMap",
     "FeatureMap",
+    "HedgehogFeatureMap",
     "PerformerFeatureMap",
     "PolySketchFeatureMap",
     "PolynomialFeatureMap",
@@ -93,6 +94,34 @@ class TaylorFeatureMap(FeatureMap):
     def forward(self, x, is_query):
         xn = F.normalize(x, dim=-1, eps=1e-6)
         return torch.cat([torch.ones_like(xn[..., :1]), xn], dim=-1)
+
+
+@register_feature_map("hedgehog")
+class HedgehogFeatureMap(FeatureMap):
+    """Hedgehog (Zhang et al., arXiv:2402.04347): phi(x) = [softmax(x W), softmax(-x W)] over the
+    features, with a learnable per-kv-head W (d x d, initialised to the identity).
+
+    Positive and spiky like softmax's weights: trained by attention transfer it mimics them where
+    elu+1 cannot (the paper's motivation). 2d features. ``per_head``: built with the number of kv
+    heads (PolyAttention reads this flag).
+    """
+
+    per_head = True
+
+    def __init__(self, heads: int, dim: int):
+        super().__init__()
+        self.num_features = 2 * dim
+        self.weight = nn.Parameter(torch.zeros(heads, 1, dim, dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        eye = torch.eye(self.weight.shape[-1], dtype=torch.float64, device="cpu")
+        self.weight.copy_(eye.expand(self.weight.shape).to(self.weight.dtype))
+
+    def forward(self, x, is_query):
+        z = project(x, self.weight)
+        return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
 
 
 @register_feature_map("performer")

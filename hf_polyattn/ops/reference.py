@@ -54,6 +54,12 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
 
     if cfg.kind == "polynomial":
         w = exact(x, "polynomial")
+    elif cfg.kind == "sliding_window":
+        local = cfg.resolved_local_kernel
+        dist = (torch.arange(lq, device=q.device) + (lk - lq if causal else 0))[:, None] - torch.arange(
+            lk, device=q.device)[None, :]
+        inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
+        w = torch.where(inside, exact(x_raw, local), torch.zeros_like(x_raw))  # nothing beyond the window
     else:
         root = 1.0 if cfg.kind == "linear" else math.sqrt(s)
         if cfg.kind == "performer":

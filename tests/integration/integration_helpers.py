@@ -109,6 +109,7 @@ KIND_CONFIGS = {
                                  block_size=4),
     "linear": PolyAttnConfig(kind="linear", feature_map="elu", local_exact=True, block_size=4),
     "performer": PolyAttnConfig(kind="performer", num_features=16, qk_norm=True),
+    "sliding_window": PolyAttnConfig(kind="sliding_window", window=4),
 }
 
 

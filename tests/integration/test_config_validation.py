@@ -219,3 +219,22 @@ def test_convert_keeps_a_copy_of_the_callers_config():
     model = hf_polyattn.convert(build("llama"), cfg)
     cfg.qk_norm = True  # an edit after convert() does not reach the converted model
     assert hf_polyattn.get_polyattn_config(model).qk_norm is False
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(), "needs window >= 1"),
+    (dict(window=8, qk_norm=True), "qk_norm"),
+    (dict(window=8, feature_proj=16), "feature_proj"),
+    (dict(window=8, local_exact=True), "local_exact"),
+    (dict(window=8, window_mix=True), "window_mix"),
+    (dict(window=8, local_kernel="polynomial", degree=3), "degree must be even"),
+])
+def test_sliding_window_kind_refuses_what_it_cannot_honour(opts, match):
+    with pytest.raises(ValueError, match=match):
+        PolyAttnConfig(kind="sliding_window", **opts)
+
+
+def test_kind_named_alone_takes_its_own_defaults():
+    assert PolyAttnConfig.for_kind("sliding_window").window == 256
+    assert PolyAttnConfig.for_kind("sliding_window", window=32).window == 32
+    assert PolyAttnConfig.for_kind("polysketch") == PolyAttnConfig(kind="polysketch")

@@ -41,6 +41,11 @@ KINDS = [
     ("poly4-quadratic-proj8", dict(kind="polynomial", feature_proj=8, exact_path="quadratic")),
     ("performer-proj12-window", dict(kind="performer", num_features=32, feature_proj=12, qk_norm=True, window=5)),
     ("linear-elu-proj8-window-mix", dict(kind="linear", feature_proj=8, window=4, window_mix=True)),
+    # Hedgehog's learnable softmax feature map; the window alone (kind sliding_window), softmax and polynomial
+    ("linear-hedgehog", dict(kind="linear", feature_map="hedgehog")),
+    ("linear-hedgehog-window", dict(kind="linear", feature_map="hedgehog", window=4)),
+    ("sliding-window5", dict(kind="sliding_window", window=5)),
+    ("sliding-window4-poly2", dict(kind="sliding_window", window=4, local_kernel="polynomial", degree=2)),
 ]
 
 # (id, batch, heads, kv_heads, q_len, kv_len, causal, padding)

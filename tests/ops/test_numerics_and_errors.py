@@ -17,6 +17,7 @@ LONG_KINDS = [
     ("polysketch-deg8-srht", dict(kind="polysketch", degree=8, sketch="srht")),
     ("linear-elu", dict(kind="linear")),
     ("performer-local-softmax", dict(kind="performer", local_exact=True)),
+    ("sliding-window128-poly8", dict(kind="sliding_window", window=128, local_kernel="polynomial", degree=8)),
 ]
 
 

@@ -12,13 +12,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path):
-    """accelerate launch --multi_gpu --num_processes 2 (gloo DDP on CPU): both ranks end with the same weights."""
+@pytest.mark.parametrize("mode", ["full", "two_stage"])
+def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path, mode):
+    """accelerate launch --multi_gpu --num_processes 2 (gloo DDP on CPU): both ranks end with the same weights,
+    for full fine-tuning and for the two-stage recipe (window + projection transfer, then LoRA)."""
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     assert launcher, "accelerate CLI not found"
     cmd = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-           str(ROOT / "tests" / "training" / "ddp_worker.py"), tiny_dirs["llama"], text_file, str(tmp_path)]
+           str(ROOT / "tests" / "training" / "ddp_worker.py"), tiny_dirs["llama"], text_file, str(tmp_path), mode]
     proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
