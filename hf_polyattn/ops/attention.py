@@ -504,44 +504,74 @@ class PolyAttention(nn.Module):
         # polynomial-type and FAVOR+ maps target (s q.k)^p / exp(s q.k): sqrt(s) per side.
         return x if self.config.kind == "linear" else x * math.sqrt(scale)
 
-    def _exact_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
-        """Weights from scores x = s q.k for 'polynomial' (this config's polynomial)."""
+    def _exact_base(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(base, p) with weights base^p for scores x = s q.k: this config's polynomial."""
         cfg = self.config
-        if kernel != "polynomial":
-            raise AssertionError(kernel)
         if cfg.poly_coefficients is not None:
             a = self.coefficients.to(x.dtype)
             acc = torch.zeros_like(x) + a[-1]
             for i in range(a.shape[0] - 2, -1, -1):
                 acc = acc * x + a[i]
-            return acc * acc
+            return acc, 2
         if cfg.kind == "polynomial" and (cfg.alpha != 0.0 or cfg.beta != 1.0):
             x = (x + cfg.alpha) / cfg.beta
-        return _int_power(x, cfg.degree)
+        return x, cfg.degree
+
+    def _exact_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        """Weights from scores x = s q.k for 'polynomial' (this config's polynomial)."""
+        if kernel != "polynomial":
+            raise AssertionError(kernel)
+        return _int_power(*self._exact_base(x))
 
     def _quadratic(self, q5, k5, v5, mask, causal, scale):
-        """Exact polynomial attention in O(Lq Lk) time, query chunks rematerialised in backward."""
+        """Exact polynomial attention in O(Lq Lk) time, query chunks rematerialised in backward.
+
+        Each row's bases are divided by their largest allowed magnitude m before the power
+        (weights (b/m)^p <= 1; the factor m^p cancels in the ratio, the denominator offset
+        becomes offset / m^p). Without it, degree 16 at q, k entries of 0.01 underflowed every
+        weight to 0 in float32 and the safe division returned all-zero rows (40 of 40 in a
+        test), a silent wrong answer; degree 8 at 0.003 lost 5% to subnormals.
+        """
         lq, lk = q5.shape[3], k5.shape[3]
         vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
         if mask is not None:
             vext = vext * mask[:, None, None, :, None].to(vext.dtype)
 
         def chunk(qc, start):
-            w = self._exact_kernel(torch.matmul(qc * scale, k5.transpose(-1, -2)), "polynomial")
+            base, p = self._exact_base(torch.matmul(qc * scale, k5.transpose(-1, -2)))
+            allowed = torch.ones(base.shape[-2:], dtype=torch.bool, device=qc.device)
             if causal:
                 rows = torch.arange(start, start + qc.shape[3], device=qc.device) + (lk - lq)
-                w = w.masked_fill(torch.arange(lk, device=qc.device)[None, :] > rows[:, None], 0.0)
-            return torch.matmul(w, vext)
+                allowed = torch.arange(lk, device=qc.device)[None, :] <= rows[:, None]
+            if mask is not None:
+                allowed = allowed & mask[:, None, None, None, :]
+            base = base.masked_fill(~allowed, 0.0)
+            # the ratio does not depend on m: detached, as softmax's row max
+            m = base.detach().abs().amax(dim=-1, keepdim=True)
+            m = torch.where(m > 0, m, torch.ones_like(m))  # a row with no key (or only zero bases)
+            return torch.matmul(_int_power(base / m, p), vext), m
 
-        outs = []
+        outs, scales = [], []
         for s in range(0, lq, _QUADRATIC_CHUNK):
             qc = q5[..., s : s + _QUADRATIC_CHUNK, :]
-            if torch.is_grad_enabled() and (qc.requires_grad or k5.requires_grad or vext.requires_grad):
-                outs.append(checkpoint(chunk, qc, s, use_reentrant=False))
+            if torch.is_grad_enabled() and (qc.requires_grad or k5.requires_grad or vext.requires_grad
+                                            or any(t.requires_grad for t in self.parameters())):
+                num, m = checkpoint(chunk, qc, s, use_reentrant=False)
             else:
-                outs.append(chunk(qc, s))
+                num, m = chunk(qc, s)
+            outs.append(num)
+            scales.append(m)
         num = torch.cat(outs, dim=3)
-        return self._normalise(num)
+        offset = self.config.denominator_offset
+        if not offset:
+            return self._normalise(num)
+        m = torch.cat(scales, dim=3)
+        p = self._exact_base(m)[1]
+        # offset / m^p in log space; inf where m^p underflows: then the weights are negligible
+        # against the offset and the output is 0, the true value to float precision
+        off = offset * torch.exp(-p * torch.log(m))
+        d = self.head_dim
+        return _safe_divide(num[..., :d], num[..., d:] + off)
 
     def tensor_chunk(self) -> int:
         """Keys (and queries) per chunk of the exact tensor path: ``_TENSOR_CHUNK_ELEMENTS``

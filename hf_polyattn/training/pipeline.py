@@ -122,6 +122,10 @@ class RetrofitArgs:
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id")
+        if self.attention == "polynomial" and self.window:
+            # silently dropped before: kind='polynomial' is exact everywhere, there is no window to add
+            raise ValueError(f"--window {self.window} applies to the linear-time kinds; attention='polynomial' is "
+                             "exact everywhere already: leave --window 0")
         if self.attention == "softmax" and self.transfer_steps:
             raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
         for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):

@@ -137,3 +137,28 @@ def test_ops_do_not_import_transformers():
     code = "import sys, hf_polyattn.ops; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("degree,scale,opts", [
+    (16, 0.01, {}),  # every float32 weight underflowed: all-zero rows
+    (8, 0.003, dict(beta=2.0)),
+    (8, 0.003, dict(denominator_offset=1.0)),  # the offset dominates: the output is ~0 truly
+    (4, 1.0, dict(denominator_offset=1.0)),
+])
+def test_high_degree_small_scores_do_not_underflow_to_zero_rows(degree, scale, opts):
+    """The quadratic path divides each row's bases by their largest magnitude before the power
+    (a factor that cancels in the ratio); without it degree 16 at q, k ~ 0.01 returned zero rows."""
+    from hf_polyattn.ops import reference_attention
+
+    pa = PolyAttention(PolyAttnConfig(kind="polynomial", degree=degree, exact_path="quadratic", **opts), 2, 16)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) * scale for _ in range(3))
+    mask = torch.ones(1, 20, dtype=torch.bool)
+    mask[0, :3] = False  # rows 0-2 see only padded keys: exactly 0 is right there
+    out = pa(q, k, v, causal=True, key_padding_mask=mask)
+    ref = reference_attention(pa.double(), q.double(), k.double(), v.double(), causal=True, key_padding_mask=mask)
+    # floor 1e-37: below float32's smallest normal (1.2e-38) values are subnormal, e.g. the ~4e-39 outputs that
+    # a denominator offset of 1 against weights ~(1e-5)^8 truly gives
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=max(1e-6 * ref.abs().max().item(), 1e-37))
+    if not opts.get("denominator_offset"):
+        assert (out[..., 3:, :].abs().sum(-1) > 0).all()  # no row with keys comes back as zeros

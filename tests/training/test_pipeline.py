@@ -59,3 +59,9 @@ def test_missing_data_is_a_clear_error_before_training(tiny_dirs, tmp_path):
         run(RetrofitArgs(model=tiny_dirs["llama"], attention="polysketch", transfer_steps=1,
                          output_dir=str(tmp_path / "x")))
     assert not (tmp_path / "x" / "model").exists()
+
+
+def test_polynomial_with_a_window_is_refused_not_dropped():
+    """--attention polynomial --window 64 used to run without the window (silently dropped)."""
+    with pytest.raises(ValueError, match="--window 64"):
+        RetrofitArgs(model="x", data="y", attention="polynomial", window=64)
