@@ -1,8 +1,10 @@
-"""Write recipes/results/SECTION_retrofit_window.md from recipes/results/retrofit_window/{demo_budget,two_stage}.*.
+"""Write recipes/results/SECTION_retrofit_window.md from recipes/results/retrofit_window/{demo_budget,ablation,...}.*.
 
     .venv/bin/python -m recipes.experiments.retrofit_window.fill_section
 
-Every number comes from the table that run_demo_budget.sh / run_demo_budget_more.sh wrote (no number typed).
+Every number comes from the tables that run_demo_budget.sh / run_demo_budget_more.sh / run_ablation.sh /
+run_smollm2_two_stage.sh / run_minilm_sst2_window.sh wrote, the per-step batch and the context of the demo's
+budget from those scripts' own options (no number typed); also draws ablation.png next to the tables.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from recipes._defaults import RESULTS
+from recipes._defaults import EXPERIMENTS, RESULTS
 
 INTRO = """## Retrofit at the demo's budget: block-diagonal exact blocks vs a sliding window (issue 13)
 
@@ -64,10 +66,187 @@ session. Machine: {machine}.
 Accuracy relative to softmax: {ratios}.
 """
 
+ABLATION = """
+### Ablation at the demo's budget
+
+`bash recipes/experiments/retrofit_window/run_ablation.sh` ran the rows the demo_budget table lacked, with the same
+options, softmax rerun in the same session (`ablation.{{md,json}}`); the table below combines them with the rows of
+`demo_budget.{{md,json}}`. One budget for every row: attention transfer only, {steps} steps x {batch} sequences x
+{context} tokens = {tokens:,} tokens (only the polyattn parameters train), no fine-tuning; perplexity on
+{eval_tokens} held-out tokens (context {eval_context}, stride {eval_stride}). Each ratio is to the softmax run of
+its own table. CPU seconds as the recipe recorded them (process CPU time; total: loading, the transfer and the
+evaluations before and after it) and the total wall seconds. The ablation runs shared the 2 cores with another
+session's jobs for part of the time (where total CPU s is close to total wall s, the run had about one core), so
+their CPU seconds can be higher than the demo_budget rows' for the same work; compare the cost of rows within a
+table with that in mind. Machine: {machine}.
+
+{header}
+{rows}
+
+Plot: `recipes/results/retrofit_window/ablation.png` (the ratio to softmax per row).
+
+- Exact local part (r=16, with the projection): none (window 0) {w0p}, 16-token window {w16p}, 64-token window
+  {w64p}, 128-token window {w128p}; block-diagonal 64-token blocks vs a 64-token sliding window (without the
+  projection): {blocks} vs {w64}.
+- Feature map (the learnable projection) on vs off, 128-token window, r=16: {w128p} vs {w128}; 64-token window:
+  {w64p} vs {w64}.
+- Sketch size, 128-token window + projection: r=16 {w128p}, r=32 {r32}.
+- Kernel outside the window, 128-token window + projection: polysketch r=16 {w128p}, linear (elu + 1) {lin}.
+  The exact polynomial kernel itself (degree 4, quadratic time, with the projection; no window, since it is exact
+  everywhere): {poly}.
+{missing}"""
+
 TODO = """
-Not yet done (issue 13): the ablation over every kind, window size and sketch size at one stated per-stage budget,
-transfer-only vs transfer + LoRA for each, contexts longer than 256.
+Not yet done (issue 13): transfer + LoRA for each ablation row (only the 128-token window + projection has its
+two-stage run above); contexts longer than 256 tokens, where the kernel part carries most keys and a 128-token
+window no longer covers half of them; more than one seed per row.
 """
+
+# the rows run_ablation.sh runs (its output folder names) and what they are
+ABLATION_PLAN = {
+    "polysketch_r32_window128_proj": dict(kind="polysketch", sketch_size=32, window=128, feature_proj=64),
+    "polysketch_window0_proj": dict(kind="polysketch", sketch_size=16, window=0, local_exact=False, feature_proj=64),
+    "polysketch_window128": dict(kind="polysketch", sketch_size=16, window=128, feature_proj=0),
+    "linear_window128_proj": dict(kind="linear", window=128, feature_proj=64),
+    "polysketch_window16_proj": dict(kind="polysketch", sketch_size=16, window=16, feature_proj=64),
+    "polynomial4_proj": dict(kind="polynomial", degree=4, feature_proj=64),
+}
+HEADER = ("| kind | sketch r | exact local part | projection (feature_proj) | perplexity after transfer | / softmax "
+          "| transfer CPU s | total CPU s | total wall s | table |\n|---|---|---|---|---|---|---|---|---|---|")
+KIND_ORDER = {"softmax": 0, "polysketch": 1, "polynomial": 2, "linear": 3, "performer": 4}
+
+
+def _script_option(script: str, option: str) -> str:
+    """The value of OPTION in the shared option lines of an experiment script (its single source)."""
+    values = set(re.findall(rf"{re.escape(option)} (\S+)", (EXPERIMENTS / "retrofit_window" / script).read_text()))
+    if len(values) != 1:
+        raise ValueError(f"{script}: expected one value of {option}, found {sorted(values)}")
+    return values.pop()
+
+
+def _budget() -> tuple[int, int]:
+    """(sequences per transfer step, tokens per sequence), the same in the three scripts of the combined table."""
+    scripts = ("run_demo_budget.sh", "run_demo_budget_more.sh", "run_ablation.sh")
+    found = {(_script_option(s, "--transfer_batch_size"), _script_option(s, "--context")) for s in scripts}
+    if len(found) != 1:
+        raise ValueError(f"the scripts do not share one budget: {sorted(found)}")
+    batch, context = found.pop()
+    return int(batch), int(context)
+
+
+def _local_part(c: dict) -> str:
+    if c["kind"] == "polynomial":
+        return "(all exact, quadratic time)"
+    if c.get("window"):
+        return f"{c['window']}-token sliding window{' (mixed)' if c.get('window_mix') else ''}"
+    if c.get("local_exact"):
+        return f"{c['block_size']}-token blocks (block-diagonal)"
+    return "none (window 0, no blocks)"
+
+
+def _sort_key(r: dict):
+    c = r["polyattn"] or {}
+    local = c.get("window") or (c["block_size"] - 0.5 if c.get("local_exact") else 0)
+    return (KIND_ORDER.get(r["attention"], 9), c.get("sketch_size", 0) if r["attention"] == "polysketch" else 0,
+            local, c.get("feature_proj", 0), c.get("window_mix", False))
+
+
+def _ablation(folder: Path) -> str:
+    """The 'Ablation at the demo's budget' subsection (and ablation.png) from ablation.json + demo_budget.json."""
+    demo = json.loads((folder / "demo_budget.json").read_text())
+    abl = json.loads((folder / "ablation.json").read_text())
+    rows = [dict(r, table="demo_budget") for r in demo["rows"]] + [dict(r, table="ablation") for r in abl["rows"]]
+    steps = {r["transfer_steps"] for r in rows if r["polyattn"]}
+    finetune = {r["finetune_steps"] for r in rows}
+    evals = {(t["data"]["eval_tokens"], t["eval"]["context"], t["eval"]["stride"], t["machine"]) for t in (demo, abl)}
+    if len(steps) != 1 or finetune != {0} or len(evals) != 1:
+        raise ValueError(f"the two tables do not share one budget: {steps}, {finetune}, {evals}")
+    (eval_tokens, eval_context, eval_stride, machine), = evals
+    steps = steps.pop()
+    batch, context = _budget()
+    rows.sort(key=_sort_key)
+
+    def f(x, nd):
+        return "–" if x is None else f"{x:.{nd}f}"
+
+    lines = []
+    for r in rows:
+        c = r["polyattn"]
+        if c is None:
+            lines.append(f"| softmax | – | (all exact) | – | {f(r['final'], 2)} | {f(r['vs_softmax'], 4)} | – | "
+                         f"{f(r['total_cpu_s'], 0)} | {f(r['total_wall_s'], 0)} | {r['table']} |")
+            continue
+        r_col = str(c["sketch_size"]) if c["kind"] == "polysketch" else "–"
+        kind = c["kind"] if c["kind"] != "linear" else f"linear ({c['feature_map']})"
+        proj = f"on ({c['feature_proj']})" if c.get("feature_proj") else "off"
+        lines.append(f"| {kind} | {r_col} | {_local_part(c)} | {proj} | {f(r['final'], 2)} | "
+                     f"{f(r['vs_softmax'], 4)} | {f(r['transfer_cpu_s'], 0)} | {f(r['total_cpu_s'], 0)} | "
+                     f"{f(r['total_wall_s'], 0)} | {r['table']} |")
+
+    def ratio(**want):
+        hits = [r for r in rows if r["polyattn"] and all(r["polyattn"].get(k) == v for k, v in want.items())]
+        if len(hits) > 1:
+            raise ValueError(f"expected at most one run with {want}, found {len(hits)}")
+        return f"{hits[0]['vs_softmax']:.2f}x" if hits else "(not run)"
+
+    got = [r["polyattn"] for r in abl["rows"] if r["polyattn"]]
+    missing = [name for name, want in ABLATION_PLAN.items()
+               if not any(all(c.get(k) == v for k, v in want.items()) for c in got)]
+    missing_text = ("" if not missing else
+                    f"- Missing from `run_ablation.sh`'s table (failed, or not started within the session's time box; "
+                    f"see the run's log): {', '.join(f'`{m}`' for m in missing)}.\n")
+    _plot(rows, folder / "ablation.png", steps, batch, context)
+    return ABLATION.format(
+        steps=steps, batch=batch, context=context, tokens=steps * batch * context, eval_tokens=eval_tokens,
+        eval_context=eval_context, eval_stride=eval_stride, machine=machine, header=HEADER, rows="\n".join(lines),
+        w0p=ratio(kind="polysketch", sketch_size=16, window=0, local_exact=False, feature_proj=64),
+        w16p=ratio(kind="polysketch", sketch_size=16, window=16, feature_proj=64),
+        w64p=ratio(kind="polysketch", sketch_size=16, window=64, feature_proj=64, window_mix=False),
+        w128p=ratio(kind="polysketch", sketch_size=16, window=128, feature_proj=64),
+        w128=ratio(kind="polysketch", sketch_size=16, window=128, feature_proj=0),
+        w64=ratio(kind="polysketch", sketch_size=16, window=64, feature_proj=0),
+        blocks=ratio(kind="polysketch", sketch_size=16, local_exact=True),
+        r32=ratio(kind="polysketch", sketch_size=32, window=128, feature_proj=64),
+        lin=ratio(kind="linear", window=128, feature_proj=64),
+        poly=ratio(kind="polynomial", degree=4, feature_proj=64), missing=missing_text)
+
+
+def _plot(rows: list[dict], path: Path, steps: int, batch: int, context: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    poly = [r for r in rows if r["polyattn"]]
+    labels = []
+    for r in poly:
+        c = r["polyattn"]
+        name = f"polysketch r={c['sketch_size']}" if c["kind"] == "polysketch" else c["kind"]
+        labels.append(f"{name}, {_local_part(c).replace(' (block-diagonal)', '')}"
+                      f"{', proj' if c.get('feature_proj') else ''}")
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(poly) + 1.4))
+    y = range(len(poly))
+    colors = {"demo_budget": "tab:gray", "ablation": "tab:blue"}
+    ax.barh(y, [r["vs_softmax"] - 1 for r in poly], left=1, color=[colors[r["table"]] for r in poly])
+    for i, r in enumerate(poly):
+        ax.text(r["vs_softmax"], i, f" {r['vs_softmax']:.2f}", va="center", fontsize=8)
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    top = max(r["vs_softmax"] for r in poly)
+    ticks = [t for t in (1, 1.25, 1.5, 2, 3, 4, 6, 10, 20, 50, 100, 200, 500) if t <= 1.05 * top]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlim(0.9, 1.5 * top)
+    for table, color in colors.items():
+        ax.barh([0], [0], left=1, color=color, label=f"{table}.json")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlabel("perplexity / softmax's (log scale; 1 = softmax)")
+    ax.set_title(f"SmolLM2-135M, transfer only: {steps} steps x {batch} x {context} tokens", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -97,6 +276,8 @@ def main(argv=None) -> int:
             + stem.with_suffix(".md").read_text().strip() + "\n"
             + OUTRO.format(blocks=blocks["vs_softmax"], w64=w64["vs_softmax"], w64p=w64p["vs_softmax"],
                            w64pm=w64pm["vs_softmax"], w128p=w128p["vs_softmax"], w128cpu=w128p["transfer_cpu_s"]))
+    if (stem.parent / "ablation.json").exists():
+        text += _ablation(stem.parent)
     two = stem.parent / "two_stage"
     if two.with_suffix(".json").exists():
         t2 = json.loads(two.with_suffix(".json").read_text())
