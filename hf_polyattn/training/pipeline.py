@@ -70,9 +70,13 @@ class RetrofitArgs:
     num_features: int = field(default=256, metadata={"help": "PolyAttnConfig.num_features (kind=performer)"})
     local_exact: bool = field(default=True, metadata={"help": "PolyAttnConfig.local_exact (ignored for polynomial)"})
     local_kernel: str | None = field(default=None, metadata={"help": "PolyAttnConfig.local_kernel"})
-    window: int = field(default=0, metadata={"help": "PolyAttnConfig.window: an exact sliding window of this many "
-                                                     "keys, used instead of the local_exact blocks (0: blocks "
-                                                     "as local_exact says)"})
+    window: int | None = field(default=None, metadata={
+        "help": "PolyAttnConfig.window: an exact sliding window of this many keys, used instead of the local_exact "
+                "blocks (0: blocks as local_exact says); default: the measured best for the task, 128 for causal_lm "
+                "and 16 for classification (0 for polynomial, which is exact everywhere)"})
+    feature_proj: int | None = field(default=None, metadata={
+        "help": "PolyAttnConfig.feature_proj: a learnable projection of q and k to this many dimensions before the "
+                "kernel (0: off); default: the measured best, the model's head_dim for causal_lm, off otherwise"})
     block_size: int = field(default=64, metadata={"help": "PolyAttnConfig.block_size"})
     qk_norm: bool = field(default=True, metadata={"help": "PolyAttnConfig.qk_norm"})
     polyattn_json: str | None = field(default=None, metadata={"help": "a JSON dict of PolyAttnConfig fields that "
@@ -122,6 +126,10 @@ class RetrofitArgs:
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id")
+        for name in ("window", "feature_proj"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be None (the measured default) or an int >= 0, got {v!r}")
         if self.attention == "polynomial" and self.window:
             # silently dropped before: kind='polynomial' is exact everywhere, there is no window to add
             raise ValueError(f"--window {self.window} applies to the linear-time kinds; attention='polynomial' is "
@@ -134,9 +142,46 @@ class RetrofitArgs:
                 raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
 
 
-def polyattn_config_from_args(a: RetrofitArgs) -> PolyAttnConfig | None:
+# The measured best per task (recipes/results/SECTION_retrofit_window.md, one budget for every row): SmolLM2 at
+# context 256: 128-token window 1.33x softmax's perplexity -> 1.21x with the projection (block-diagonal blocks
+# 4.58x); MiniLM / SST-2: a 16-token bidirectional window kept 99.8-101.3% of softmax accuracy.
+RECOMMENDED_WINDOW = {"causal_lm": 128, "classification": 16}
+
+
+def resolved_window_and_projection(a: RetrofitArgs, head_dim: int | None = None) -> tuple[int, int]:
+    """(window, feature_proj) of a run: the explicit values, else the measured best for the task.
+
+    ``head_dim`` is needed only when the default projection applies (causal_lm); without it the
+    model's config is read (``resolve_checkpoint`` + ``AutoConfig``: no weights are loaded).
+    """
+    if a.attention in ("softmax", "polynomial"):
+        return a.window or 0, a.feature_proj or 0
+    window = RECOMMENDED_WINDOW[a.task] if a.window is None else a.window
+    proj = a.feature_proj
+    if proj is None:
+        proj = 0
+        if a.task == "causal_lm":
+            proj = head_dim if head_dim is not None else _head_dim(a.model)
+    return window, proj
+
+
+def _head_dim(model: str) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_checkpoint(model))
+    if getattr(cfg, "head_dim", None):
+        return int(cfg.head_dim)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if not hidden or not heads:
+        raise CheckpointError(f"cannot tell the head dimension of {model!r}: pass --feature_proj (0 = off)")
+    return int(hidden) // int(heads)
+
+
+def polyattn_config_from_args(a: RetrofitArgs, head_dim: int | None = None) -> PolyAttnConfig | None:
     if a.attention == "softmax":
         return None
+    window, proj = resolved_window_and_projection(a, head_dim)
     d: dict[str, Any] = {"kind": a.attention, "degree": a.degree, "seed": a.seed, "block_size": a.block_size,
                          "qk_norm": a.qk_norm}
     if a.attention == "polysketch":
@@ -147,7 +192,9 @@ def polyattn_config_from_args(a: RetrofitArgs) -> PolyAttnConfig | None:
         d.update(num_features=a.num_features)
     if a.attention != "polynomial":
         # a sliding window is the other form of the exact local part: it replaces the blocks
-        d.update(local_exact=a.local_exact and not a.window, local_kernel=a.local_kernel, window=a.window)
+        d.update(local_exact=a.local_exact and not window, local_kernel=a.local_kernel, window=window)
+    if proj:
+        d.update(feature_proj=proj)
     if a.polyattn_json:
         d.update(json.loads(a.polyattn_json))
     return PolyAttnConfig.from_dict(d)

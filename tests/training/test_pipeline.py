@@ -13,7 +13,8 @@ def test_classification_transfer_finetune_hub_folder(tiny_dirs, tsv_file, tmp_pa
 
     out = tmp_path / "bert"
     res = run(RetrofitArgs(model=tiny_dirs["bert"], task="classification", data=tsv_file, num_eval=40,
-                           attention="linear", local_exact=False, transfer_steps=2, transfer_batch_size=8,
+                           attention="linear", local_exact=False, window=0, feature_proj=0, transfer_steps=2,
+                           transfer_batch_size=8,
                            finetune_steps=2, batch_size=8, max_length=32, eval_batch_size=20, progress=False,
                            output_dir=str(out)))
     assert set(res["evaluations"]) == {"swapped", "after_transfer", "after_finetune"}
@@ -65,3 +66,23 @@ def test_polynomial_with_a_window_is_refused_not_dropped():
     """--attention polynomial --window 64 used to run without the window (silently dropped)."""
     with pytest.raises(ValueError, match="--window 64"):
         RetrofitArgs(model="x", data="y", attention="polynomial", window=64)
+
+
+def test_defaults_are_the_measured_best_per_task(tiny_dirs):
+    """window / feature_proj left at None take what measured best (SECTION_retrofit_window.md): a 128-token
+    window and a projection to head_dim for causal LMs, a 16-token window for classification; explicit values win."""
+    from hf_polyattn.training.pipeline import polyattn_config_from_args, resolved_window_and_projection
+
+    llama = RetrofitArgs(model=tiny_dirs["llama"], data="y", attention="polysketch")
+    head_dim = polyattn_config_from_args(llama).feature_proj
+    assert resolved_window_and_projection(llama) == (128, head_dim) and head_dim > 0
+    cfg = polyattn_config_from_args(llama)
+    assert cfg.window == 128 and not cfg.local_exact
+    bert = RetrofitArgs(model=tiny_dirs["bert"], data="y", task="classification", attention="linear")
+    assert resolved_window_and_projection(bert) == (16, 0)
+    assert resolved_window_and_projection(RetrofitArgs(model="x", data="y", attention="polynomial")) == (0, 0)
+    pinned = RetrofitArgs(model=tiny_dirs["llama"], data="y", attention="polysketch", window=0, feature_proj=0)
+    cfg = polyattn_config_from_args(pinned)
+    assert cfg.window == 0 and cfg.feature_proj == 0 and cfg.local_exact  # the blocks, as before
+    with pytest.raises(ValueError, match="window must be None"):
+        RetrofitArgs(model="x", data="y", window=-1)

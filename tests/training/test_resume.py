@@ -69,8 +69,8 @@ def test_incompatible_checkpoint_fails_before_any_step(tmp_path):
 
 def _args(tiny_dirs, text_file, out, **kw):
     base = dict(model=tiny_dirs["llama"], data=text_file, attention="polysketch", sketch_size=8, block_size=16,
-                transfer_steps=2, context=32, eval_context=32, eval_stride=32, max_eval_tokens=256,
-                eval_before=False, save_model=False, progress=False, output_dir=str(out))
+                window=0, feature_proj=0, transfer_steps=2, context=32, eval_context=32, eval_stride=32,
+                max_eval_tokens=256, eval_before=False, save_model=False, progress=False, output_dir=str(out))
     base.update(kw)
     return RetrofitArgs(**base)
 

@@ -10,10 +10,10 @@ P=.venv/bin/python
 $P recipes/train_gpt2_scratch.py --steps 600 --threads 2 --progress false --output_dir runs/r2/gpt2-scratch
 G="--model runs/r2/gpt2-scratch/model --finetune_steps 100 --finetune_lr 3e-4 --warmup_steps 5 --batch_size 16 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 8192 --threads 2 --progress false --transfer_lr 1e-2 --polyattn_lr 1e-3"
 $P recipes/retrofit.py $G --attention softmax --output_dir runs/r2/gpt2-softmax
-$P recipes/retrofit.py $G --attention polysketch --sketch learned --sketch_size 32 --local_exact true --block_size 64 --qk_norm true --transfer_steps 100 --output_dir runs/r2/gpt2-polysketch
-$P recipes/retrofit.py $G --attention linear --feature_map elu --local_exact false --qk_norm true --transfer_steps 100 --output_dir runs/r2/gpt2-linear
+$P recipes/retrofit.py $G --attention polysketch --sketch learned --sketch_size 32 --local_exact true --block_size 64 --qk_norm true --transfer_steps 100 --window 0 --feature_proj 0 --output_dir runs/r2/gpt2-polysketch
+$P recipes/retrofit.py $G --attention linear --feature_map elu --local_exact false --qk_norm true --transfer_steps 100 --window 0 --feature_proj 0 --output_dir runs/r2/gpt2-linear
 for r in 8 16 32 64; do
-$P recipes/retrofit.py --model minilm --task classification --data ../shared/data/sst2_train.tsv --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress false --attention polysketch --sketch learned --sketch_size $r --degree 4 --local_exact false --qk_norm true --transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --eval_before false --output_dir runs/r2/minilm-transfer-r$r
+$P recipes/retrofit.py --model minilm --task classification --data ../shared/data/sst2_train.tsv --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress false --attention polysketch --sketch learned --sketch_size $r --degree 4 --local_exact false --qk_norm true --transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --eval_before false --window 0 --feature_proj 0 --output_dir runs/r2/minilm-transfer-r$r
 done
 $P recipes/sketch_accuracy.py --transferred-only --transferred runs/r2/minilm-transfer-r8/model runs/r2/minilm-transfer-r16/model runs/r2/minilm-transfer-r32/model runs/r2/minilm-transfer-r64/model --threads 2
 for r in softmax polysketch linear linear-local; do

@@ -34,7 +34,7 @@ row() {  # row NAME ARGS...: one run; a failure is reported, not fatal (the tabl
 row softmax --attention softmax
 row polysketch_r32_window128_proj $S32 --window 128 --block_size 64 --polyattn_json "$PROJ"
 row polysketch_window0_proj $S16 --local_exact false --window 0 --block_size 64 --polyattn_json "$PROJ"
-row polysketch_window128 $S16 --window 128 --block_size 64
+row polysketch_window128 $S16 --window 128 --block_size 64 --feature_proj 0
 row linear_window128_proj $LIN --window 128 --block_size 64 --polyattn_json "$PROJ"
 row polysketch_window16_proj $S16 --window 16 --block_size 64 --polyattn_json "$PROJ"
 row polynomial4_proj --attention polynomial --degree 4 $B --polyattn_json "$PROJ"

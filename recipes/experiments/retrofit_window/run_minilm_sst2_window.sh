@@ -12,8 +12,8 @@ DATA=../shared/data/sst2_train.tsv
 CLS="--model minilm --task classification --data $DATA --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress false --resume false"
 T="--transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --polyattn_lr 1e-3 --qk_norm true"
 $P recipes/retrofit.py $CLS --attention softmax --eval_before false --output_dir $OUT/softmax
-$P recipes/retrofit.py $CLS $T --attention linear --feature_map elu --window 16 --output_dir $OUT/linear_window16
-$P recipes/retrofit.py $CLS $T --attention polysketch --sketch learned --sketch_size 32 --window 16 --block_size 16 --output_dir $OUT/polysketch_window16
+$P recipes/retrofit.py $CLS $T --attention linear --feature_map elu --window 16 --feature_proj 0 --output_dir $OUT/linear_window16
+$P recipes/retrofit.py $CLS $T --attention polysketch --sketch learned --sketch_size 32 --window 16 --block_size 16 --feature_proj 0 --output_dir $OUT/polysketch_window16
 $P -c "
 from pathlib import Path
 from hf_polyattn.training.compare import compare_runs, write_table
