@@ -1,4 +1,4 @@
-"""The sliding-window hybrid and the learnable projection through transformers models: save -> reload
+"""The sliding-window hybrid, the learnable projection and the Hedgehog map through transformers models: save -> reload
 identical, left padding exact, and the demo's configuration end to end on a tiny Llama."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ WINDOWED = {
                             qk_norm=True, block_size=4),
     "gpt2": PolyAttnConfig(kind="performer", num_features=16, window=3, window_mix=True, block_size=4),
     "bert": PolyAttnConfig(kind="linear", window=4, feature_proj=20, local_kernel="polynomial", degree=2),
+    # Hedgehog's learnable softmax feature map (its W is a polyattn parameter: perturbed, saved, reloaded)
+    "mistral": PolyAttnConfig(kind="linear", feature_map="hedgehog", window=4, qk_norm=True, block_size=4),
 }
 
 
