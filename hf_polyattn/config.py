@@ -19,6 +19,9 @@ LOCAL_KERNELS = ("polynomial", "softmax")
 EXACT_PATHS = ("auto", "quadratic", "tensor")
 CAUSAL_ALGORITHMS = ("block", "cumsum")
 BACKENDS = ("auto", "loop", "batched", "triton")
+# polysketch builds 2p - 1 sketch factors per head (a binary tree of degree-2 products): degree 1024 took 9.7 s
+# for one forward, 2**40 never returned. The paper uses p = 2, 4, 8; 64 leaves room without a hang.
+MAX_SKETCH_DEGREE = 64
 # Fields a kind needs besides the shared defaults when it is named alone (attn_implementation="sliding_window",
 # convert(model, "sliding_window")): 256 keys, Longformer's one-sided window (its 512 spans both sides).
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {"sliding_window": {"window": 256}}
@@ -191,8 +194,10 @@ class PolyAttnConfig:
             self._check_sliding_window()
         if self.kind == "polynomial" and self.poly_coefficients is None and self.degree % 2:
             raise ValueError(f"degree must be even for kind='polynomial' (got {self.degree}): odd powers go negative")
-        if self.kind == "polysketch" and (self.degree < 2 or not _is_power_of_two(self.degree)):
-            raise ValueError(f"degree must be a power of two >= 2 for kind='polysketch', got {self.degree}")
+        if self.kind == "polysketch" and (self.degree < 2 or not _is_power_of_two(self.degree)
+                                          or self.degree > MAX_SKETCH_DEGREE):
+            raise ValueError(f"degree must be a power of two in [2, {MAX_SKETCH_DEGREE}] for kind='polysketch', got "
+                             f"{self.degree}")
         if self.local_exact and self.kind == "polynomial":
             raise ValueError("local_exact applies to the linear-time kinds (polysketch, linear, performer); "
                              "kind='polynomial' is exact everywhere already")

@@ -238,3 +238,11 @@ def test_kind_named_alone_takes_its_own_defaults():
     assert PolyAttnConfig.for_kind("sliding_window").window == 256
     assert PolyAttnConfig.for_kind("sliding_window", window=32).window == 32
     assert PolyAttnConfig.for_kind("polysketch") == PolyAttnConfig(kind="polysketch")
+
+
+def test_polysketch_degree_is_capped():
+    """degree=2**40 used to hang (2p - 1 sketch factors per head); a clear error names the range instead."""
+    assert PolyAttnConfig(kind="polysketch", degree=64).degree == 64
+    for degree in (128, 2**40):
+        with pytest.raises(ValueError, match=r"power of two in \[2, 64\]"):
+            PolyAttnConfig(kind="polysketch", degree=degree)
