@@ -161,6 +161,15 @@ def _warn_if_misaligned_left_padding(mask: torch.Tensor, block: int) -> None:
         )
 
 
+def _with_normaliser(v5: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """[v, 1]: values with the normaliser's column of ones, both zeroed at padded keys (mask False)
+    so that they add nothing anywhere."""
+    vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
+    if mask is not None:
+        vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+    return vext
+
+
 def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den, 0 where den == 0 (a query that sees no key, or relu's all-zero rows)."""
     ok = den > 0
@@ -411,9 +420,7 @@ class PolyAttention(nn.Module):
         small-op overheads; this path is a handful of matmuls.
         """
         cfg = self.config
-        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
-        if mask is not None:
-            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        vext = _with_normaliser(v5, mask)
         q_in, k_in = self._feature_inputs(q5, scale), self._feature_inputs(k5, scale)
         q_log_scale = None
         if cfg.kind == "performer":
@@ -504,6 +511,11 @@ class PolyAttention(nn.Module):
         # polynomial-type and FAVOR+ maps target (s q.k)^p / exp(s q.k): sqrt(s) per side.
         return x if self.config.kind == "linear" else x * math.sqrt(scale)
 
+    @property
+    def _exact_power(self) -> int:
+        """p of the exact weights base^p: 2 for squared coefficient polynomials, else the degree."""
+        return 2 if self.config.poly_coefficients is not None else self.config.degree
+
     def _exact_base(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(base, p) with weights base^p for scores x = s q.k: this config's polynomial."""
         cfg = self.config
@@ -512,10 +524,10 @@ class PolyAttention(nn.Module):
             acc = torch.zeros_like(x) + a[-1]
             for i in range(a.shape[0] - 2, -1, -1):
                 acc = acc * x + a[i]
-            return acc, 2
+            return acc, self._exact_power
         if cfg.kind == "polynomial" and (cfg.alpha != 0.0 or cfg.beta != 1.0):
             x = (x + cfg.alpha) / cfg.beta
-        return x, cfg.degree
+        return x, self._exact_power
 
     def _exact_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """Weights from scores x = s q.k for 'polynomial' (this config's polynomial)."""
@@ -533,9 +545,7 @@ class PolyAttention(nn.Module):
         test), a silent wrong answer; degree 8 at 0.003 lost 5% to subnormals.
         """
         lq, lk = q5.shape[3], k5.shape[3]
-        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
-        if mask is not None:
-            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        vext = _with_normaliser(v5, mask)
 
         def chunk(qc, start):
             base, p = self._exact_base(torch.matmul(qc * scale, k5.transpose(-1, -2)))
@@ -566,12 +576,9 @@ class PolyAttention(nn.Module):
         if not offset:
             return self._normalise(num)
         m = torch.cat(scales, dim=3)
-        p = self._exact_base(m)[1]
         # offset / m^p in log space; inf where m^p underflows: then the weights are negligible
         # against the offset and the output is 0, the true value to float precision
-        off = offset * torch.exp(-p * torch.log(m))
-        d = self.head_dim
-        return _safe_divide(num[..., :d], num[..., d:] + off)
+        return self._normalise(num, offset * torch.exp(-self._exact_power * torch.log(m)))
 
     def tensor_chunk(self) -> int:
         """Keys (and queries) per chunk of the exact tensor path: ``_TENSOR_CHUNK_ELEMENTS``
@@ -591,9 +598,7 @@ class PolyAttention(nn.Module):
         Returns the normalised output and the state after the last key (for the cache).
         """
         lq, lk = q5.shape[3], k5.shape[3]
-        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
-        if mask is not None:
-            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        vext = _with_normaliser(v5, mask)
         fm, block = self.feature_map, self.config.block_size
         root = math.sqrt(scale)
         size = self.tensor_chunk()
@@ -637,9 +642,12 @@ class PolyAttention(nn.Module):
         num = torch.cat(outs, dim=3)[..., lk - lq :, :]
         return self._normalise(num), kv
 
-    def _normalise(self, num: torch.Tensor) -> torch.Tensor:
+    def _normalise(self, num: torch.Tensor, offset: torch.Tensor | float | None = None) -> torch.Tensor:
+        """num[..., :d] / (num[..., d] + offset); offset defaults to the config's denominator_offset
+        (a per-row tensor when the weights were rescaled, see _quadratic)."""
         d = self.head_dim
-        return _safe_divide(num[..., :d], num[..., d:] + self.config.denominator_offset)
+        off = self.config.denominator_offset if offset is None else offset
+        return _safe_divide(num[..., :d], num[..., d:] + off)
 
     def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
         cfg = self.config
@@ -663,10 +671,7 @@ class PolyAttention(nn.Module):
         def full(x):
             return symmetric_square(x) if square else x
 
-        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
-        if mask is not None:
-            # zero value *and* normaliser column at padded keys: they add nothing anywhere.
-            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        vext = _with_normaliser(v5, mask)
         if cfg.window:
             out = self._windowed(raw[0], raw[1], fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32)
             return out, (fk, square), vext
@@ -752,9 +757,7 @@ class PolyAttention(nn.Module):
         (Longformer's local attention). O(n w d) time, O(n w) memory per head; the decode state is
         the last ``window`` keys and values (kept by ``_next_state``), so a token costs O(w d)."""
         lq, lk = q5.shape[3], k5.shape[3]
-        vext = torch.cat([v5, torch.ones_like(v5[..., :1])], dim=-1)
-        if mask is not None:
-            vext = vext * mask[:, None, None, :, None].to(vext.dtype)
+        vext = _with_normaliser(v5, mask)
         if causal:
             qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5  # bottom-right aligned rows
         elif lq != lk:
