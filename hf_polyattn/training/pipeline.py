@@ -148,11 +148,12 @@ class RetrofitArgs:
 RECOMMENDED_WINDOW = {"causal_lm": 128, "classification": 16}
 
 
-def resolved_window_and_projection(a: RetrofitArgs, head_dim: int | None = None) -> tuple[int, int]:
+def resolved_window_and_projection(a: RetrofitArgs, model_config=None) -> tuple[int, int]:
     """(window, feature_proj) of a run: the explicit values, else the measured best for the task.
 
-    ``head_dim`` is needed only when the default projection applies (causal_lm); without it the
-    model's config is read (``resolve_checkpoint`` + ``AutoConfig``: no weights are loaded).
+    The model's head size is needed only when the default projection applies (causal_lm): read
+    from ``model_config`` when the caller has it loaded, else from the checkpoint's config
+    (``resolve_checkpoint`` + ``AutoConfig``: no weights are loaded).
     """
     if a.attention in ("softmax", "polynomial"):
         return a.window or 0, a.feature_proj or 0
@@ -161,14 +162,16 @@ def resolved_window_and_projection(a: RetrofitArgs, head_dim: int | None = None)
     if proj is None:
         proj = 0
         if a.task == "causal_lm":
-            proj = head_dim if head_dim is not None else _head_dim(a.model)
+            if model_config is None:
+                from transformers import AutoConfig
+
+                model_config = AutoConfig.from_pretrained(resolve_checkpoint(a.model))
+            proj = _config_head_dim(model_config, a.model)
     return window, proj
 
 
-def _head_dim(model: str) -> int:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(resolve_checkpoint(model))
+def _config_head_dim(cfg, model: str) -> int:
+    """The head size a transformers config declares (head_dim, or hidden size / heads)."""
     if getattr(cfg, "head_dim", None):
         return int(cfg.head_dim)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
@@ -178,10 +181,10 @@ def _head_dim(model: str) -> int:
     return int(hidden) // int(heads)
 
 
-def polyattn_config_from_args(a: RetrofitArgs, head_dim: int | None = None) -> PolyAttnConfig | None:
+def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnConfig | None:
     if a.attention == "softmax":
         return None
-    window, proj = resolved_window_and_projection(a, head_dim)
+    window, proj = resolved_window_and_projection(a, model_config)
     d: dict[str, Any] = {"kind": a.attention, "degree": a.degree, "seed": a.seed, "block_size": a.block_size,
                          "qk_norm": a.qk_norm}
     if a.attention == "polysketch":
@@ -298,7 +301,7 @@ class Retrofit:
                                                                        dtype=torch.float32, **kw)
             if model.config.pad_token_id is None:
                 model.config.pad_token_id = self.tokenizer.pad_token_id
-        pcfg = polyattn_config_from_args(a)
+        pcfg = polyattn_config_from_args(a, mcfg)
         existing = _converted_kind(model)
         if existing is not None:
             # a folder written by this pipeline / hf_polyattn.convert + save_pretrained: already swapped
