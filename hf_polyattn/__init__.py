@@ -1,4 +1,4 @@
-"""hf_polyattn: polynomial, PolySketch, linear and Performer attention for transformers.
+"""hf_polyattn: polynomial, PolySketch, linear, Performer and other efficient attentions for transformers.
 
 ``import hf_polyattn`` registers every attention kind with transformers, without
 importing transformers itself (so ``import hf_polyattn.ops`` stays free of it): if
@@ -15,7 +15,8 @@ import importlib.abc
 import sys
 import warnings
 
-from .config import KINDS, PolyAttnConfig
+from .config import PolyAttnConfig
+from .registry import KindSpec, Option, get_kind, kind_names, register_kind
 
 __version__ = "0.1.0"
 
@@ -30,14 +31,18 @@ _LAZY = {
 
 __all__ = [
     "HFPolyAttention",
-    "KINDS",
+    "KindSpec",
+    "Option",
     "PolyAttnCache",
     "PolyAttnCacheLayer",
     "PolyAttnConfig",
     "__version__",
     "convert",
+    "get_kind",
     "get_polyattn_config",
+    "kind_names",
     "register",
+    "register_kind",
     "write_model_card",
 ]
 

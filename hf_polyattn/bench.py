@@ -1,8 +1,9 @@
-"""Causal attention speed and memory: every kind against SDPA, measured in the same run.
+"""Attention speed and memory: every kind's benchmark rows against SDPA, measured in the same run.
 
     hf-polyattn bench                  # = python recipes/benchmark_attention.py (CPU)
     hf-polyattn bench --quick          # the two shortest lengths, one repeat (a smoke run)
     hf-polyattn bench --device cuda    # the GPU grid below, against SDPA's flash path
+    hf-polyattn bench --bidirectional  # encoder (non-causal) attention: the bidirectional kinds' rows
 
 Defaults per device (every one can be overridden):
 
@@ -40,31 +41,29 @@ import sys
 import time
 from pathlib import Path
 
-KINDS = {
-    "sdpa": None,
-    "polysketch-local": dict(kind="polysketch", sketch_size=32, local_exact=True, block_size=256),
-    "polysketch": dict(kind="polysketch", sketch_size=32, block_size=256),
-    "linear-elu": dict(kind="linear", feature_map="elu", block_size=256),
-    "performer": dict(kind="performer", num_features=256, block_size=256),
-    "polysketch-cumsum": dict(kind="polysketch", sketch_size=32, causal_algorithm="cumsum"),
-    "polynomial-exact": dict(kind="polynomial", degree=4, exact_path="quadratic"),
-    # the sliding-window hybrid of the demo (exact softmax on the previous 128 keys, the kernel beyond)
-    "polysketch-window128": dict(kind="polysketch", sketch_size=32, window=128, feature_proj=64, block_size=256),
-    "linear-window128": dict(kind="linear", feature_map="elu", window=128, block_size=256),
-    # the window alone (Longformer-style local attention): exact softmax on the previous 128 keys, nothing beyond
-    "sliding-window128": dict(kind="sliding_window", window=128),
-}
+
+def kind_rows(direction: str = "causal") -> dict[str, dict | None]:
+    """The benchmark rows: ``sdpa`` and every registered kind's ``KindSpec.bench`` rows (name -> PolyAttnConfig
+    kwargs) that serve ``direction`` ('causal' or 'bidirectional')."""
+    from .registry import all_kinds
+
+    rows: dict[str, dict | None] = {"sdpa": None}
+    for spec in all_kinds():
+        if getattr(spec, direction):
+            rows.update({name: dict(cfg) for name, cfg in spec.bench.items()})
+    return rows
+
+
 # Rows measured with another library's kernel (not a PolyAttnConfig): name -> module it needs.
 EXTERNAL = {"fla-linear-elu": "fla"}
-ALL_KINDS = [*KINDS, *EXTERNAL]
 # per-token cumsum stores n x F x (d+1) for autograd, the exact polynomial is O(n^2): cap them
 MAX_LEN = {"polysketch-cumsum": 4096, "polynomial-exact": 8192}
 
 DEFAULTS = {
     "cpu": {"lengths": [1024, 2048, 4096, 8192, 16384, 32768], "heads": 4, "dtype": "fp32", "repeats": 3,
-            "kinds": list(KINDS)},
+            "external": False},
     "cuda": {"lengths": [2048, 4096, 8192, 16384, 32768, 65536, 131072], "heads": 16, "dtype": "bf16",
-             "repeats": 10, "kinds": ALL_KINDS},
+             "repeats": 10, "external": True},
 }
 DEFAULT_OUT = Path("recipes/results/benchmark_attention")
 
@@ -144,20 +143,21 @@ def _measure(kind: str, n: int, args) -> dict:
             raise RuntimeError(f"{kind} needs a CUDA device (fla's kernels are Triton kernels)")
         shape = (1, n, args.heads, args.head_dim)  # fla's layout
     q, k, v = (torch.randn(shape, generator=gen).to(dev, dtype).requires_grad_() for _ in range(3))
+    causal = direction(args) == "causal"
     if kind == "sdpa":
         def step():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
     elif kind == "fla-linear-elu":
         step = _fla_step(q, k, v)
     else:
         from hf_polyattn import PolyAttnConfig
-        from hf_polyattn.ops import PolyAttention
 
+        cfg = PolyAttnConfig(**kind_rows(direction(args))[kind])
         # in the dtype of the inputs, as in a model of that dtype (a bf16 model holds bf16 sketches)
-        mod = PolyAttention(PolyAttnConfig(**KINDS[kind]), args.heads, args.head_dim).to(dev, dtype)
+        mod = cfg.spec.module_class()(cfg, args.heads, args.head_dim).to(dev, dtype)
 
         def step():
-            mod(q, k, v, causal=True).sum().backward()
+            mod(q, k, v, causal=causal).sum().backward()
 
     def sync():
         if dev.type == "cuda":
@@ -270,9 +270,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to run; picks the defaults of --lengths, --heads, --dtype, --repeats, --kinds")
     p.add_argument("--lengths", type=_positive_int, nargs="+", metavar="N",
                    help=f"context lengths n (default: {cpu['lengths']} on CPU, {cuda['lengths']} on CUDA)")
-    p.add_argument("--kinds", nargs="+", choices=ALL_KINDS, metavar="KIND",
-                   help=f"rows besides sdpa (always run), from {ALL_KINDS} (default: all but {list(EXTERNAL)} on "
-                        f"CPU, all on CUDA)")
+    choices = [*kind_rows("causal"), *EXTERNAL, *kind_rows("bidirectional")]
+    p.add_argument("--kinds", nargs="+", choices=list(dict.fromkeys(choices)), metavar="KIND",
+                   help=f"rows besides sdpa (always run): the kinds' benchmark rows {list(dict.fromkeys(choices))} "
+                        f"(default: every row that serves the direction, {list(EXTERNAL)} on CUDA only)")
+    p.add_argument("--bidirectional", action="store_true",
+                   help="non-causal forward+backward (encoder attention, SDPA with is_causal=False) instead of "
+                        "causal; rows of causal-only kinds are left out")
     p.add_argument("--heads", type=_positive_int,
                    help=f"attention heads H (default: {cpu['heads']} on CPU, {cuda['heads']} on CUDA)")
     p.add_argument("--head-dim", type=_positive_int, default=64, help="head dimension d")
@@ -306,7 +310,13 @@ def resolve(args) -> argparse.Namespace:
     args.heads = args.heads or d["heads"]
     args.repeats = args.repeats or d["repeats"]
     args.lengths = list(args.lengths or d["lengths"])
-    args.kinds = list(args.kinds or d["kinds"])
+    rows = kind_rows(direction(args))
+    if args.kinds:
+        refused = [k for k in args.kinds if k not in rows and not (k in EXTERNAL and not args.bidirectional)]
+        if refused:
+            raise ValueError(f"--kinds {refused}: these rows do not serve {direction(args)} attention; allowed: "
+                             f"{list(rows)}")
+    args.kinds = list(args.kinds or [*rows, *(EXTERNAL if d["external"] and not args.bidirectional else [])])
     if args.quick:
         args.lengths, args.repeats = (args.lengths if given else d["lengths"])[:2], 1
     if "sdpa" not in args.kinds:
@@ -315,8 +325,13 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
+def direction(args) -> str:
+    return "bidirectional" if getattr(args, "bidirectional", False) else "causal"
+
+
 def output_tag(args) -> str:
-    return f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
+    return (f"{args.device}-{args.dtype}" + ("-bidirectional" if direction(args) == "bidirectional" else "")
+            + ("-quick" if args.quick else ""))
 
 
 def plan(args) -> list[tuple[int, str]]:
@@ -334,7 +349,8 @@ def run_cell(kind: str, n: int, args) -> dict:
     if kind in EXTERNAL and args.device != "cuda":
         return {"kind": kind, "n": n, "error": "needs --device cuda (Triton kernels)"}
     common = ["--heads", str(args.heads), "--head-dim", str(args.head_dim), "--threads", str(args.threads),
-              "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype]
+              "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype,
+              *(["--bidirectional"] if args.bidirectional else [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     try:
         res = subprocess.run([sys.executable, "-m", "hf_polyattn.bench", "--worker", kind, str(n), *common], env=env,
@@ -392,7 +408,7 @@ def add_ratios(rows: list[dict]) -> None:
 def table(rows: list[dict], args, where: str, gflops_mm: float) -> str:
     ms = args.device == "cuda"
     unit = "time (ms)" if ms else "time (s)"
-    lines = [f"Machine: {where}; B=1, H={args.heads}, d={args.head_dim}; causal forward+backward; "
+    lines = [f"Machine: {where}; B=1, H={args.heads}, d={args.head_dim}; {direction(args)} forward+backward; "
              f"best of {args.repeats}; torch.mm 2048^2: {gflops_mm:.1f} GFLOP/s", "",
              f"| kind | n | {unit} | SDPA time / time | peak memory (MiB) | memory / SDPA memory |",
              "|---|---|---|---|---|---|"]
@@ -432,7 +448,10 @@ def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: 
     (args.out / f"{tag}.md").write_text(f"Run {stamp}: `{command}`\n\n{text}\n")
     settings = {k: getattr(args, k) for k in ("device", "dtype", "heads", "head_dim", "repeats", "lengths", "kinds",
                                               "threads")}
-    settings["presets"] = {k: KINDS.get(k) for k in args.kinds if k in KINDS}  # PolyAttnConfig fields per row
+    if args.bidirectional:
+        settings["bidirectional"] = True
+    rows_cfg = kind_rows(direction(args))
+    settings["presets"] = {k: rows_cfg.get(k) for k in args.kinds if k in rows_cfg}  # PolyAttnConfig fields per row
     (args.out / f"{tag}.json").write_text(json.dumps(
         {"machine": where, "machine_info": info, "date": stamp, "command": command, "settings": settings,
          "batch": 1, "mm_gflops": gflops_mm, "rows": rows}, indent=1))

@@ -26,18 +26,6 @@ from .bench import int_at_least
 
 PROG = "hf-polyattn"
 
-# Which PolyAttnConfig fields each kind reads (the ops' code); the others apply to every kind. The options'
-# types, defaults and help come from PolyAttnConfig's dataclass fields, never from here.
-KIND_FIELDS = {
-    "polynomial": ("degree", "alpha", "beta", "poly_coefficients", "learn_coefficients", "exact_path",
-                   "max_tensor_features"),
-    "polysketch": ("degree", "sketch", "sketch_size", "local_exact", "local_kernel", "window", "window_mix",
-                   "causal_algorithm"),
-    "linear": ("feature_map", "local_exact", "local_kernel", "window", "window_mix", "causal_algorithm"),
-    "performer": ("num_features", "local_exact", "local_kernel", "window", "window_mix", "causal_algorithm"),
-    "sliding_window": ("window", "local_kernel", "degree"),
-}
-
 # --task of convert -> the transformers auto class; "auto" = the class named in the checkpoint's config.architectures
 TASKS = {
     "auto": None,
@@ -152,10 +140,13 @@ def parse_value(name: str, tp, text: str) -> Any:
 
 
 def build_config(kind: str, settings: list[str] | None):
-    """PolyAttnConfig(kind=kind, **the --set FIELD=VALUE items), every value parsed by its field's type."""
+    """PolyAttnConfig.for_kind(kind, **the --set FIELD=VALUE items), every value parsed by its field's type
+    (a shared field) or its option's type (one of the kind's own options)."""
     from .config import PolyAttnConfig
+    from .registry import get_kind
 
-    types_by_name = {f.name: tp for f, tp in config_fields()}
+    types_by_name = {f.name: tp for f, tp in config_fields() if f.name != "options"}
+    types_by_name.update({name: opt.type for name, opt in get_kind(kind).options.items()})
     values: dict[str, Any] = {}
     for item in settings or []:
         name, sep, text = item.partition("=")
@@ -169,7 +160,7 @@ def build_config(kind: str, settings: list[str] | None):
             raise UsageError(f"--set {name}: unknown attention option (see `{PROG} kinds`); options: {options}")
         values[name] = parse_value(name, types_by_name[name], text)
     try:
-        return PolyAttnConfig(kind=kind, **values)
+        return PolyAttnConfig.for_kind(kind, **values)
     except (TypeError, ValueError) as err:
         raise UsageError(f"invalid attention settings: {err}") from None
 
@@ -178,8 +169,12 @@ def describe_config(cfg) -> str:
     """``kind (field=value, ...)`` with the fields that differ from the kind's defaults."""
     from .config import PolyAttnConfig
 
-    base = PolyAttnConfig(kind=cfg.kind).to_dict()
-    diff = [f"{k}={v}" for k, v in cfg.to_dict().items() if k != "kind" and v != base[k]]
+    def flat(c) -> dict[str, Any]:
+        d = c.to_dict()
+        return {**{k: v for k, v in d.items() if k != "options"}, **d.get("options", {})}
+
+    base = flat(PolyAttnConfig.for_kind(cfg.kind))
+    diff = [f"{k}={v}" for k, v in flat(cfg).items() if k != "kind" and v != base.get(k)]
     return f"{cfg.kind} ({', '.join(diff) if diff else 'defaults'})"
 
 
@@ -187,33 +182,46 @@ def describe_config(cfg) -> str:
 
 
 def cmd_kinds(args, argv) -> int:
-    from .config import KINDS
+    from .registry import all_kinds
 
-    fields = config_fields()
-    specific = {name for names in KIND_FIELDS.values() for name in names}
+    fields = {f.name: f for f, _ in config_fields()}
 
-    def option(f, tp) -> dict:
-        return {"name": f.name, "type": str(f.type), "default": _field_default(f), "help": f.metadata.get("help", "")}
+    def shared(name: str) -> dict:
+        f = fields[name]
+        return {"name": name, "type": str(f.type), "default": _field_default(f), "help": f.metadata.get("help", "")}
 
-    groups = {kind: [option(f, tp) for f, tp in fields if f.name in KIND_FIELDS.get(kind, ())] for kind in KINDS}
-    common = [option(f, tp) for f, tp in fields if f.name != "kind" and f.name not in specific]
+    def own(name: str, opt) -> dict:
+        return {"name": name, "type": opt.type.__name__, "default": opt.default, "help": opt.help}
+
+    kinds = {
+        spec.name: {
+            "title": spec.title, "causal": spec.causal, "bidirectional": spec.bidirectional,
+            "linear_time": spec.linear_time, "defaults": dict(spec.defaults),
+            "fields": [shared(n) for n in spec.fields], "options": [own(n, o) for n, o in spec.options.items()],
+        }
+        for spec in all_kinds()
+    }
     if args.json:
-        print(json.dumps({"kinds": groups, "all_kinds": common}, indent=1, default=str))
+        print(json.dumps({"kinds": kinds, "all_kinds": [shared("seed")]}, indent=1, default=str))
         return 0
-    print(_wrap("Attention kinds (hf_polyattn.PolyAttnConfig) and the options each one reads. Set an option with "
-                f"`--set FIELD=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig(FIELD=VALUE) in Python.")
-          + "\n")
+    print(_wrap("Attention kinds (hf_polyattn.register_kind adds one) and the options each one reads. Set one with "
+                f"`--set NAME=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig.for_kind(kind, NAME=VALUE) in "
+                "Python; a shared option a kind does not read must stay at its default.") + "\n")
 
-    def show(title: str, opts: list[dict]) -> None:
-        print(title)
+    def show(opts: list[dict]) -> None:
         for o in opts:
             print(f"  {o['name']}: {o['type']} = {o['default']!r}")
             print(textwrap.fill(o["help"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
-        print()
 
-    for kind in KINDS:
-        show(f"{kind}", groups[kind])
-    show("options of every kind", common)
+    for name, k in kinds.items():
+        serves = " and ".join(d for d in ("causal", "bidirectional") if k[d])
+        print(f"{name}: {k['title']}")
+        print(f"  serves {serves} attention; {'linear' if k['linear_time'] else 'quadratic'} time in the length"
+              + (f"; named alone: {k['defaults']}" if k["defaults"] else ""))
+        show(k["options"] + k["fields"])
+        print()
+    print("every kind")
+    show([shared("seed")])
     return 0
 
 
@@ -414,10 +422,10 @@ def _fraction(text: str) -> float:
 
 
 def _add_attention_options(p: argparse.ArgumentParser, *, required: bool) -> None:
-    from .config import KINDS
+    from .registry import kind_names
 
-    p.add_argument("--kind", required=required, choices=KINDS, metavar="KIND",
-                   help=f"attention kind, one of {', '.join(KINDS)}" + (
+    p.add_argument("--kind", required=required, choices=kind_names(), metavar="KIND",
+                   help=f"attention kind, one of {', '.join(kind_names())}" + (
                        "" if required else "; the model is converted to it before evaluating (default: the "
                                            "checkpoint's own attention)"))
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",

@@ -1,6 +1,6 @@
 """Attention kinds and their labels, one place for the recipes and the experiment scripts.
 
-paper_tables.py and thesis_reversal.py re-export their grid's names as ``KINDS`` / ``ALL_KINDS`` and ``LABELS``;
+paper_tables.py and thesis_reversal.py re-export their grid's names as ``PAPER_KINDS`` / ``ALL_KINDS`` and ``LABELS``;
 the fill scripts under recipes/experiments/ import them from there or from here.
 """
 

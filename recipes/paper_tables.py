@@ -50,7 +50,7 @@ from hf_polyattn.training.data import lm_batch, load_text_data  # noqa: E402
 from hf_polyattn.training.loop import LoopConfig, fingerprint_of, train_loop  # noqa: E402
 from hf_polyattn.training.metrics import perplexity  # noqa: E402
 from recipes._defaults import RESULTS, TINY_SHAKESPEARE  # noqa: E402
-from recipes._kinds import PAPER_KINDS as KINDS  # noqa: E402
+from recipes._kinds import PAPER_KINDS  # noqa: E402
 from recipes._kinds import PAPER_LABELS as LABELS  # noqa: E402
 from recipes._machine import machine  # noqa: E402
 
@@ -73,7 +73,7 @@ def polyattn_config(kind: str, args) -> PolyAttnConfig | None:
                               local_exact=True, **common)
     if kind == "performer":
         return PolyAttnConfig(kind="performer", num_features=args.num_features, **common)
-    raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
+    raise ValueError(f"unknown kind {kind!r}; choose from {PAPER_KINDS}")
 
 
 class CharTokenizer:
@@ -232,7 +232,7 @@ def plot(results: list[dict], kinds: list[str], contexts: list[int], path: Path)
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=TINY_SHAKESPEARE, help="text file (default: %(default)s)")
-    p.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
+    p.add_argument("--kinds", nargs="+", default=PAPER_KINDS, choices=PAPER_KINDS)
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--tokens_per_step", type=int, default=2048, help="batch = tokens_per_step // context")

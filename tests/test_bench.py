@@ -64,7 +64,7 @@ def test_cuda_defaults():
     args = _resolved(["--device", "cuda"])
     assert (args.dtype, args.heads, args.head_dim) == ("bf16", 16, 64)
     assert args.lengths == [2**k for k in range(11, 18)]  # 2k .. 128k
-    assert args.kinds[0] == "sdpa" and set(args.kinds) == {*bench.KINDS, "fla-linear-elu"}
+    assert args.kinds[0] == "sdpa" and set(args.kinds) == {*bench.kind_rows(), "fla-linear-elu"}
     assert bench.output_tag(args) == "cuda-bf16" and args.out == bench.DEFAULT_OUT
     assert args.repeats > 1  # best of N
     cells = bench.plan(args)
@@ -76,7 +76,7 @@ def test_cpu_defaults_unchanged():
     args = _resolved([])
     assert (args.dtype, args.heads, args.head_dim, args.repeats, args.threads) == ("fp32", 4, 64, 3, 2)
     assert args.lengths == [1024, 2048, 4096, 8192, 16384, 32768]
-    assert args.kinds == list(bench.KINDS)  # no fla row on CPU
+    assert args.kinds == list(bench.kind_rows())  # no fla row on CPU
     assert bench.output_tag(args) == "cpu-fp32"
     quick = _resolved(["--quick"])
     assert quick.lengths == [1024, 2048] and quick.repeats == 1

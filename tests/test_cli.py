@@ -19,7 +19,8 @@ pytest.importorskip("transformers")
 
 import hf_polyattn  # noqa: E402
 from hf_polyattn import cli  # noqa: E402
-from hf_polyattn.config import KINDS, PolyAttnConfig  # noqa: E402
+from hf_polyattn.config import PolyAttnConfig  # noqa: E402
+from hf_polyattn.registry import all_kinds, kind_names  # noqa: E402
 
 WORDS = ("the king and queen of a castle by the sea sang to their people while ships came home "
          "with bread wine and stories from far lands").split()
@@ -132,34 +133,36 @@ def test_kinds_lists_every_kind_and_option(capsys):
     code, out, _ = run(["kinds"], capsys)
     assert code == 0
     lines = out.splitlines()
-    for kind in KINDS:
-        assert kind in lines, kind  # a heading per kind
+    for spec in all_kinds():
+        assert f"{spec.name}: {spec.title}" in lines, spec.name  # a heading per kind
+        for name, opt in spec.options.items():
+            assert f"  {name}: {opt.type.__name__} = {opt.default!r}" in lines, (spec.name, name)
     flat = " ".join(out.split())
     for f in dataclasses.fields(PolyAttnConfig):
-        if f.name == "kind":
+        if f.name in ("kind", "options"):
             continue
         assert f"{f.name}: {f.type} = {f.default!r}" in out, f.name
         assert " ".join(f.metadata["help"].split()) in flat, f.name
     # options under the kind that reads them
-    polysketch = out[out.index("\npolysketch\n"):out.index("\nlinear\n")]
+    polysketch = out[out.index("\npolysketch: "):out.index("\nlinear: ")]
     assert "sketch_size: int = 32" in polysketch and "num_features" not in polysketch
 
 
 def test_kinds_json_covers_every_field(capsys):
     code, out, _ = run(["kinds", "--json"], capsys)
     data = json.loads(out)
-    assert set(data["kinds"]) == set(KINDS)
-    shown = {o["name"] for group in [*data["kinds"].values(), data["all_kinds"]] for o in group}
-    assert shown == {f.name for f in dataclasses.fields(PolyAttnConfig)} - {"kind"}
-    assert data["kinds"]["performer"][0] == {"name": "num_features", "type": "int", "default": 256,
-                                             "help": "performer: number of random features m"}
+    assert list(data["kinds"]) == list(kind_names())
+    shown = {o["name"] for k in data["kinds"].values() for o in k["fields"]} | {o["name"] for o in data["all_kinds"]}
+    assert shown == {f.name for f in dataclasses.fields(PolyAttnConfig)} - {"kind", "options"}
+    assert data["kinds"]["performer"]["fields"][0] == {"name": "num_features", "type": "int", "default": 256,
+                                                       "help": "performer: number of random features m"}
+    assert data["kinds"]["sliding_window"]["defaults"] == {"window": 256}
 
 
 def test_kind_fields_name_real_options():
     names = {f.name for f in dataclasses.fields(PolyAttnConfig)}
-    assert set(cli.KIND_FIELDS) == set(KINDS)
-    for kind, fields in cli.KIND_FIELDS.items():
-        assert set(fields) <= names, kind
+    for spec in all_kinds():
+        assert set(spec.fields) <= names, spec.name
 
 
 # ----------------------------------------------------------------------------------------------- --set parsing

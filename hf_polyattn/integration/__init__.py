@@ -1,6 +1,6 @@
 """transformers integration: the only subpackage of hf_polyattn that imports transformers.
 
-Importing it registers every attention kind (``hf_polyattn.config.KINDS``) with
+Importing it registers every attention kind (``hf_polyattn.registry``) with
 ``AttentionInterface`` and ``AttentionMaskInterface`` and installs the construction hook
 that gives polyattn models their per-layer ``polyattn`` submodules.
 """

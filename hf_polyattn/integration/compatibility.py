@@ -214,9 +214,24 @@ def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str) -
         if value is None:
             continue  # e.g. softcap=self.attn_logit_softcapping with the option off
         raise ValueError(_refusal(name, where, ast.unparse(expr)))
+    # the direction the attention function will ask for (registry.py: kwargs is_causal, else module.is_causal)
+    causal = bool(getattr(module, "is_causal", True))
+    spec = cfg.spec
+    if causal and not spec.causal:
+        raise ValueError(f"kind={cfg.kind!r} is bidirectional only and {where} is causal attention (a decoder): "
+                         f"pick a kind that serves causal attention, e.g. {_serving('causal')}")
+    if not causal and not spec.bidirectional:
+        raise ValueError(f"kind={cfg.kind!r} is causal only and {where} is bidirectional attention (an encoder): "
+                         f"pick a kind that serves bidirectional attention, e.g. {_serving('bidirectional')}")
     if local_option(cfg) and getattr(module, "is_cross_attention", False) is True:
         raise ValueError(_local_exact_cross_message(f"{owner} ({cls.__name__} is a cross-attention module)",
                                                     local_option(cfg)))
+
+
+def _serving(direction: str) -> list[str]:
+    from ..registry import all_kinds
+
+    return [spec.name for spec in all_kinds() if getattr(spec, direction)]
 
 
 def check_call_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:

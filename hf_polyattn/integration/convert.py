@@ -12,7 +12,8 @@ from typing import Any
 
 from transformers.modeling_utils import PreTrainedModel
 
-from ..config import KINDS, PolyAttnConfig
+from .. import registry
+from ..config import PolyAttnConfig
 from .compatibility import check_attention_module, check_model_options, find_attention_modules, mark_checked
 from .model_methods import prepare_model_instance
 from .settings import check_supported_config, persist_settings
@@ -25,8 +26,8 @@ def _as_config(config: PolyAttnConfig | dict | str | None, overrides: dict[str, 
     if config is None:
         config = PolyAttnConfig(**overrides) if overrides else PolyAttnConfig()
     elif isinstance(config, str):
-        if config not in KINDS:
-            raise ValueError(f"unknown attention kind {config!r}; allowed: {list(KINDS)}")
+        if not registry.is_kind(config):
+            raise ValueError(f"unknown attention kind {config!r}; allowed: {list(registry.kind_names())}")
         config = PolyAttnConfig.for_kind(config, **overrides)
     elif isinstance(config, dict):
         config = PolyAttnConfig.from_dict({**config, **overrides})
@@ -35,8 +36,8 @@ def _as_config(config: PolyAttnConfig | dict | str | None, overrides: dict[str, 
         # bypassed __post_init__, and later edits of the caller's object must not reach the model.
         config = config.replace(**overrides)
     else:
-        raise TypeError(f"config must be a PolyAttnConfig, a dict of its fields or a kind name {list(KINDS)}, "
-                        f"got {type(config).__name__}")
+        raise TypeError(f"config must be a PolyAttnConfig, a dict of its fields or a kind name "
+                        f"{list(registry.kind_names())}, got {type(config).__name__}")
     return config
 
 

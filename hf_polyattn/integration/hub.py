@@ -33,14 +33,6 @@ from .state import HFPolyAttention, get_polyattn_config, sync_config
 __all__ = ["hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained", "write_model_card"]
 
 _START, _END = "<!-- hf_polyattn:start -->", "<!-- hf_polyattn:end -->"
-_KIND_TITLES = {
-    "polynomial": "polynomial attention ((q.k)^p, PolySketchFormer, arXiv:2310.01655)",
-    "polysketch": "PolySketch attention (sketched polynomial kernel in linear time, arXiv:2310.01655)",
-    "linear": "linear attention (Katharopoulos et al., arXiv:2006.16236)",
-    "performer": "Performer FAVOR+ attention (Choromanski et al., arXiv:2009.14794)",
-    "sliding_window": "sliding-window attention (exact local attention alone, Longformer: Beltagy et al., "
-                      "arXiv:2004.05150)",
-}
 
 
 def template_path() -> str:
@@ -77,18 +69,6 @@ def _auto_class(architectures: list[str]) -> str:
         if any(a.endswith(s) for a in architectures for s in suffixes):
             return auto
     return "AutoModel"
-
-
-def _memory_note(cfg) -> str:
-    if cfg.kind != "polynomial":
-        extra = f" plus the keys of the current {cfg.block_size}-token block" if cfg.local_exact else ""
-        if cfg.window:
-            extra = f" plus the last {cfg.window} keys and values (the exact sliding window)"
-        return ("Generation keeps a constant-size recurrent state per layer" + extra
-                + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by `generate()`).")
-    return ("Exact polynomial attention: generation keeps tensor-power features (constant size) when they are "
-            f"few enough (max_tensor_features={cfg.max_tensor_features}); otherwise (the quadratic path) the "
-            "state keeps every key, like a softmax KV cache.")
 
 
 def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=None, tags: list[str] | None = None,
@@ -148,12 +128,12 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         model_name=name,
         description=f"A transformers checkpoint with hf_polyattn `{cfg.kind}` attention.",
         kind=cfg.kind,
-        kind_title=_KIND_TITLES[cfg.kind],
+        kind_title=cfg.spec.title,
         base_model=data.base_model,
         auto_class=auto_class,
         repo_id=repo,
         settings=settings,
-        memory_note=_memory_note(cfg),
+        memory_note=cfg.spec.memory_note(cfg),
         eval_rows=rows,
     )
     if existing is not None:

@@ -1,6 +1,6 @@
 """Registration of every kind with transformers' AttentionInterface and AttentionMaskInterface.
 
-One name per kind (``hf_polyattn.config.KINDS``), each registered twice under the same
+One name per kind (``hf_polyattn.registry``: built-in and user kinds alike), each registered twice under the same
 name: the attention function and the mask function. Without a mask function transformers
 passes ``attention_mask=None`` and padding is lost silently.
 
@@ -19,7 +19,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 from transformers.modeling_utils import AttentionInterface
 
-from ..config import KINDS
+from .. import registry
 from .compatibility import OUTPUT_ATTENTIONS_ERROR, check_call_kwargs, local_exact_cross_call_error, local_option
 from .construction import install_construction_hook
 from .state import HFPolyAttention
@@ -160,15 +160,21 @@ def _make_attention_function(kind: str) -> Callable:
     return polyattn_attention
 
 
-ATTENTION_FUNCTIONS: dict[str, Callable] = {kind: _make_attention_function(kind) for kind in KINDS}
+ATTENTION_FUNCTIONS: dict[str, Callable] = {}
 _REGISTERED = False
 
 
+def _register_kind(spec: registry.KindSpec) -> None:
+    """Give transformers the attention and mask functions of one kind (a user's kind too, when registered)."""
+    fn = ATTENTION_FUNCTIONS.setdefault(spec.name, _make_attention_function(spec.name))
+    AttentionInterface.register(spec.name, fn)
+    AttentionMaskInterface.register(spec.name, polyattn_mask)
+
+
 def register_all() -> None:
-    """Register every kind (idempotent) and install the construction hook."""
+    """Register every kind, now and whenever one is added (idempotent), and install the construction hook."""
     global _REGISTERED
-    for kind, fn in ATTENTION_FUNCTIONS.items():
-        AttentionInterface.register(kind, fn)
-        AttentionMaskInterface.register(kind, polyattn_mask)
+    if not _REGISTERED:
+        registry.on_register(_register_kind)
     install_construction_hook()
     _REGISTERED = True

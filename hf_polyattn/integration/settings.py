@@ -14,7 +14,8 @@ import re
 
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..config import KINDS, PolyAttnConfig
+from .. import registry
+from ..config import PolyAttnConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def polyattn_kind(config) -> str | None:
     if not isinstance(config, PreTrainedConfig):
         return None
     kind = getattr(config, "_attn_implementation", None)
-    return kind if isinstance(kind, str) and kind in KINDS else None
+    return kind if registry.is_kind(kind) else None
 
 
 def resolve_polyattn_config(config: PreTrainedConfig) -> PolyAttnConfig | None:

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_utils import PreTrainedModel
 
 from ..config import PolyAttnConfig
-from ..ops import PolyAttention
+from ..ops.base import AttentionBase
 from .cache import polyattn_layer_of
 from .compatibility import is_cross_attention_call
 from .settings import BASE_MODEL_KEY, hub_model_id, persist_settings, polyattn_kind, resolve_polyattn_config
@@ -66,8 +66,36 @@ def _dims(module: nn.Module) -> tuple[int, int, int]:
     return heads, head_dim, kv_heads
 
 
-class HFPolyAttention(PolyAttention):
-    """PolyAttention that follows the transformers loading protocol (see module docstring)."""
+_HF_CLASSES: dict[type, type] = {}
+
+
+def hf_class(module_class: type) -> type:
+    """The kind's module class with the transformers loading protocol: ``HF<Name>(HFPolyAttention, <Name>)``,
+    made once per class and published in this module (so that pickle finds it by name)."""
+    if module_class not in _HF_CLASSES:
+        if not (isinstance(module_class, type) and issubclass(module_class, AttentionBase)):
+            raise TypeError(f"a kind's module must subclass hf_polyattn.ops.base.AttentionBase, got {module_class!r}")
+        name = f"HF{module_class.__name__}"
+        while name in globals():
+            name += "_"
+        cls = type(name, (HFPolyAttention, module_class), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = _HF_CLASSES[module_class] = cls
+    return _HF_CLASSES[module_class]
+
+
+class HFPolyAttention(AttentionBase):
+    """A kind's module that follows the transformers loading protocol (see module docstring).
+
+    ``HFPolyAttention(config, ...)`` builds ``hf_class(<the kind's module class>)``; every polyattn
+    layer in a model is an instance of this class, whatever its kind.
+    """
+
+    def __new__(cls, config=None, *args, **kwargs):
+        if cls is HFPolyAttention:
+            if not isinstance(config, PolyAttnConfig):
+                raise TypeError(f"config must be a PolyAttnConfig, got {type(config).__name__}")
+            cls = hf_class(config.spec.module_class())
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

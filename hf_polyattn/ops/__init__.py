@@ -1,15 +1,18 @@
 """The math of hf_polyattn: pure PyTorch, never imports transformers."""
 
 from .attention import HeadLayerNorm, PolyAttention, RecurrentState, layer_seed
+from .base import AttentionBase, KVCacheAttention
 from .causal import lt_multiply, lt_multiply_cumsum
 from .feature_maps import FEATURE_MAPS, FeatureMap, register_feature_map
 from .reference import reference_attention, reference_weights
 from .sketches import PolynomialSketch, symmetric_power, symmetric_square
 
 __all__ = [
+    "AttentionBase",
     "FEATURE_MAPS",
     "FeatureMap",
     "HeadLayerNorm",
+    "KVCacheAttention",
     "PolyAttention",
     "PolynomialSketch",
     "RecurrentState",

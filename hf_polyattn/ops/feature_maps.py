@@ -29,14 +29,30 @@ __all__ = [
     "TaylorFeatureMap",
     "polynomial_num_features",
     "register_feature_map",
+    "selectable_feature_maps",
     "squared_polynomial_coefficients",
 ]
 
 
 class FeatureMap(nn.Module):
-    """Base class: ``num_features`` and ``forward(x, is_query)``."""
+    """Base class: ``num_features`` and ``forward(x, is_query)``.
+
+    Class flags read by ``PolyAttention`` (instead of the kind's name):
+    ``scaled_inputs``: the map receives sqrt(s) q, sqrt(s) k (polynomial / exp targets, s = the
+    attention scaling) instead of the raw q, k (linear attention, Katharopoulos et al.);
+    ``squares``: ``sketch_features`` gives r-dim sketches whose symmetric squares are the features
+    (the block algorithm squares them per block, never storing r(r+1)/2 features);
+    ``log_scaled``: ``forward_with_log_scale`` gives query features divided by a per-row exp(c);
+    ``per_head``: built as ``cls(kv_heads, dim)`` instead of ``cls(dim)``;
+    ``selectable``: a ``feature_map=`` choice of the linear kind (False for maps built by their own kind).
+    """
 
     num_features: int
+    scaled_inputs = False
+    squares = False
+    log_scaled = False
+    per_head = False
+    selectable = True
 
     def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -46,6 +62,11 @@ class FeatureMap(nn.Module):
 
 
 FEATURE_MAPS: dict[str, type[FeatureMap]] = {}
+
+
+def selectable_feature_maps() -> list[str]:
+    """The ``feature_map=`` choices: every registered map but those a kind builds itself (``selectable``)."""
+    return [name for name, cls in FEATURE_MAPS.items() if cls.selectable]
 
 
 def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[FeatureMap]]:
@@ -136,6 +157,8 @@ class PerformerFeatureMap(FeatureMap):
     the float rounding of causal outputs and is impossible in recurrent decoding).
     """
 
+    scaled_inputs, log_scaled, selectable = True, True, False
+
     def __init__(self, heads: int, dim: int, num_features: int = 256, seed: int = 0):
         super().__init__()
         self.heads, self.dim, self.num_features, self.seed = heads, dim, num_features, seed
@@ -186,6 +209,8 @@ class PolySketchFeatureMap(FeatureMap):
     symmetric tensor square (r(r+1)/2 features). <phi(q), phi(k)> = <Sq, Sk>^2 >= 0 and
     its mean over sketches is (q.k)^p (Theorem 2.5)."""
 
+    scaled_inputs, squares, selectable = True, True, False
+
     def __init__(self, heads: int, dim: int, degree: int = 4, sketch_size: int = 32, sketch: str = "gaussian",
                  seed: int = 0):
         super().__init__()
@@ -227,6 +252,8 @@ class PolynomialFeatureMap(FeatureMap):
     symmetric power x^{(j)} (C(d+j-1, j) features); a negative coefficient b_j keeps its sign
     on the key side so <phi(q), phi(k)> is exactly the polynomial.
     """
+
+    scaled_inputs, selectable = True, False
 
     def __init__(self, dim: int, degree: int = 4, alpha: float = 0.0, beta: float = 1.0,
                  coefficients: Callable[[], torch.Tensor] | None = None, num_coefficients: int = 0):

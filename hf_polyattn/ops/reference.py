@@ -48,21 +48,19 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
         if cfg.poly_coefficients is not None:
             a = module.coefficients.to(xx.dtype)
             return sum(a[i] * xx**i for i in range(a.shape[0])) ** 2
-        if cfg.kind == "polynomial":
-            return ((xx + cfg.alpha) / cfg.beta) ** cfg.degree
-        return xx**cfg.degree
+        return ((xx + cfg.alpha) / cfg.beta) ** cfg.degree  # alpha, beta: kind='polynomial' only (validated)
 
-    if cfg.kind == "polynomial":
+    if module.exact_everywhere:
         w = exact(x, "polynomial")
-    elif cfg.kind == "sliding_window":
+    elif module.feature_map is None:  # the window alone
         local = cfg.resolved_local_kernel
         dist = (torch.arange(lq, device=q.device) + (lk - lq if causal else 0))[:, None] - torch.arange(
             lk, device=q.device)[None, :]
         inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
         w = torch.where(inside, exact(x_raw, local), torch.zeros_like(x_raw))  # nothing beyond the window
     else:
-        root = 1.0 if cfg.kind == "linear" else math.sqrt(s)
-        if cfg.kind == "performer":
+        root = math.sqrt(s) if module.feature_map.scaled_inputs else 1.0
+        if module.feature_map.log_scaled:
             fq, cq = module.feature_map.forward_with_log_scale(q5 * root, True)
             fq = fq * torch.exp(cq)  # undo the per-row stabiliser: the true FAVOR+ features
         else:

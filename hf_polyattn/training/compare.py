@@ -82,31 +82,13 @@ def _final(run: dict[str, Any], metric: str):
 
 
 def attention_label(attention: str, polyattn: dict[str, Any] | None) -> str:
-    """'polysketch (learned r=32, p=4, exact polynomial 16-token blocks, qk LayerNorm)' and the like."""
+    """'polysketch (learned r=32, p=4, exact polynomial 16-token blocks, qk LayerNorm)' and the like: the run's
+    name and its kind's description of the setting (``KindSpec.label``)."""
     if not polyattn:
         return attention
-    c = polyattn
-    parts = []
-    if c.get("kind") == "polysketch":
-        parts.append(f"{c.get('sketch')} r={c.get('sketch_size')}, p={c.get('degree')}")
-    elif c.get("kind") == "polynomial":
-        parts.append(f"p={c.get('degree')}")
-    elif c.get("kind") == "linear":
-        parts.append(str(c.get("feature_map")))
-    elif c.get("kind") == "performer":
-        parts.append(f"{c.get('num_features')} features")
-    if c.get("local_exact"):
-        local = PolyAttnConfig.from_dict(c).resolved_local_kernel
-        parts.append(f"exact {local} {c.get('block_size')}-token blocks")
-    if c.get("window"):
-        local = PolyAttnConfig.from_dict(c).resolved_local_kernel
-        parts.append(f"exact {local} {c.get('window')}-token sliding window" + (" (mixed)" if c.get("window_mix")
-                                                                               else ""))
-    if c.get("feature_proj"):
-        parts.append(f"learnable projection to {c.get('feature_proj')}")
-    if c.get("qk_norm"):
-        parts.append("qk LayerNorm")
-    return f"{attention} ({', '.join(parts)})"
+    config = PolyAttnConfig.from_dict(polyattn)
+    detail = config.spec.label(config) if config.spec.label is not None else ""
+    return f"{attention} ({detail})" if detail else attention
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:

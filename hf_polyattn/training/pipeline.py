@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .. import machine
-from ..config import KINDS, PolyAttnConfig
+from .. import machine, registry
+from ..config import PolyAttnConfig
 from .checkpoints import CheckpointError, check_supported, resolve_checkpoint
 from .data import (
     DataError,
@@ -43,7 +43,11 @@ from .transfer import distillation, polyattn_parameters, transfer_loss
 __all__ = ["RetrofitArgs", "Retrofit", "polyattn_config_from_args", "run"]
 
 TASKS = ("causal_lm", "classification")
-ATTENTIONS = ("softmax",) + KINDS
+
+
+def attentions() -> tuple[str, ...]:
+    """--attention choices: softmax (the model as it is) and every registered kind."""
+    return ("softmax", *registry.kind_names())
 
 
 @dataclass
@@ -62,7 +66,8 @@ class RetrofitArgs:
     eval_fraction: float = field(default=0.1, metadata={"help": "causal_lm: held-out tail fraction of the lines"})
     max_eval_tokens: int | None = field(default=8192, metadata={"help": "causal_lm: cap on held-out tokens"})
     num_eval: int = field(default=2000, metadata={"help": "classification: size of the seeded validation split"})
-    attention: str = field(default="polysketch", metadata={"help": f"one of {list(ATTENTIONS)}"})
+    attention: str = field(default="polysketch", metadata={"help": "softmax or an attention kind (`hf-polyattn kinds` "
+                                                                   "lists them)"})
     degree: int = field(default=4, metadata={"help": "PolyAttnConfig.degree"})
     sketch: str = field(default="learned", metadata={"help": "PolyAttnConfig.sketch"})
     sketch_size: int = field(default=32, metadata={"help": "PolyAttnConfig.sketch_size"})
@@ -118,8 +123,8 @@ class RetrofitArgs:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {list(ATTENTIONS)}, got {self.attention!r}")
+        if self.attention not in attentions():
+            raise ValueError(f"attention must be one of {list(attentions())}, got {self.attention!r}")
         if self.text_column is None:
             self.text_column = "text" if self.task == "causal_lm" else "sentence"
         if self.mixed_precision not in ("no", "bf16"):
@@ -130,10 +135,16 @@ class RetrofitArgs:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None (the measured default) or an int >= 0, got {v!r}")
-        if self.attention == "polynomial" and self.window:
+        if self.window and self.attention != "softmax" and "window" not in registry.get_kind(self.attention).fields:
             # silently dropped before: kind='polynomial' is exact everywhere, there is no window to add
-            raise ValueError(f"--window {self.window} applies to the linear-time kinds; attention='polynomial' is "
-                             "exact everywhere already: leave --window 0")
+            raise ValueError(f"--window {self.window} applies to the kinds with an exact local part; "
+                             f"attention={self.attention!r} has none: leave --window 0")
+        if self.attn_ce_weight and self.attention != "softmax":
+            from ..ops.attention import PolyAttention
+
+            if not issubclass(registry.get_kind(self.attention).module_class(), PolyAttention):
+                raise ValueError(f"--attn_ce_weight compares attention weights, which only the kernel kinds write out "
+                                 f"(ops.reference_weights); attention={self.attention!r} has none: leave it 0")
         if self.attention == "softmax" and self.transfer_steps:
             raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
         for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
@@ -155,7 +166,10 @@ def resolved_window_and_projection(a: RetrofitArgs, model_config=None) -> tuple[
     from ``model_config`` when the caller has it loaded, else from the checkpoint's config
     (``resolve_checkpoint`` + ``AutoConfig``: no weights are loaded).
     """
-    if a.attention in ("softmax", "polynomial"):
+    if a.attention == "softmax":
+        return a.window or 0, a.feature_proj or 0
+    reads = registry.get_kind(a.attention).fields
+    if "window" not in reads or "feature_proj" not in reads:  # exact everywhere (polynomial), or no kernel part
         return a.window or 0, a.feature_proj or 0
     window = RECOMMENDED_WINDOW[a.task] if a.window is None else a.window
     proj = a.feature_proj
@@ -185,19 +199,17 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
     if a.attention == "softmax":
         return None
     window, proj = resolved_window_and_projection(a, model_config)
-    d: dict[str, Any] = {"kind": a.attention, "degree": a.degree, "seed": a.seed, "block_size": a.block_size,
-                         "qk_norm": a.qk_norm}
-    if a.attention == "polysketch":
-        d.update(sketch=a.sketch, sketch_size=a.sketch_size)
-    if a.attention == "linear":
-        d.update(feature_map=a.feature_map)
-    if a.attention == "performer":
-        d.update(num_features=a.num_features)
-    if a.attention != "polynomial":
-        # a sliding window is the other form of the exact local part: it replaces the blocks
-        d.update(local_exact=a.local_exact and not window, local_kernel=a.local_kernel, window=window)
-    if proj:
-        d.update(feature_proj=proj)
+    reads = registry.get_kind(a.attention).fields
+    # the recipe's options a kind reads (KindSpec.fields); a sliding window is the other form of the
+    # exact local part: it replaces the blocks
+    given = {"degree": a.degree, "block_size": a.block_size, "qk_norm": a.qk_norm, "sketch": a.sketch,
+             "sketch_size": a.sketch_size, "feature_map": a.feature_map, "num_features": a.num_features,
+             "local_exact": a.local_exact and not window, "local_kernel": a.local_kernel, "window": window,
+             "feature_proj": proj}
+    d: dict[str, Any] = {"kind": a.attention, "seed": a.seed}
+    d.update({name: value for name, value in given.items() if name in reads})
+    if "window" in reads and "local_exact" not in reads and not window:  # the window alone: it cannot be off
+        del d["window"]
     if a.polyattn_json:
         d.update(json.loads(a.polyattn_json))
     return PolyAttnConfig.from_dict(d)

@@ -113,6 +113,29 @@ KIND_CONFIGS = {
 }
 
 
+def serves(arch_name: str, kind: str) -> bool:
+    """Whether ``kind`` serves the attention direction of ``arch_name`` (bidirectional-only kinds: encoders)."""
+    spec = KIND_CONFIGS[kind].spec
+    return spec.causal if ARCHS[arch_name].causal else spec.bidirectional
+
+
+def arch_kind_params(archs, kinds=None) -> list:
+    """pytest params (arch, kind) of every pair where the kind serves the architecture."""
+    import pytest
+
+    return [pytest.param(a, k, id=f"{a}-{k}") for a in archs for k in (kinds or KIND_CONFIGS) if serves(a, k)]
+
+
+CAUSAL_KINDS = [k for k in KIND_CONFIGS if KIND_CONFIGS[k].spec.causal]
+
+
+def has_tensors(kind: str) -> bool:
+    """Whether the kind's layer holds parameters or buffers (sketches, features, E/F, ...)."""
+    cfg = KIND_CONFIGS[kind]
+    mod = cfg.spec.module_class()(cfg, 4, 16, 4, 0)
+    return any(True for _ in mod.parameters()) or any(True for _ in mod.buffers())
+
+
 def model_class(arch: Arch):
     import transformers
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from integration_helpers import ARCHS, KIND_CONFIGS, auto_class, build, perturb_polyattn
+from integration_helpers import ARCHS, KIND_CONFIGS, arch_kind_params, auto_class, build, perturb_polyattn
 
 import hf_polyattn
 
@@ -26,8 +26,7 @@ def _ids(n: int = 40) -> torch.Tensor:
     return torch.randint(3, 100, (2, n), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("kind", list(KIND_CONFIGS))
-@pytest.mark.parametrize("arch_name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("arch_name,kind", arch_kind_params(["llama", "gpt2", "bert"]))
 def test_bf16_model_on_cuda(tmp_path, arch_name, kind):
     arch = ARCHS[arch_name]
     auto = auto_class(arch)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from integration_helpers import KIND_CONFIGS, VOCAB, build
+from integration_helpers import CAUSAL_KINDS, KIND_CONFIGS, VOCAB, arch_kind_params, build
 from transformers import DynamicCache
 
 from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer, PolyAttnConfig
 
 GEN_ARCHS = ["llama", "gpt2"]
-GEN_MATRIX = [pytest.param(a, k, id=f"{a}-{k}") for a in GEN_ARCHS for k in KIND_CONFIGS]
+GEN_MATRIX = arch_kind_params(GEN_ARCHS)
 
 
 def _model(arch, kind):
@@ -41,7 +41,7 @@ def test_greedy_equals_full_forward_every_step(arch, kind):
         assert torch.equal(full.argmax(-1), seq[:, upto])
 
 
-@pytest.mark.parametrize("kind", list(KIND_CONFIGS))
+@pytest.mark.parametrize("kind", CAUSAL_KINDS)
 def test_sampling_and_num_return_sequences_match_uncached(kind):
     model = _model("llama", kind)
     ids = _prompt(2)
@@ -65,7 +65,9 @@ def test_beam_search_reorders_states(arch, kind):
     assert torch.equal(cached, uncached)
 
 
-@pytest.mark.parametrize("arch,kind", GEN_MATRIX)
+# bigbird places its blocks and global tokens at absolute positions: left padding shifts them (documented, warned
+# once; a right-padded row is unchanged: tests/kinds/test_bigbird.py)
+@pytest.mark.parametrize("arch,kind", [p for p in GEN_MATRIX if p.values[1] != "bigbird"])
 def test_left_padded_batch_generation_equals_rows(arch, kind):
     model = _model(arch, kind)
     long, short = _prompt(1, 12, seed=1)[0], _prompt(1, 8, seed=2)[0]  # lengths differ by block_size 4

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK_REGISTERED = """
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
-from hf_polyattn.config import KINDS
-missing = [k for k in KINDS if k not in AttentionInterface._global_mapping
+from hf_polyattn import kind_names
+missing = [k for k in kind_names() if k not in AttentionInterface._global_mapping
            or k not in AttentionMaskInterface._global_mapping]
 assert not missing, missing
 """

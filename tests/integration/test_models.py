@@ -6,15 +6,25 @@ import json
 
 import pytest
 import torch
-from integration_helpers import ARCHS, CAUSAL_ARCHS, KIND_CONFIGS, VOCAB, auto_class, build, perturb_polyattn
+from integration_helpers import (
+    ARCHS,
+    CAUSAL_ARCHS,
+    KIND_CONFIGS,
+    VOCAB,
+    arch_kind_params,
+    auto_class,
+    build,
+    has_tensors,
+    perturb_polyattn,
+)
 from safetensors import safe_open
 from transformers import AttentionInterface
 
 import hf_polyattn
 from hf_polyattn import PolyAttnConfig
 
-MATRIX = [pytest.param(a, k, id=f"{a}-{k}") for a in ARCHS for k in KIND_CONFIGS]
-CAUSAL_MATRIX = [pytest.param(a, k, id=f"{a}-{k}") for a in CAUSAL_ARCHS for k in KIND_CONFIGS]
+MATRIX = arch_kind_params(ARCHS)
+CAUSAL_MATRIX = arch_kind_params(CAUSAL_ARCHS)
 
 
 def _ids(batch=2, length=12, seed=0):
@@ -81,8 +91,16 @@ def test_attention_really_changes(arch_name, kind):
     arch = ARCHS[arch_name]
     ids = _ids()
     soft = _logits(build(arch_name, None), arch, ids)
-    poly = _logits(build(arch_name, kind), arch, ids)
-    assert (soft - poly).abs().max() > 1e-3
+    model = build(arch_name, kind)
+    calls = []
+    for m in model.modules():
+        if isinstance(m, hf_polyattn.HFPolyAttention):
+            m.register_forward_hook(lambda mod, args, out: calls.append(mod.layer_idx))
+    poly = _logits(model, arch, ids)
+    assert sorted(calls) == [0, 1]  # every layer ran its polyattn module
+    # and the result is not softmax's: 1e-3 for most kinds; nystrom's landmarks and taylor's 1 + q^.k^ stay within
+    # 1e-4..1e-3 of the tiny random models' near-uniform softmax: 1e-5 there, still 100 times float32 rounding
+    assert (soft - poly).abs().max() > (1e-5 if kind in ("nystrom", "taylor") else 1e-3)
 
 
 def _polyattn_tensors(model):
@@ -98,7 +116,7 @@ def test_save_reload_chain(arch_name, kind, tmp_path):
     ids = _ids()
     ref = _logits(model, arch, ids)
     ref_tensors = _polyattn_tensors(model)
-    assert ref_tensors or kind in ("linear", "sliding_window")  # elu+1 and the window alone: no tensors
+    assert bool(ref_tensors) == has_tensors(kind)  # elu+1, the window alone, nystrom, fnet: no tensors
 
     first = tmp_path / "first"
     model.save_pretrained(first)
@@ -137,8 +155,11 @@ def _pad(rows, side, pad_id):
     return ids, mask, position_ids
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("arch_name,kind", MATRIX)
+# bigbird places its blocks and global tokens at absolute positions: left padding shifts them (documented, warned
+# once), so it is checked on the right only
+@pytest.mark.parametrize("arch_name,kind,side", [pytest.param(*p.values, side, id=f"{p.id}-{side}") for p in MATRIX
+                                                 for side in ("left", "right")
+                                                 if not (side == "left" and p.values[1] == "bigbird")])
 def test_padded_batch_equals_unpadded_rows(arch_name, kind, side):
     arch = ARCHS[arch_name]
     model = build(arch_name, kind)
@@ -167,8 +188,7 @@ def test_decoders_are_causal(arch_name, kind):
     assert (a[:, 7:] - b[:, 7:]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "bert", "gpt2"])
-@pytest.mark.parametrize("kind", list(KIND_CONFIGS))
+@pytest.mark.parametrize("arch_name,kind", arch_kind_params(["llama", "bert", "gpt2"]))
 def test_stock_checkpoint_with_kind_defaults(arch_name, kind, tmp_path):
     """from_pretrained(stock, attn_implementation=KIND): the kind's defaults, deterministic init."""
     arch = ARCHS[arch_name]

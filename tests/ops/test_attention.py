@@ -12,7 +12,7 @@ D = 8
 BLOCK = 16
 
 # (id, config kwargs): every kind and option of the kernels issue.
-KINDS = [
+CASES = [
     ("poly4-quadratic", dict(kind="polynomial", degree=4, exact_path="quadratic")),
     ("poly2-tensor", dict(kind="polynomial", degree=2, exact_path="tensor")),
     ("poly2-tensor-alpha-beta-norm", dict(kind="polynomial", degree=2, alpha=0.5, beta=2.0, qk_norm=True,
@@ -91,7 +91,7 @@ def _inputs(batch, heads, kv_heads, lq, lk, dtype=torch.float64, scale=1.0):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("kind", CASES, ids=[k[0] for k in CASES])
 def test_fast_path_matches_reference(kind, shape):
     _, kwargs = kind
     _, batch, heads, kv_heads, lq, lk, causal, pad = shape
@@ -118,7 +118,7 @@ def test_fast_path_matches_reference(kind, shape):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("kind", CASES, ids=[k[0] for k in CASES])
 def test_causality(kind):
     """Changing tokens >= t leaves outputs < t (and their gradients w.r.t. earlier tokens) unchanged."""
     mod = _module(kind[1], 4, 2)
@@ -137,7 +137,7 @@ def test_causality(kind):
         assert g[:, :, t:].abs().max() == 0
 
 
-STATE_KINDS = [k for k in KINDS if k[1].get("causal_algorithm") != "cumsum"]
+STATE_KINDS = [k for k in CASES if k[1].get("causal_algorithm") != "cumsum"]
 
 
 @pytest.mark.parametrize("kind", STATE_KINDS, ids=[k[0] for k in STATE_KINDS])
@@ -178,7 +178,7 @@ def test_recurrent_state_is_constant_size():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind", [k for k in KINDS if k[0] in {"ps4-gaussian", "ps4-learned-local-poly",
+@pytest.mark.parametrize("kind", [k for k in CASES if k[0] in {"ps4-gaussian", "ps4-learned-local-poly",
                                                               "linear-elu", "performer-local", "poly4-quadratic"}],
                          ids=lambda k: k[0])
 def test_half_precision_matches_fp32(kind, dtype):
@@ -193,14 +193,14 @@ def test_half_precision_matches_fp32(kind, dtype):
 def test_reference_kinds_differ():
     """Guard against a reference that silently ignores the kind (the tests above would pass)."""
     q, k, v = _inputs(1, 2, 2, 20, 20)
-    outs = [reference_attention(_module(kw, 2, 2), q, k, v, causal=True) for _, kw in KINDS[:10]]
+    outs = [reference_attention(_module(kw, 2, 2), q, k, v, causal=True) for _, kw in CASES[:10]]
     for i in range(len(outs)):
         for j in range(i + 1, len(outs)):
-            assert not torch.allclose(outs[i], outs[j]), (KINDS[i][0], KINDS[j][0])
+            assert not torch.allclose(outs[i], outs[j]), (CASES[i][0], CASES[j][0])
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-@pytest.mark.parametrize("kind", [k for k in KINDS if k[1].get("local_exact")], ids=lambda k: k[0])
+@pytest.mark.parametrize("kind", [k for k in CASES if k[1].get("local_exact")], ids=lambda k: k[0])
 def test_local_blocks_in_several_rematerialised_groups(kind, causal):
     """n spans several groups of exact diagonal blocks (8 blocks of 16 per group)."""
     mod = _module(kind[1], 2, 1)
@@ -215,7 +215,7 @@ def test_local_blocks_in_several_rematerialised_groups(kind, causal):
 
 
 def test_local_exact_warns_once_on_misaligned_left_padding():
-    import hf_polyattn.ops.attention as att
+    import hf_polyattn.ops.local as att
 
     att._WARNED_LEFT_PADDING = False
     mod = _module(dict(kind="polysketch", local_exact=True), 2, 2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_polyattn.ops.attention as attention_mod
 import hf_polyattn.ops.backend as backend_mod
+import hf_polyattn.ops.exact as attention_mod
 from hf_polyattn import PolyAttnConfig
 from hf_polyattn.ops import PolyAttention, reference_attention
 from hf_polyattn.ops.backend import ENV_VAR, lt_product, resolve_backend
@@ -211,7 +211,7 @@ def test_tensor_path_precision_matches_quadratic():
 
 
 # ------------------------------------------------------------------ device contract
-KINDS = [
+BACKEND_CASES = [
     dict(kind="polysketch", sketch="gaussian"),
     dict(kind="polysketch", sketch="srht"),
     dict(kind="polysketch", sketch="learned", qk_norm=True),
@@ -220,7 +220,7 @@ KINDS = [
 ]
 
 
-@pytest.mark.parametrize("opts", KINDS, ids=lambda o: "-".join(str(v) for v in o.values()))
+@pytest.mark.parametrize("opts", BACKEND_CASES, ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_seeded_init_is_device_independent(opts):
     """Built under a meta-device context (as from_pretrained does), then materialised and
     re-initialised: the same tensors as on the CPU. The draws use a CPU generator, which
@@ -237,7 +237,7 @@ def test_seeded_init_is_device_independent(opts):
         assert torch.equal(t1, t2), n1
 
 
-@pytest.mark.parametrize("opts", KINDS, ids=lambda o: "-".join(str(v) for v in o.values()))
+@pytest.mark.parametrize("opts", BACKEND_CASES, ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_reset_under_another_default_device(opts):
     """reset_parameters() of a CPU module while another device is the default (convert() of a
     CUDA model runs inside ``torch.device('cuda')``): the draws stay on the CPU generator's
@@ -255,7 +255,7 @@ def test_reset_under_another_default_device(opts):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("opts", KINDS + [dict(kind="linear", local_exact=True)],
+@pytest.mark.parametrize("opts", BACKEND_CASES + [dict(kind="linear", local_exact=True)],
                          ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_half_precision_module(opts, dtype):
     """Parameters in half precision (a half model) with half inputs: finite, float32 inside, and

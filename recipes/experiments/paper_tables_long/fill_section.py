@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 from recipes._defaults import RESULTS
-from recipes.paper_tables import KINDS, LABELS, running_mean
+from recipes.paper_tables import LABELS, PAPER_KINDS, running_mean
 
 D = RESULTS / "paper_tables_long"
 PLATEAU = 12  # perplexity per character: all kinds sat at 12.5-12.9 after 150 steps (the 150-step tables)
@@ -95,7 +95,7 @@ def long_part(folder: Path, grid: dict) -> list[str]:
     if not recs:
         return []
     seeds = sorted({s for s, _, _ in recs})
-    kinds = [k for k in KINDS if any(k == kk for _, kk, _ in recs)]
+    kinds = [k for k in PAPER_KINDS if any(k == kk for _, kk, _ in recs)]
     (context,) = {c for _, _, c in recs}
     steps = {rec["setup"]["steps"] for rec, _ in recs.values()}
     if len(steps) != 1:
@@ -148,11 +148,11 @@ def long_part(folder: Path, grid: dict) -> list[str]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (s, k, _), (_, r) in sorted(recs.items(), key=lambda kv: (KINDS.index(kv[0][1]), kv[0][0])):
+    for (s, k, _), (_, r) in sorted(recs.items(), key=lambda kv: (PAPER_KINDS.index(kv[0][1]), kv[0][0])):
         steps_, loss = zip(*r["loss_curve"])
         smooth = running_mean(loss, 50)  # batch 1 at this context makes single-step losses noisy
         ax.plot(steps_, smooth, lw=1.1, ls="-" if s == seeds[0] else "--",
-                color=f"C{KINDS.index(k)}", label=f"{LABELS[k]}, seed {s} (ppl {r['perplexity']:.2f})")
+                color=f"C{PAPER_KINDS.index(k)}", label=f"{LABELS[k]}, seed {s} (ppl {r['perplexity']:.2f})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats/char), running mean of 50")
     ax.set_title(f"context {context}, {n_steps} steps", fontsize=10)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     seeds = sorted({s for s, _ in runs})
     contexts = sorted({c for _, c in runs})
     res = {(s, r["kind"], r["context"]): r for (s, _), rec in runs.items() for r in rec["results"]}
-    kinds = [k for k in KINDS if any(k == kk for _, kk, _ in res)]
+    kinds = [k for k in PAPER_KINDS if any(k == kk for _, kk, _ in res)]
     setups = {json.dumps({k: v for k, v in rec["setup"].items() if k not in ("seed", "data")}, sort_keys=True)
               for rec in runs.values()}
     if len(setups) != 1:

@@ -1,0 +1,33 @@
+"""What the kernel kinds (polynomial, polysketch, linear, performer, sliding window) share in their specs."""
+
+from __future__ import annotations
+
+# Shared PolyAttnConfig fields every kernel kind reads: the q/k maps before the kernel, the block
+# size of the causal product, its implementation, and the normaliser's offset.
+KERNEL_FIELDS = ("qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
+# The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
+LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "causal_algorithm")
+
+
+def local_label(config) -> list[str]:
+    """The label parts of the exact local part, projection and LayerNorm of a kernel kind."""
+    parts = []
+    if config.local_exact:
+        parts.append(f"exact {config.resolved_local_kernel} {config.block_size}-token blocks")
+    if config.window:
+        parts.append(f"exact {config.resolved_local_kernel} {config.window}-token sliding window"
+                     + (" (mixed)" if config.window_mix else ""))
+    if config.feature_proj:
+        parts.append(f"learnable projection to {config.feature_proj}")
+    if config.qk_norm:
+        parts.append("qk LayerNorm")
+    return parts
+
+
+def kernel_memory(config) -> str:
+    """The model card's sentence on generation memory for a linear-time kernel kind."""
+    extra = f" plus the keys of the current {config.block_size}-token block" if config.local_exact else ""
+    if config.window:
+        extra = f" plus the last {config.window} keys and values (the exact sliding window)"
+    return ("Generation keeps a constant-size recurrent state per layer" + extra
+            + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by `generate()`).")

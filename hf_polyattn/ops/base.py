@@ -1,0 +1,168 @@
+"""What every kind's attention module shares: construction checks, input checks, the state protocol.
+
+A kind's module (``PolyAttention`` for the kernel kinds, one class per other kind in
+``hf_polyattn/kinds/``) is built as ``cls(config, num_heads, head_dim, num_kv_heads, layer_idx)``
+and called as ``module(query, key, value, causal=..., scaling=..., key_padding_mask=..., state=...)``
+with queries (B, H, Lq, D), keys/values (B, Hkv, Lk, D), H a multiple of Hkv (grouped-query
+attention); it returns (B, H, Lq, D) in the query's dtype, or (output, new state) when a
+``state`` is given (causal only: the integration's cache hands it over).
+
+:class:`KVCacheAttention` is the base of kinds defined on whole sequences (Linformer, BigBird,
+Reformer, ...): they implement ``attend`` once, and decoding keeps every key and value (like a
+softmax KV cache) and recomputes the new rows bottom-right aligned, so the outputs with and
+without a cache are the same rows of the same definition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import PolyAttnConfig
+from .state import RecurrentState
+
+__all__ = ["AttentionBase", "KVCacheAttention", "layer_seed"]
+
+
+def layer_seed(seed: int, layer_idx: int) -> int:
+    """Independent random tensors per layer (the paper samples one sketch per head and layer)."""
+    return (seed * 1_000_003 + layer_idx * 7919) % (2**62)
+
+
+class AttentionBase(nn.Module):
+    """Base of every kind's module: validated sizes, input checks, deterministic re-initialisation."""
+
+    def __init__(self, config: PolyAttnConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 layer_idx: int = 0):
+        super().__init__()
+        if not isinstance(config, PolyAttnConfig):
+            raise TypeError(f"config must be a PolyAttnConfig, got {type(config).__name__}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, val in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads),
+                          ("layer_idx", layer_idx)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < (0 if name == "layer_idx" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'layer_idx' else 1}, got {val!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.config = config
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.groups = num_heads // num_kv_heads
+        self.layer_idx = layer_idx
+
+    @property
+    def seed(self) -> int:
+        """This layer's seed for random tensors (sketches, features, hashes, random blocks)."""
+        return layer_seed(self.config.seed, self.layer_idx)
+
+    @property
+    def num_features(self) -> int:
+        """Features per key of a kernel kind's state (0: the kind keeps no kernel state)."""
+        return 0
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter and buffer deterministically from the seed."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"kind={self.config.kind}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, features={self.num_features}")
+
+    def init_state(self) -> RecurrentState:
+        return RecurrentState(None, None, None, None, 0)
+
+    def check_inputs(self, q, k, v, key_padding_mask, causal) -> None:
+        """Clear errors for every malformed call: types, ranks, dtypes, devices, shapes, mask."""
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be floating point (float32/bfloat16/float16/float64), got {t.dtype}")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"query, key and value need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if k.device != q.device or v.device != q.device:
+            raise ValueError(f"query, key and value need one device, got {q.device}, {k.device}, {v.device}")
+        b, h, lq, d = q.shape
+        if h != self.num_heads or d != self.head_dim:
+            raise ValueError(f"query must have {self.num_heads} heads of size {self.head_dim}, "
+                             f"got shape {tuple(q.shape)}")
+        if k.shape != v.shape or k.shape[0] != b or k.shape[1] != self.num_kv_heads or k.shape[3] != d:
+            raise ValueError(f"key and value must be ({b}, {self.num_kv_heads}, Lk, {d}), got {tuple(k.shape)} "
+                             f"and {tuple(v.shape)}")
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError("key_padding_mask must be a bool tensor (batch, kv_len), True = keep")
+            if key_padding_mask.shape != (b, k.shape[2]):
+                raise ValueError(f"key_padding_mask must have shape ({b}, {k.shape[2]}), got "
+                                 f"{tuple(key_padding_mask.shape)}")
+            if key_padding_mask.device != q.device:
+                raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, query on {q.device}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {causal!r}")
+
+
+class KVCacheAttention(AttentionBase):
+    """A kind defined on whole sequences by :meth:`attend`; its decoding state keeps every key.
+
+    ``forward`` checks the call, computes in float32 (float64 stays float64) and casts back,
+    and with a ``state`` prepends the stored keys/values/mask and stores the new ones.
+    Set ``supports_causal`` / ``supports_bidirectional`` to False for a kind that cannot
+    serve that direction: the call then fails with a ValueError naming the kind.
+    """
+
+    supports_causal = True
+    supports_bidirectional = True
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """(B, H, Lq, D) from q (B, H, Lq, D), k, v (B, Hkv, Lk, D) in the working dtype; causal rows
+        bottom-right aligned (query i at position Lk - Lq + i); ``mask`` (B, Lk) bool, False = padded key."""
+        raise NotImplementedError
+
+    def read_keys(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """The keys ``attend`` reads (B, Hkv, L, D), also what a state stores: the layer's keys; a
+        shared-QK kind (Reformer) returns its keys made from the queries."""
+        return key
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
+                scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                state: RecurrentState | None = None):
+        self.check_inputs(query, key, value, key_padding_mask, causal)
+        kind = self.config.kind
+        if causal and not self.supports_causal:
+            raise ValueError(f"kind={kind!r} is bidirectional only (every query reads every key): it cannot serve "
+                             "causal attention (a decoder / causal LM); pick a causal kind")
+        if not causal and not self.supports_bidirectional:
+            raise ValueError(f"kind={kind!r} is causal only: it cannot serve bidirectional attention")
+        lq, lk = query.shape[2], key.shape[2]
+        if causal and lq > lk:
+            raise ValueError(f"causal attention needs q_len <= kv_len, got {lq} > {lk}")
+        scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        mask = key_padding_mask
+        keys = self.read_keys(query, key)
+        if state is not None:
+            if not causal:
+                raise ValueError("a recurrent state is for causal attention only")
+            if lq != lk:
+                raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
+            if state.k is not None:
+                keys = torch.cat([state.k.to(keys.dtype), keys], dim=2)
+                value = torch.cat([state.v.to(value.dtype), value], dim=2)
+                if state.mask is not None or mask is not None:
+                    b = query.shape[0]
+                    old = state.mask if state.mask is not None else torch.ones(
+                        b, state.k.shape[2], dtype=torch.bool, device=query.device)
+                    new = mask if mask is not None else torch.ones(b, lk, dtype=torch.bool, device=query.device)
+                    mask = torch.cat([old, new], dim=1)
+        out = self.attend(query.to(work), keys.to(work), value.to(work), causal=causal, scale=scale, mask=mask)
+        out = out.to(query.dtype)
+        if state is None:
+            return out
+        return out, RecurrentState(None, keys, value, mask, state.length + lk)

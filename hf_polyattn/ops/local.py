@@ -1,0 +1,172 @@
+"""The exact local part of the kernel kinds: diagonal blocks (``local_exact``) and the sliding window.
+
+One weight rule for all four places it is used (blocks, window, and their two decode steps):
+``exact_weights`` gives softmax weights exp(x - m) with the row stabiliser m >= 0 (the kernel
+part is then multiplied by exp(-m)), or this config's polynomial; ``far_scale`` combines that
+factor with FAVOR+'s per-query feature scale.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .sketches import symmetric_square
+from .window import shifted_lt, window_scores, window_tiles
+
+__all__ = ["LocalExactMixin", "far_scale"]
+
+# Diagonal blocks per rematerialised group of the exact local part. CPU: 8 (measured, see
+# _local_exact). Accelerators: 64, so 32k tokens at b=256 take 2 groups (~40 launches each way)
+# instead of 16; a group's transient scores are 64 b^2 floats per head (16 MiB at b=256).
+# Chosen to cut launches, not yet measured on a GPU (recipes/results/PENDING.md).
+_LOCAL_GROUP = {"cpu": 8}
+_LOCAL_GROUP_ACCELERATOR = 64
+
+
+_WARNED_LEFT_PADDING = False
+
+
+def _warn_if_misaligned_left_padding(mask: torch.Tensor, block: int) -> None:
+    """local_exact blocks sit at absolute positions: say so once when left padding shifts them."""
+    global _WARNED_LEFT_PADDING
+    if _WARNED_LEFT_PADDING:
+        return
+    pads = (~mask).cumprod(dim=1).sum(dim=1)  # leading padded keys per row
+    if bool(((pads % block) != 0).any()):
+        _WARNED_LEFT_PADDING = True
+        warnings.warn(
+            "local_exact with left padding that is not a multiple of block_size: the exact diagonal blocks are "
+            "aligned to absolute positions, so a left-padded row is computed with shifted block boundaries and "
+            "differs from the same row unpadded. Pad on the right (or by a multiple of block_size) for "
+            "padding-invariant outputs.",
+            stacklevel=3,
+        )
+
+
+def far_scale(log_far: torch.Tensor | None, q_log_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """exp(log_far + q_log_scale): the factor on the kernel part that puts it on the exact weights' scale
+    (None: 1). FAVOR+ query features come divided by exp(c) (q_log_scale = c)."""
+    if q_log_scale is not None:
+        log_far = q_log_scale if log_far is None else log_far + q_log_scale
+    return None if log_far is None else torch.exp(log_far)
+
+
+class LocalExactMixin:
+    """Methods of ``PolyAttention`` for the exact local part (blocks and window)."""
+
+    def exact_weights(self, x: torch.Tensor, allowed: torch.Tensor | None, kernel: str):
+        """(weights, log_far) of the exact local part from scores x = s q.k, ``allowed`` a bool mask
+        broadcastable to x (None: all). softmax: exp(x - m) with m = the row max clamped at 0, detached
+        (the ratio does not depend on m; a row with no visible key gets m = 0, exp(-m) = 1, no NaN), and
+        log_far = -m; polynomial: this config's polynomial, masked to 0, and log_far None."""
+        if kernel == "softmax":
+            if allowed is not None:
+                x = x.masked_fill(~allowed, float("-inf"))
+            m = x.amax(dim=-1, keepdim=True).clamp_min(0.0).detach()
+            return torch.exp(x - m), -m
+        w = self._exact_kernel(x, "polynomial")
+        return (w if allowed is None else w.masked_fill(~allowed, 0.0)), None
+
+
+    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32=None):
+        """Sliding-window hybrid (ops/window.py): exact on the previous ``window`` keys, kernel before.
+
+        q5, k5 are the model's own q, k (no projection, no qk LayerNorm): the exact part is the
+        model's softmax (or polynomial) on its own scores, as in LoLCATs; fq, fk the features.
+        """
+        cfg = self.config
+        w, block, backend = cfg.window, cfg.block_size, cfg.backend
+        lq, lk = q5.shape[3], k5.shape[3]
+        if causal:
+            pad = lk - lq  # bottom-right aligned rows: queries sit at the last lq key positions
+            qs, fqs = (F.pad(q5, (0, 0, pad, 0)), F.pad(fq, (0, 0, pad, 0))) if pad else (q5, fq)
+            if q_log_scale is not None and pad:
+                q_log_scale = F.pad(q_log_scale, (0, 0, pad, 0))
+            far = shifted_lt(fqs, fk, vext, w, block, square, backend, tf32)
+            if kv0 is not None:
+                far = far + torch.matmul(symmetric_square(fqs) if square else fqs, kv0)
+        else:
+            if lq != lk:
+                raise ValueError(f"window={w} with bidirectional attention needs q_len == kv_len (self-attention), "
+                                 f"got {lq} and {lk}")
+            qs = q5
+
+            def flip(t):
+                return t.flip(-2)
+
+            far = shifted_lt(fq, fk, vext, w, block, square, backend, tf32) + flip(
+                shifted_lt(flip(fq), flip(fk), flip(vext), w, block, square, backend, tf32))
+        grad = torch.is_grad_enabled() and (
+            any(t is not None and t.requires_grad for t in (qs, k5, vext, q_log_scale))
+            or any(p.requires_grad for p in self.parameters()))
+        args = (qs, k5, vext, mask, causal, scale, q_log_scale)
+        # rematerialised in backward: the (n x 2w) scores and weights are not kept
+        loc, far_scale = checkpoint(self._window_exact, *args, use_reentrant=False) if grad else \
+            self._window_exact(*args)
+        num = loc + (far if far_scale is None else far_scale * far)
+        return self._normalise(num[..., lk - lq :, :])
+
+    def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale):
+        """Exact weights on each query's window and the factor that puts the far part on their scale."""
+        w = self.config.window
+        n = qs.shape[3]
+        scores, allowed = window_scores(qs, ks, w, causal, scale, mask)  # (B, Hkv, G, tiles, w, span)
+        values = window_tiles(vext, w, causal)
+        weights, log_far = self.exact_weights(scores, allowed, self.config.resolved_local_kernel)
+        loc = torch.matmul(weights, values).flatten(3, 4)[..., :n, :]
+        scale_far = far_scale(None if log_far is None else log_far.flatten(3, 4)[..., :n, :], q_log_scale)
+        if self.config.window_mix:
+            mix = self.window_mix.to(loc.dtype)
+            scale_far = mix if scale_far is None else scale_far * mix
+        return loc, scale_far
+
+    def _local_exact(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):
+        """The exact diagonal blocks, a group of blocks at a time (``_LOCAL_GROUP``), each group rematerialised.
+
+        Blocks do not interact, so groups are independent. All at once, the (n x b) scores,
+        their powers and weights (and their gradients) made a transient peak of ~2000 floats
+        per token and head: 481 MiB at n=16k, H=4, b=256 (SDPA: 208 MiB in the same run).
+        Per group and recomputed in backward, only the inputs and outputs stay alive.
+        """
+        span = _LOCAL_GROUP.get(ks.device.type, _LOCAL_GROUP_ACCELERATOR) * self.config.block_size
+        n = ks.shape[3]
+        grad = torch.is_grad_enabled() and (
+            any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale))
+            or any(p.requires_grad for p in self.parameters()))
+        locs, scales = [], []
+        for s in range(0, n, span):
+            args = (qs[..., s : s + span, :], ks[..., s : s + span, :], vext[..., s : s + span, :],
+                    None if mask is None else mask[:, s : s + span], causal, scale, kernel,
+                    None if q_log_scale is None else q_log_scale[..., s : s + span, :])
+            loc, far_scale = checkpoint(self._local_blocks, *args, use_reentrant=False) if grad else \
+                self._local_blocks(*args)
+            locs.append(loc)
+            scales.append(far_scale)
+        loc = locs[0] if len(locs) == 1 else torch.cat(locs, dim=3)
+        if scales[0] is None:
+            return loc, None
+        return loc, scales[0] if len(scales) == 1 else torch.cat(scales, dim=3)
+
+    def _local_blocks(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):
+        """Exact kernel on the b x b diagonal blocks (query and key rows aligned)."""
+        block = self.config.block_size
+        n = ks.shape[3]
+        n_pad = -(-n // block) * block
+        nb = n_pad // block
+        qb = F.pad(qs, (0, 0, 0, n_pad - n)).unflatten(3, (nb, block))
+        kb = F.pad(ks, (0, 0, 0, n_pad - n)).unflatten(3, (nb, block))
+        vb = F.pad(vext, (0, 0, 0, n_pad - n)).unflatten(3, (nb, block))
+        x = torch.matmul(qb * scale, kb.transpose(-1, -2))  # (B, Hkv, G, nb, b, b)
+        valid = torch.arange(n_pad, device=qs.device) < n
+        allowed = valid.view(nb, 1, block)
+        if mask is not None:
+            allowed = allowed & F.pad(mask, (0, n_pad - n)).view(mask.shape[0], 1, 1, nb, 1, block)
+        if causal:
+            allowed = allowed & torch.ones(block, block, dtype=torch.bool, device=qs.device).tril()
+        w, log_far = self.exact_weights(x, allowed, kernel)
+        loc = torch.matmul(w, vb).flatten(3, 4)[..., :n, :]
+        return loc, far_scale(None if log_far is None else log_far.flatten(3, 4)[..., :n, :], q_log_scale)

@@ -1,0 +1,117 @@
+"""Recurrent decoding of the kernel kinds: one token against a state (``_decode_step``,
+``_decode_window``) and the state after a chunk (``_next_state``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import _with_normaliser
+from .local import far_scale
+from .sketches import symmetric_square
+from .state import RecurrentState
+
+__all__ = ["RecurrentMixin"]
+
+
+class RecurrentMixin:
+    """Methods of ``PolyAttention`` for generation with a ``RecurrentState``."""
+
+    def _decode_step(self, q5, k5, v5, mask, scale, state, key, value, raw):
+        """One new token with a recurrent state: O(F d) work, no block machinery.
+
+        q5 is the new query, k5/v5 the unfolded keys (the current block's buffer when
+        local_exact, else just the new key) followed by the new one. The generic chunk path
+        gives the same numbers (tested) but costs ~5 ms per layer for a single token in
+        small-op overheads; this path is a handful of matmuls.
+        """
+        cfg = self.config
+        vext = _with_normaliser(v5, mask)
+        q_in, k_in = self._feature_inputs(q5, scale), self._feature_inputs(k5, scale)
+        q_log_scale = None
+        if self.feature_map.log_scaled:
+            fq, q_log_scale = self.feature_map.forward_with_log_scale(q_in, True)
+        else:
+            fq = self.feature_map(q_in, True)
+        local = cfg.resolved_local_kernel
+        total = state.length + 1
+        if cfg.window:
+            return self._decode_window(raw[0], raw[1], k_in, vext, fq, q_log_scale, mask, scale, state, key, value,
+                                       total)
+        if local is None:
+            kv = torch.matmul(self.feature_map(k_in, False).transpose(-1, -2), vext)
+            kv = kv if state.kv is None else state.kv + kv
+            num = torch.matmul(fq, kv)
+            return self._normalise(num), RecurrentState(kv, None, None, None, total)
+        # exact kernel over the current block (all unfolded keys precede or equal the query)
+        x = torch.matmul(q5 * scale, k5.transpose(-1, -2))  # (B, Hkv, G, 1, L)
+        allowed = None if mask is None else mask[:, None, None, None, :]
+        w, log_far = self.exact_weights(x, allowed, local)
+        num = torch.matmul(w, vext)
+        if state.kv is not None:
+            far = torch.matmul(fq, state.kv)
+            scale_far = far_scale(log_far, q_log_scale)
+            num = num + (far if scale_far is None else scale_far * far)
+        if total % cfg.block_size == 0:  # the block is complete: fold it into the state
+            kv = torch.matmul(self.feature_map(k_in, False).transpose(-1, -2), vext)
+            kv = kv if state.kv is None else state.kv + kv
+            return self._normalise(num), RecurrentState(kv, None, None, None, total)
+        raw_k = key if state.k is None else torch.cat([state.k, key], dim=2)
+        raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
+        return self._normalise(num), RecurrentState(state.kv, raw_k, raw_v, mask, total)
+
+    def _decode_window(self, q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total):
+        """One token with a sliding window: fold the key that leaves the window, exact on the rest.
+
+        The state keeps the last ``window`` raw keys/values (constant size) and the kernel
+        state of every key before them.
+        """
+        w = self.config.window
+        fold = max(0, k5.shape[3] - w)  # 0 or 1: the key now w positions behind the query
+        kv = state.kv
+        if fold:
+            add = torch.matmul(self.feature_map(k_in[..., :fold, :], False).transpose(-1, -2), vext[..., :fold, :])
+            kv = add if kv is None else kv + add
+        kw, vw = k5[..., fold:, :], vext[..., fold:, :]
+        x = torch.matmul(q5 * scale, kw.transpose(-1, -2))  # (B, Hkv, G, 1, <= w)
+        allowed = None if mask is None else mask[:, None, None, None, fold:]
+        wts, log_far = self.exact_weights(x, allowed, self.config.resolved_local_kernel)
+        num = torch.matmul(wts, vw)
+        if kv is not None:
+            far = torch.matmul(fq, kv)
+            scale_far = far_scale(log_far, q_log_scale)
+            if scale_far is not None:
+                far = scale_far * far
+            if self.config.window_mix:
+                far = self.window_mix.to(far.dtype) * far
+            num = num + far
+        raw_k = key if state.k is None else torch.cat([state.k, key], dim=2)
+        raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
+        new_mask = None if mask is None else mask[:, fold:]
+        return self._normalise(num), RecurrentState(kv, raw_k[:, :, fold:], raw_v[:, :, fold:], new_mask, total)
+
+    def _next_state(self, state, key, value, key_mask, k5, v5, mask, fk, vext, path) -> RecurrentState:
+        total = state.length + key.shape[2]
+        if path == "quadratic":
+            keep = k5.shape[3]
+        elif self.config.window:
+            keep = min(self.config.window, total)  # the window's raw keys; everything older is folded
+        elif self.config.resolved_local_kernel is not None:
+            keep = total % self.config.block_size
+        else:
+            keep = 0
+        fold = fk[0].shape[3] - keep if fk is not None else 0
+        kv = state.kv
+        if fold > 0:
+            feats = fk[0][..., :fold, :]
+            feats = symmetric_square(feats) if fk[1] else feats
+            add = torch.matmul(feats.transpose(-1, -2), vext[..., :fold, :])
+            kv = add if kv is None else kv + add
+        if keep == 0:
+            return RecurrentState(kv, None, None, None, total)
+        # Store raw keys/values: the forward re-applies the LayerNorm to the buffer.
+        raw_k = torch.cat([state.k, key], dim=2) if state.k is not None else key
+        raw_v = torch.cat([state.v, value], dim=2) if state.v is not None else value
+        new_mask = None
+        if mask is not None:
+            new_mask = mask[:, -keep:]
+        return RecurrentState(kv, raw_k[:, :, -keep:], raw_v[:, :, -keep:], new_mask, total)
