@@ -5,6 +5,7 @@ from .base import AttentionBase, KVCacheAttention
 from .causal import lt_multiply, lt_multiply_cumsum
 from .feature_maps import FEATURE_MAPS, FeatureMap, register_feature_map
 from .reference import reference_attention, reference_weights
+from .rope_fft import rope_attention_reference, rope_fft_attention
 from .sketches import PolynomialSketch, symmetric_power, symmetric_square
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "reference_attention",
     "reference_weights",
     "register_feature_map",
+    "rope_attention_reference",
+    "rope_fft_attention",
     "symmetric_power",
     "symmetric_square",
 ]
