@@ -110,6 +110,7 @@ KIND_CONFIGS = {
     "linear": PolyAttnConfig(kind="linear", feature_map="elu", local_exact=True, block_size=4),
     "performer": PolyAttnConfig(kind="performer", num_features=16, qk_norm=True),
     "sliding_window": PolyAttnConfig(kind="sliding_window", window=4),
+    "taylor": PolyAttnConfig(kind="taylor", local_exact=True, block_size=4),
 }
 
 
