@@ -111,6 +111,8 @@ KIND_CONFIGS = {
     "performer": PolyAttnConfig(kind="performer", num_features=16, qk_norm=True),
     "sliding_window": PolyAttnConfig(kind="sliding_window", window=4),
     "taylor": PolyAttnConfig(kind="taylor", local_exact=True, block_size=4),
+    # the seed documents' other systems (hf_polyattn/kinds/): E/F for the tiny models' 80 positions
+    "linformer": PolyAttnConfig.for_kind("linformer", projection_length=4, max_length=80),
 }
 
 
