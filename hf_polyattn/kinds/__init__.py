@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import importlib
 
-BUILTIN = ("polynomial", "polysketch", "linear", "performer", "taylor", "sliding_window", "linformer", "nystrom")
+BUILTIN = ("polynomial", "polysketch", "linear", "performer", "taylor", "sliding_window", "linformer", "nystrom",
+           "fnet")
 
 for _name in BUILTIN:
     importlib.import_module(f"{__name__}.{_name}")

@@ -114,6 +114,7 @@ KIND_CONFIGS = {
     # the seed documents' other systems (hf_polyattn/kinds/): E/F for the tiny models' 80 positions
     "linformer": PolyAttnConfig.for_kind("linformer", projection_length=4, max_length=80),
     "nystrom": PolyAttnConfig.for_kind("nystrom", num_landmarks=4),
+    "fnet": PolyAttnConfig.for_kind("fnet"),
 }
 
 
