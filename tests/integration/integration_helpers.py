@@ -115,6 +115,8 @@ KIND_CONFIGS = {
     "linformer": PolyAttnConfig.for_kind("linformer", projection_length=4, max_length=80),
     "nystrom": PolyAttnConfig.for_kind("nystrom", num_landmarks=4),
     "fnet": PolyAttnConfig.for_kind("fnet"),
+    # blocks of 2 in 12-40 token sequences: window, global and random blocks all present, and keys left out
+    "bigbird": PolyAttnConfig.for_kind("bigbird", block=2, random_blocks=1),
 }
 
 
