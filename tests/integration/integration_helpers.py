@@ -117,6 +117,8 @@ KIND_CONFIGS = {
     "fnet": PolyAttnConfig.for_kind("fnet"),
     # blocks of 2 in 12-40 token sequences: window, global and random blocks all present, and keys left out
     "bigbird": PolyAttnConfig.for_kind("bigbird", block=2, random_blocks=1),
+    # the paper's shared-QK LSH with 4 buckets, 2 rounds and 4 keys per bucket window
+    "reformer": PolyAttnConfig.for_kind("reformer", num_buckets=4, bucket_window=4),
 }
 
 
