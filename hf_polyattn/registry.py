@@ -101,6 +101,8 @@ class KindSpec:
     memory: one sentence for the model card: what generation keeps per layer.
     bench: benchmark rows, row name -> config fields (and ``options``) for ``PolyAttnConfig``.
     block_kernel: a kernel kind's default exact kernel on ``local_exact`` diagonal blocks.
+    cross_attention: whether it serves cross-attention (queries of one sequence, keys of another); False for kinds
+        defined within one sequence (positions, blocks or hashes shared by queries and keys).
     """
 
     name: str
@@ -118,6 +120,7 @@ class KindSpec:
     memory: Callable[[Any], str] | str = "Generation keeps every key and value, like a softmax KV cache."
     bench: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     block_kernel: str = "softmax"
+    cross_attention: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):

@@ -42,6 +42,7 @@ __all__ = [
     "check_call_kwargs",
     "check_model_options",
     "find_attention_modules",
+    "cross_blocker",
     "has_cross_attention",
     "is_attention_module",
     "is_cross_attention_call",
@@ -223,9 +224,9 @@ def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str) -
     if not causal and not spec.bidirectional:
         raise ValueError(f"kind={cfg.kind!r} is causal only and {where} is bidirectional attention (an encoder): "
                          f"pick a kind that serves bidirectional attention, e.g. {_serving('bidirectional')}")
-    if local_option(cfg) and getattr(module, "is_cross_attention", False) is True:
+    if cross_blocker(cfg) and getattr(module, "is_cross_attention", False) is True:
         raise ValueError(_local_exact_cross_message(f"{owner} ({cls.__name__} is a cross-attention module)",
-                                                    local_option(cfg)))
+                                                    cross_blocker(cfg)))
 
 
 def _serving(direction: str) -> list[str]:
@@ -268,7 +269,20 @@ def local_option(cfg: PolyAttnConfig) -> str | None:
     return None
 
 
+def cross_blocker(cfg: PolyAttnConfig) -> str | None:
+    """What makes ``cfg`` refuse cross-attention: an exact local part aligned by position ('window=64'), or a kind
+    defined within one sequence ("kind='bigbird'"); None when it serves cross-attention."""
+    if local_option(cfg):
+        return local_option(cfg)
+    return None if cfg.spec.cross_attention else f"kind={cfg.kind!r}"
+
+
 def _local_exact_cross_message(where: str, option: str = "local_exact=True") -> str:
+    if option.startswith("kind="):
+        return (f"{option} is not supported with cross-attention ({where}): it is defined within one sequence "
+                "(positions, blocks or hashes that queries and keys share), which keys from another sequence (the "
+                "encoder) do not have. Use a kernel kind (polysketch, linear, performer, polynomial) for models "
+                "with cross-attention.")
     return (f"{option} is not supported with cross-attention ({where}): its exact local part pairs query i "
             "with the keys near position i, which for keys from another sequence (the encoder) are unrelated "
             "positions. Use local_exact=False and window=0 for models with cross-attention.")
@@ -280,12 +294,12 @@ def has_cross_attention(config: PreTrainedConfig) -> bool:
 
 
 def check_model_options(configs: list[PreTrainedConfig], cfg: PolyAttnConfig, owner: str) -> None:
-    """Refuse options the model's structure rules out (``local_exact`` with cross-attention)."""
-    if local_option(cfg):
+    """Refuse options the model's structure rules out (``local_exact`` or a one-sequence kind with cross-attention)."""
+    if cross_blocker(cfg):
         for config in configs:
             if has_cross_attention(config):
                 flag = "is_encoder_decoder" if getattr(config, "is_encoder_decoder", False) else "add_cross_attention"
-                raise ValueError(_local_exact_cross_message(f"{owner}: config.{flag}=True", local_option(cfg)))
+                raise ValueError(_local_exact_cross_message(f"{owner}: config.{flag}=True", cross_blocker(cfg)))
 
 
 def _cross_positions(cls: type) -> dict[str, int]:
@@ -319,4 +333,4 @@ def is_cross_attention_call(module: nn.Module, args: tuple, kwargs: dict[str, An
 
 def local_exact_cross_call_error(module: nn.Module, cfg: PolyAttnConfig) -> ValueError:
     return ValueError(_local_exact_cross_message(f"{type(module).__name__} was called with keys/values from "
-                                                 "another sequence", local_option(cfg) or "local_exact=True"))
+                                                 "another sequence", cross_blocker(cfg) or "local_exact=True"))

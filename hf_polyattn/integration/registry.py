@@ -20,7 +20,13 @@ from transformers.masking_utils import AttentionMaskInterface, bidirectional_mas
 from transformers.modeling_utils import AttentionInterface
 
 from .. import registry
-from .compatibility import OUTPUT_ATTENTIONS_ERROR, check_call_kwargs, local_exact_cross_call_error, local_option
+from .compatibility import (
+    OUTPUT_ATTENTIONS_ERROR,
+    check_call_kwargs,
+    cross_blocker,
+    local_exact_cross_call_error,
+    local_option,
+)
 from .construction import install_construction_hook
 from .state import HFPolyAttention
 
@@ -137,7 +143,7 @@ def _make_attention_function(kind: str) -> Callable:
         if dropout:
             raise ValueError(f"dropout={dropout} in training mode: {_dropout_hint(module)}")
         check_call_kwargs(module, kwargs)  # a bias, softcap, sinks, ...: refused, never dropped
-        if local_option(pa.config) and getattr(module, "_polyattn_cross_call", False):
+        if cross_blocker(pa.config) and getattr(module, "_polyattn_cross_call", False):
             raise local_exact_cross_call_error(module, pa.config)
         causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
         mask = _key_padding_mask(attention_mask, key.shape[2])

@@ -312,5 +312,6 @@ register_kind(KindSpec(
     label=_label,
     memory="Generation keeps every key and value, like a softmax KV cache; each new token reads "
            "(global + window + random) blocks of them.",
+    cross_attention=False,  # defined within one sequence
     bench={"bigbird-64": {"kind": "bigbird", "options": {"block": 64}}},
 ))

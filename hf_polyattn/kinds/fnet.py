@@ -114,5 +114,6 @@ register_kind(KindSpec(
     fields=(),
     options={},
     memory="Bidirectional only (encoders): it serves no generation and keeps no decoding state.",
+    cross_attention=False,  # defined within one sequence
     bench={"fnet": {"kind": "fnet"}},
 ))

@@ -293,5 +293,6 @@ register_kind(KindSpec(
     memory=lambda config: ("Generation keeps every value and every key (with shared_qk, the normalised query of "
                            "each query head), like a softmax KV cache." if config.options["shared_qk"] else
                            "Generation keeps every key and value, like a softmax KV cache."),
+    cross_attention=False,  # defined within one sequence
     bench={"reformer-2x32": {"kind": "reformer", "options": {"num_hashes": 2, "num_buckets": 32}}},
 ))

@@ -123,3 +123,14 @@ def test_bidirectional_only_kind_refused_by_causal_models(kind, tmp_path):
     with pytest.raises(ValueError, match=rf"kind='{kind}' is bidirectional only"):
         auto_class(ARCHS["gpt2"]).from_pretrained(tmp_path, attn_implementation=kind)
     hf_polyattn.convert(build("bert", None), KIND_CONFIGS[kind])  # an encoder is fine
+
+
+@pytest.mark.parametrize("kind", [k for k in KIND_CONFIGS if not KIND_CONFIGS[k].spec.cross_attention
+                                  and KIND_CONFIGS[k].spec.causal])
+def test_one_sequence_kinds_refuse_cross_attention(kind):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, add_cross_attention=True))
+    with pytest.raises(ValueError, match=rf"kind='{kind}' is not supported with cross-attention \(GPT2LMHeadModel: "
+                                         r"config\.add_cross_attention=True\)"):
+        hf_polyattn.convert(model, KIND_CONFIGS[kind])
