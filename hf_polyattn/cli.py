@@ -206,7 +206,7 @@ def cmd_kinds(args, argv) -> int:
         return 0
     print(_wrap("Attention kinds (hf_polyattn.register_kind adds one) and the options each one reads. Set one with "
                 f"`--set NAME=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig.for_kind(kind, NAME=VALUE) in "
-                "Python; a shared option a kind does not read must stay at its default.") + "\n")
+                "Python; a switch a kind does not read (window, local_exact, qk_norm, ...) is refused.") + "\n")
 
     def show(opts: list[dict]) -> None:
         for o in opts:

@@ -7,6 +7,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+from integration_helpers import KIND_CONFIGS, build
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECK_REGISTERED = """
@@ -63,15 +66,16 @@ def test_kinds_registered_in_any_import_order():
         assert proc.returncode == 0, f"{order}: {err[-3000:]}"
 
 
-def test_loading_without_plugin_fails_loudly(tmp_path):
-    from integration_helpers import build
-
-    build("llama", "polysketch").save_pretrained(tmp_path)
+@pytest.mark.parametrize("kind", list(KIND_CONFIGS))
+def test_loading_without_plugin_fails_loudly(tmp_path, kind):
+    arch = "llama" if KIND_CONFIGS[kind].spec.causal else "bert"  # an architecture the kind serves
+    build(arch, kind).save_pretrained(tmp_path)
     config = (tmp_path / "config.json").read_text()
     assert "import hf_polyattn" in config  # config.json says what to import
+    auto = "AutoModelForCausalLM" if arch == "llama" else "AutoModel"
     proc = run(f"""
-    from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
+    from transformers import {auto}
+    {auto}.from_pretrained({str(tmp_path)!r})
     """, expect_ok=False)
     assert proc.returncode != 0
-    assert 'attn_implementation="polysketch"' in proc.stderr and "is not supported" in proc.stderr, proc.stderr[-2000:]
+    assert f'attn_implementation="{kind}"' in proc.stderr and "is not supported" in proc.stderr, proc.stderr[-2000:]
