@@ -311,7 +311,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5
                 if q_log_scale is not None:
                     q_log_scale = F.pad(q_log_scale, (0, 0, lk - lq, 0)) if lq < lk else q_log_scale
-                loc, far_scale = self._local_exact(qs, k5, vext, mask, True, scale, local, q_log_scale)
+                loc, far_scale = self._local_exact(qs, k5, vext, mask, True, scale, local, q_log_scale, tf32)
                 num = loc + num if far_scale is None else loc + far_scale * num
             num = num[..., lk - lq :, :]
         else:
@@ -329,6 +329,6 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 vb = F.pad(vext, (0, 0, 0, n_pad - lk)).unflatten(3, (n_pad // block, block))
                 own = torch.matmul(fkb.transpose(-1, -2), vb)  # (.., nb, F, e)
                 far = torch.matmul(fqb, kv.unsqueeze(3) - own).flatten(3, 4)[..., :lq, :]
-                loc, far_scale = self._local_exact(q5, k5, vext, mask, False, scale, local, q_log_scale)
+                loc, far_scale = self._local_exact(q5, k5, vext, mask, False, scale, local, q_log_scale, tf32)
                 num = loc + far if far_scale is None else loc + far_scale * far
         return self._normalise(num), (fk, square), vext

@@ -14,6 +14,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .backend import _is_auto, resolve_backend
 from .sketches import symmetric_square
 from .window import shifted_lt, window_scores, window_tiles
 
@@ -124,14 +125,28 @@ class LocalExactMixin:
             scale_far = mix if scale_far is None else scale_far * mix
         return loc, scale_far
 
-    def _local_exact(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):
+    def _local_exact(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None, tf32=None):
         """The exact diagonal blocks, a group of blocks at a time (``_LOCAL_GROUP``), each group rematerialised.
 
         Blocks do not interact, so groups are independent. All at once, the (n x b) scores,
         their powers and weights (and their gradients) made a transient peak of ~2000 floats
         per token and head: 481 MiB at n=16k, H=4, b=256 (SDPA: 208 MiB in the same run).
         Per group and recomputed in backward, only the inputs and outputs stay alive.
+
+        On the 'triton' backend (``backend.resolve_backend``: 'auto' on CUDA with triton, or forced)
+        one Triton call does every block (``ops.triton.local_blocks_triton``: weights recomputed in
+        its backward, nothing b x b stored), except for squared coefficient polynomials
+        (``poly_coefficients``) and, under 'auto', head dims beyond the kernels' tiles: those stay here.
         """
+        cfg = self.config
+        if resolve_backend(cfg.backend, ks.device, ks.dtype) == "triton" and (
+                kernel == "softmax" or cfg.poly_coefficients is None):
+            from .triton import LOCAL_MAX_HEAD_DIM, local_blocks_triton
+
+            if max(qs.shape[-1], vext.shape[-1] - 1) <= LOCAL_MAX_HEAD_DIM or not _is_auto(cfg.backend):
+                loc, log_far = local_blocks_triton(qs, ks, vext, cfg.block_size, causal, scale, kernel, mask,
+                                                   self._exact_power, cfg.alpha, cfg.beta, tf32)
+                return loc, far_scale(log_far, q_log_scale)
         span = _LOCAL_GROUP.get(ks.device.type, _LOCAL_GROUP_ACCELERATOR) * self.config.block_size
         n = ks.shape[3]
         grad = torch.is_grad_enabled() and (
@@ -142,10 +157,10 @@ class LocalExactMixin:
             args = (qs[..., s : s + span, :], ks[..., s : s + span, :], vext[..., s : s + span, :],
                     None if mask is None else mask[:, s : s + span], causal, scale, kernel,
                     None if q_log_scale is None else q_log_scale[..., s : s + span, :])
-            loc, far_scale = checkpoint(self._local_blocks, *args, use_reentrant=False) if grad else \
+            loc, scale_far = checkpoint(self._local_blocks, *args, use_reentrant=False) if grad else \
                 self._local_blocks(*args)
             locs.append(loc)
-            scales.append(far_scale)
+            scales.append(scale_far)
         loc = locs[0] if len(locs) == 1 else torch.cat(locs, dim=3)
         if scales[0] is None:
             return loc, None

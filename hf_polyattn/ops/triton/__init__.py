@@ -1,8 +1,9 @@
-"""Triton kernels for the causal product lt(phi(A) phi(B)^T) C (optional: needs ``triton``).
+"""Triton kernels (optional: need ``triton``): the causal product lt(phi(A) phi(B)^T) C and the exact
+diagonal blocks of ``local_exact`` (``local_blocks_triton``).
 
 Importing this package never imports triton, so ``hf_polyattn.ops`` keeps working without it;
-the kernels load on the first call of ``lt_multiply_triton``. Run them on CPU (slowly, for tests)
-by setting ``TRITON_INTERPRET=1`` before that first call.
+the kernels load on the first call of ``lt_multiply_triton`` / ``local_blocks_triton``. Run them on CPU
+(slowly, for tests) by setting ``TRITON_INTERPRET=1`` before that first call.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import functools
 
 import torch
 
-__all__ = ["is_available", "lt_multiply_triton"]
+__all__ = ["LOCAL_MAX_HEAD_DIM", "is_available", "local_blocks_triton", "lt_multiply_triton"]
+
+# the local blocks' limit on the q/k and value head dims (ops/triton/local.py MAX_HEAD_DIM)
+LOCAL_MAX_HEAD_DIM = 128
 
 
 @functools.cache
@@ -37,3 +41,11 @@ def lt_multiply_triton(
     from .causal import lt_multiply_triton as impl
 
     return impl(a, b, c, block_size, include_diag, square, tf32)
+
+
+def local_blocks_triton(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of ``LocalExactMixin._local_blocks`` (exact diagonal blocks; fp32 output): the arguments and
+    their checks are those of ``.local.local_blocks_triton``, imported on this first call."""
+    from .local import local_blocks_triton as impl
+
+    return impl(*args, **kwargs)

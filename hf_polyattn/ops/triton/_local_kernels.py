@@ -1,0 +1,271 @@
+"""Triton kernels for the exact diagonal blocks of ``local_exact`` and their gradients (need triton).
+
+The sequence is cut into blocks of T rows aligned at position 0 (T = the config's block_size; the
+last block may be partial). Query i of block k sees the keys j of the same block (causal: j <= i)
+that the key padding mask keeps, with the weights
+
+* softmax: exp(x_ij - m_i), x = s q_i.k_j, m_i = max(0, max over the allowed j of x_ij) (the
+  stabiliser of ``LocalExactMixin.exact_weights``; m_i = 0 for a row that sees no key);
+* polynomial: ((x_ij + alpha) / beta)^P, P a positive integer.
+
+Output row i = sum_j w_ij v_j over the E = e + 1 columns of [v, 1]: the first e columns by a
+matmul, the last (the normaliser column, 0 at padded keys) by a weighted row sum, so a head
+dimension of 64 keeps 64-wide tiles instead of padding 65 columns to 128.
+
+Like flash attention, nothing b x b is stored: the forward keeps m (n floats per query head) for
+the softmax, the backward recomputes the weights tile by tile from q and k. Three kernels, one
+program per (row tile of a block, head):
+
+* ``_local_fwd_kernel``: per (query tile, query head); online row max for the softmax (the running
+  maximum starts at 0, which is the clamp), fp32 accumulators.
+* ``_local_dq_kernel``: per (query tile, query head): dq = s sum_j dx_ij k_j.
+* ``_local_dkv_kernel``: per (key tile, kv head), looping over the G query heads of the kv head
+  (no atomics): dv_j = sum_i w_ij dO_i, dk_j = sum_i dx_ij (s q_i).
+
+with dw_ij = dO_i . v_j and dx_ij = dw_ij w'(x_ij): softmax w' = w (m is a constant, detached as
+in PyTorch), polynomial w' = P / beta base^(P-1).
+
+Every dot takes fp32 operands (inputs in bf16/fp16 are converted on load) with ``PREC`` the dot
+precision ("tf32x3": fp32 accuracy; "tf32": 3x cheaper, ~5e-4 relative), fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _power_minus_one(base, P: tl.constexpr):
+    """base^(P-1) (P >= 1), by P-2 multiplies (P <= 8 in practice: a few multiplies per score)."""
+    if P == 1:
+        out = base * 0.0 + 1.0
+    else:
+        out = base
+        for _ in tl.static_range(P - 2):
+            out = out * base
+    return out
+
+
+@triton.jit
+def _weights_and_slope(x, allowed, m, alpha, inv_beta, SOFTMAX: tl.constexpr, P: tl.constexpr):
+    """(w, dw/dx) of a (rows x keys) score tile, both 0 where not ``allowed``; m: the rows' stabiliser."""
+    if SOFTMAX:
+        w = tl.where(allowed, tl.exp(x - m[:, None]), 0.0)
+        slope = w
+    else:
+        base = (x + alpha) * inv_beta
+        pm1 = _power_minus_one(base, P)
+        w = tl.where(allowed, pm1 * base, 0.0)
+        slope = tl.where(allowed, pm1 * (P * inv_beta), 0.0)
+    return w, slope
+
+
+@triton.jit
+def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
+                      n, T, QPC, HKV, G, D, E1, scale, alpha, inv_beta,
+                      sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
+                      smb, smn, sob, soh, sog, son, soe, smob, smoh, smog, smon,
+                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
+                      BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
+    """out[rows] = sum over the block's allowed keys of w_ij [v_j, 1]; softmax: also m[rows]."""
+    pid_q = tl.program_id(0)
+    bhg = tl.program_id(1)
+    g = bhg % G
+    bh = bhg // G
+    hh = bh % HKV
+    bb = bh // HKV
+    start = (pid_q // QPC) * T
+    q0 = start + (pid_q % QPC) * BQ
+    c_end = tl.minimum(start + T, n)
+    rows = q0 + tl.arange(0, BQ)
+    rmask = rows < c_end
+    ds = tl.arange(0, BD)
+    dmask = ds < D
+    es = tl.arange(0, BE)
+    emask = es < E1
+    q_base = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh + g.to(tl.int64) * sqg
+    k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
+    v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
+    qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
+                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+    acc = tl.zeros((BQ, BE), dtype=tl.float32)
+    acc_n = tl.zeros((BQ,), dtype=tl.float32)  # the normaliser column
+    m_i = tl.zeros((BQ,), dtype=tl.float32)  # running max, starting at the clamp 0
+    if CAUSAL:
+        hi = tl.minimum(q0 + BQ, c_end)
+    else:
+        hi = c_end
+    for j0 in range(start, hi, BQ):
+        cols = j0 + tl.arange(0, BQ)
+        cmask = cols < c_end
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
+            cmask = cmask & (keep != 0)
+        kt = tl.load(k_base + cols[:, None] * skn + ds[None, :] * skd,
+                     mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        vt = tl.load(v_base + cols[:, None] * svn + es[None, :] * sve,
+                     mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+        vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
+        x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
+        allowed = cmask[None, :]
+        if CAUSAL:
+            allowed = allowed & (cols[None, :] <= rows[:, None])
+        if SOFTMAX:
+            x = tl.where(allowed, x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, axis=1))
+            corr = tl.exp(m_i - m_new)
+            w = tl.exp(x - m_new[:, None])  # exp(-inf) = 0 off the allowed keys
+            acc = acc * corr[:, None] + tl.dot(w, vt, input_precision=PREC)
+            acc_n = acc_n * corr + tl.sum(w * vn[None, :], axis=1)
+            m_i = m_new
+        else:
+            w, _ = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, False, P)
+            acc += tl.dot(w, vt, input_precision=PREC)
+            acc_n += tl.sum(w * vn[None, :], axis=1)
+    o_base = o_ptr + bb.to(tl.int64) * sob + hh.to(tl.int64) * soh + g.to(tl.int64) * sog
+    tl.store(o_base + rows[:, None] * son + es[None, :] * soe, acc, mask=rmask[:, None] & emask[None, :])
+    tl.store(o_base + rows * son + E1 * soe, acc_n, mask=rmask)
+    if SOFTMAX:
+        mo_base = m_ptr + bb.to(tl.int64) * smob + hh.to(tl.int64) * smoh + g.to(tl.int64) * smog
+        tl.store(mo_base + rows * smon, m_i, mask=rmask)
+
+
+@triton.jit
+def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
+                     n, T, QPC, HKV, G, D, E1, scale, alpha, inv_beta,
+                     sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
+                     smb, smn, smob, smoh, smog, smon, sgb, sgh, sgg, sgn, sge, sdb, sdh, sdg, sdn, sdd,
+                     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
+                     BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
+    """dq[rows] = s sum_j dx_ij k_j over the block's allowed keys (weights recomputed)."""
+    pid_q = tl.program_id(0)
+    bhg = tl.program_id(1)
+    g = bhg % G
+    bh = bhg // G
+    hh = bh % HKV
+    bb = bh // HKV
+    start = (pid_q // QPC) * T
+    q0 = start + (pid_q % QPC) * BQ
+    c_end = tl.minimum(start + T, n)
+    rows = q0 + tl.arange(0, BQ)
+    rmask = rows < c_end
+    ds = tl.arange(0, BD)
+    dmask = ds < D
+    es = tl.arange(0, BE)
+    emask = es < E1
+    q_base = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh + g.to(tl.int64) * sqg
+    k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
+    v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
+    g_base = do_ptr + bb.to(tl.int64) * sgb + hh.to(tl.int64) * sgh + g.to(tl.int64) * sgg
+    qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
+                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+    go = tl.load(g_base + rows[:, None] * sgn + es[None, :] * sge,
+                 mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+    gn = tl.load(g_base + rows * sgn + E1 * sge, mask=rmask, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        m_base = m_ptr + bb.to(tl.int64) * smob + hh.to(tl.int64) * smoh + g.to(tl.int64) * smog
+        m_i = tl.load(m_base + rows * smon, mask=rmask, other=0.0)
+    else:
+        m_i = tl.zeros((BQ,), dtype=tl.float32)
+    acc = tl.zeros((BQ, BD), dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(q0 + BQ, c_end)
+    else:
+        hi = c_end
+    for j0 in range(start, hi, BQ):
+        cols = j0 + tl.arange(0, BQ)
+        cmask = cols < c_end
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
+            cmask = cmask & (keep != 0)
+        kt = tl.load(k_base + cols[:, None] * skn + ds[None, :] * skd,
+                     mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        vt = tl.load(v_base + cols[:, None] * svn + es[None, :] * sve,
+                     mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+        vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
+        x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
+        allowed = rmask[:, None] & cmask[None, :]
+        if CAUSAL:
+            allowed = allowed & (cols[None, :] <= rows[:, None])
+        w, slope = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, SOFTMAX, P)
+        dw = tl.dot(go, tl.trans(vt), input_precision=PREC) + gn[:, None] * vn[None, :]
+        acc += tl.dot(dw * slope, kt, input_precision=PREC)
+    d_base = dq_ptr + bb.to(tl.int64) * sdb + hh.to(tl.int64) * sdh + g.to(tl.int64) * sdg
+    tl.store(d_base + rows[:, None] * sdn + ds[None, :] * sdd, acc * scale, mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _local_dkv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dk_ptr, dv_ptr,
+                      n, T, QPC, HKV, G, D, E1, scale, alpha, inv_beta,
+                      sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
+                      smb, smn, smob, smoh, smog, smon, sgb, sgh, sgg, sgn, sge,
+                      skbo, skho, skno, skdo, svbo, svho, svno, sveo,
+                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
+                      BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
+    """dk, dv of one key tile of one kv head, summed over its G query heads (weights recomputed)."""
+    pid_k = tl.program_id(0)
+    bh = tl.program_id(1)
+    hh = bh % HKV
+    bb = bh // HKV
+    start = (pid_k // QPC) * T
+    j0 = start + (pid_k % QPC) * BQ
+    c_end = tl.minimum(start + T, n)
+    cols = j0 + tl.arange(0, BQ)
+    cmask = cols < c_end
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
+        cmask = cmask & (keep != 0)
+    ds = tl.arange(0, BD)
+    dmask = ds < D
+    es = tl.arange(0, BE)
+    emask = es < E1
+    k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
+    v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
+    kt = tl.load(k_base + cols[:, None] * skn + ds[None, :] * skd,
+                 mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    vt = tl.load(v_base + cols[:, None] * svn + es[None, :] * sve,
+                 mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+    vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
+    dk = tl.zeros((BQ, BD), dtype=tl.float32)
+    dv = tl.zeros((BQ, BE), dtype=tl.float32)
+    dvn = tl.zeros((BQ,), dtype=tl.float32)
+    if CAUSAL:
+        lo = j0  # tiles are aligned at the block start: queries before j0 see none of these keys
+    else:
+        lo = start
+    q_bh = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh
+    g_bh = do_ptr + bb.to(tl.int64) * sgb + hh.to(tl.int64) * sgh
+    m_bh = m_ptr + bb.to(tl.int64) * smob + hh.to(tl.int64) * smoh
+    for g in range(0, G):
+        q_base = q_bh + g * sqg
+        g_base = g_bh + g * sgg
+        m_base = m_bh + g * smog
+        for i0 in range(lo, c_end, BQ):
+            rows = i0 + tl.arange(0, BQ)
+            rmask = rows < c_end
+            qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
+                         mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+            go = tl.load(g_base + rows[:, None] * sgn + es[None, :] * sge,
+                         mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+            gn = tl.load(g_base + rows * sgn + E1 * sge, mask=rmask, other=0.0).to(tl.float32)
+            if SOFTMAX:
+                m_i = tl.load(m_base + rows * smon, mask=rmask, other=0.0)
+            else:
+                m_i = tl.zeros((BQ,), dtype=tl.float32)
+            x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
+            allowed = rmask[:, None] & cmask[None, :]
+            if CAUSAL:
+                allowed = allowed & (cols[None, :] <= rows[:, None])
+            w, slope = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, SOFTMAX, P)
+            dv += tl.dot(tl.trans(w), go, input_precision=PREC)
+            dvn += tl.sum(w * gn[:, None], axis=0)
+            dw = tl.dot(go, tl.trans(vt), input_precision=PREC) + gn[:, None] * vn[None, :]
+            dk += tl.dot(tl.trans(dw * slope), qs, input_precision=PREC)
+    dk_base = dk_ptr + bb.to(tl.int64) * skbo + hh.to(tl.int64) * skho
+    dv_base = dv_ptr + bb.to(tl.int64) * svbo + hh.to(tl.int64) * svho
+    # rows of padded keys get their zeros too: every row of dk, dv is written
+    wmask = cols < c_end
+    tl.store(dk_base + cols[:, None] * skno + ds[None, :] * skdo, dk, mask=wmask[:, None] & dmask[None, :])
+    tl.store(dv_base + cols[:, None] * svno + es[None, :] * sveo, dv, mask=wmask[:, None] & emask[None, :])
+    tl.store(dv_base + cols * svno + E1 * sveo, dvn, mask=wmask)
