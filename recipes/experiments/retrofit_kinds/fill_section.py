@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from recipes._defaults import RESULTS
@@ -61,6 +62,12 @@ def _summary(table: dict, higher_is_better: bool) -> str:
     return f"Final metric / softmax's ({what}): " + ", ".join(parts) + "." if parts else ""
 
 
+def _script_option(script: str, option: str) -> str:
+    """The value the experiment script passes for ``option`` (the tables do not record it)."""
+    text = (Path(__file__).resolve().parent / script).read_text()
+    return re.search(rf"{option} (\S+)", text).group(1)
+
+
 def _section_from_table(template: str, path: Path, higher_is_better: bool) -> str:
     table = json.loads(path.with_suffix(".json").read_text())
     rows = table["rows"]
@@ -69,7 +76,7 @@ def _section_from_table(template: str, path: Path, higher_is_better: bool) -> st
     data = table.get("data", {})
     return template.format(
         finetune="/".join(map(str, finetune)), transfer="/".join(map(str, transfer)) or "0",
-        eval_rows=data.get("eval_rows", "?"), eval_tokens=table.get("eval", {}).get("tokens", "?"),
+        eval_rows=data.get("eval_rows", "?"), eval_tokens=_script_option("run_smollm2_kinds.sh", "--max_eval_tokens"),
         machine=table["machine"], table=path.with_suffix(".md").read_text().strip(),
         summary=_summary(table, higher_is_better))
 
