@@ -1,33 +1,18 @@
 """Triton lt(phi(A) phi(B)^T) C against the PyTorch block algorithm and a dense O(n^2) product.
 
-Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before the
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by tests/ops/triton_setup.py before the
 kernels are first imported; the interpreter does every dot in full fp32, so fp32 tolerances are
 tight). With a GPU the same tests run the compiled kernels on CUDA.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-from hf_polyattn.ops import lt_multiply, symmetric_square  # noqa: E402
-from hf_polyattn.ops.triton import is_available, lt_multiply_triton  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-if DEVICE == "cpu":
-    from hf_polyattn.ops.triton import causal as _impl  # noqa: E402
-
-    if not _impl._is_interpreted():
-        pytest.skip("triton kernels were imported before TRITON_INTERPRET=1 could be set and there is no GPU",
-                    allow_module_level=True)
+from hf_polyattn.ops import lt_multiply, symmetric_square
+from hf_polyattn.ops.triton import is_available, lt_multiply_triton
+from tests.ops.triton_setup import DEVICE  # sets TRITON_INTERPRET before the kernels load
 
 # fp32: the kernels accumulate in fp32 over <= ~100 terms of size ~10: ~1e-6 relative error
 FP32_TOL = dict(rtol=1e-4, atol=1e-4)

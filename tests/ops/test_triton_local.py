@@ -1,37 +1,22 @@
 """Triton exact diagonal blocks (``local_exact``) against the PyTorch ``_local_blocks`` and the O(n^2) reference.
 
-Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before the
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by tests/ops/triton_setup.py before the
 kernels are first imported; every dot is then a full fp32 numpy matmul, so fp32 tolerances are
 tight). With a GPU the same tests run the compiled kernels on CUDA.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-from hf_polyattn import PolyAttnConfig  # noqa: E402
-from hf_polyattn.ops import PolyAttention  # noqa: E402
-from hf_polyattn.ops.backend import ENV_VAR  # noqa: E402
-from hf_polyattn.ops.common import _with_normaliser  # noqa: E402
-from hf_polyattn.ops.reference import reference_attention  # noqa: E402
-from hf_polyattn.ops.triton import local_blocks_triton  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-if DEVICE == "cpu":
-    from hf_polyattn.ops.triton import local as _impl  # noqa: E402
-
-    if not _impl._is_interpreted():
-        pytest.skip("triton kernels were imported before TRITON_INTERPRET=1 could be set and there is no GPU",
-                    allow_module_level=True)
+from hf_polyattn import PolyAttnConfig
+from hf_polyattn.ops import PolyAttention
+from hf_polyattn.ops.backend import ENV_VAR
+from hf_polyattn.ops.common import _with_normaliser
+from hf_polyattn.ops.reference import reference_attention
+from hf_polyattn.ops.triton import local_blocks_triton
+from tests.ops.triton_setup import DEVICE  # sets TRITON_INTERPRET before the kernels load
 
 # fp32 inputs: fp32 accumulation over <= 16..80 terms of a block, in another summation order than
 # PyTorch's matmul (and the softmax's online max rescales partial sums): ~1e-6 relative to the
