@@ -5,7 +5,8 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
 * ``sdpa_rows``: SDPA (flash) causal forward and forward+backward, n = 2k..64k;
 * ``lt_rows``: the Triton causal product alone (``ops.triton.lt_multiply_triton``) for polysketch's
   squared sketches (r = 32, 16) and identity features (r = 64), with and without diagonal blocks,
-  against the ``batched`` PyTorch product at 8k (and its max relative error against fp32);
+  against the ``batched`` PyTorch product at 8k (and its max relative error against fp32), and
+  (``padded_e_*``) with c's 65 columns padded to one 128-wide tile, the layout before the tail column;
 * ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
   product alone; a polysketch + local exact layer in a bf16 module);
 * ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend;
@@ -89,6 +90,12 @@ def lt_rows():
                     ref = lt_multiply_batched(a.float(), b.float(), c.float(), 256, diag, square)
                     got = f()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                # the same product with e = 65 padded to one 128-wide tile (the layout before the tail column)
+                causal.TAIL_COLUMN = False
+                try:
+                    row["padded_e_fwd_ms"], row["padded_e_fb_ms"] = do_bench(f), do_bench(fb(f, a, b, c))
+                finally:
+                    causal.TAIL_COLUMN = True
                 rec(**row)
                 del a, b, c
                 torch.cuda.empty_cache()
@@ -168,11 +175,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the Triton kernels run on CPU only under TRITON_INTERPRET=1, for tests)")
-    global triton, do_bench, lt_multiply_triton
+    global triton, do_bench, lt_multiply_triton, causal
     import triton
     from triton.testing import do_bench
 
-    from hf_polyattn.ops.triton import lt_multiply_triton
+    from hf_polyattn.ops.triton import causal, lt_multiply_triton
     print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     for name in args.sections:
         print(f"== {name}", flush=True)

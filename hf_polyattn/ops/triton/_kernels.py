@@ -22,6 +22,12 @@ Three kinds of kernel, all launched once per call over (tiles x heads):
 Head addressing goes through int64 offset tables (one entry per (kv head, query group)), so any
 broadcast of the leading dims and any strides work without copies.
 
+Tail column (``TAIL``): when C has 2^m + 1 columns (head_dim values + the normaliser's column
+of ones, e = 65 at d = 64), the first 2^m go through the e tiles and the last one is handled apart
+with row sums and outer products on the CUDA cores; its states live in their own (F,) slabs
+(``z``). Rounding 65 columns up to one 128-wide tile made half of every state and output dot
+padding.
+
 All accumulation is fp32; features and states never exist in half precision (degree-4..8
 polynomial values overflow fp16's 65504). ``PREC`` is the fp32 dot precision: "tf32x3" keeps
 fp32 accuracy (~1e-6 relative) on tensor cores, "tf32" is ~5e-4 relative and 3x cheaper. Inputs in
@@ -33,6 +39,13 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _if_last(mask, pid_e, ne):
+    """``mask`` in the last e tile's program (the one that owns the tail column), else all False.
+    Formed elementwise: Triton 3.9's interpreter mis-types a (block & scalar) mask."""
+    return mask & ((mask.to(tl.int32) * 0 + pid_e) == ne - 1)
 
 
 @triton.jit
@@ -86,9 +99,9 @@ def _feature_grad(dphi, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, 
 
 
 @triton.jit
-def _state_kernel(x_ptr, y_ptr, s_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr,
+def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr,
                   n, F, E, SE, G, T, NC, sxn, sxr, syn, sye,
-                  REVERSE: tl.constexpr, SQUARE: tl.constexpr,
+                  REVERSE: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
                   BT: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
     """Slot k (REVERSE: NC-1-k) of s gets phi(X_k)^T Y_k of chunk k alone, summed over the G groups.
 
@@ -96,7 +109,8 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_p
     reverse 1..NC-1. One program per (chunk, F tile, kv head x e tile): every chunk in parallel;
     the host turns the slots into running sums with one cumsum over the chunk axis. (A first
     version walked the chunks in order inside 144 programs at n = 32k, H = 16: latency-bound,
-    5.2 ms of a 30 ms forward+backward on an H100.)
+    5.2 ms of a 30 ms forward+backward on an H100.) ``TAIL``: the last e tile's program also
+    writes phi(X_k)^T y_k of Y's column E (the tail) into z.
     """
     if REVERSE:
         k = tl.program_id(0) + 1
@@ -111,6 +125,7 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_p
     es = pid_e * BE + tl.arange(0, BE)
     emask = es < E
     acc = tl.zeros((BF, BE), dtype=tl.float32)
+    acc_z = tl.zeros((BF,), dtype=tl.float32)
     c_start = k * T
     c_end = tl.minimum(c_start + T, n)
     for g in range(0, G):
@@ -123,25 +138,34 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_p
             y = tl.load(y_ptr + yo + rows[:, None] * syn + es[None, :] * sye,
                         mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
             acc += tl.dot(tl.trans(phi), y, input_precision=PREC)
+            if TAIL:
+                yz = tl.load(y_ptr + yo + rows * syn + E * sye, mask=_if_last(rmask, pid_e, ne), other=0.0)
+                yz = yz.to(tl.float32)
+                acc_z += tl.sum(phi * yz[:, None], axis=0)
     if REVERSE:
         slot = NC - 1 - k
     else:
         slot = k
+    if TAIL:
+        z_tile = z_ptr + h.to(tl.int64) * (NC - 1) * F + slot.to(tl.int64) * F + fs
+        tl.store(z_tile, acc_z, mask=_if_last(fs < F, pid_e, ne))
     # padding columns E..SE-1 get the zeros of the masked loads: the whole slab is defined
     s_tile = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + slot.to(tl.int64) * F * SE + fs[:, None] * SE + es[None, :]
     tl.store(s_tile, acc, mask=(fs[:, None] < F) & (es[None, :] < SE))
 
 
 @triton.jit
-def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_ptr, o_off_ptr,
+def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_ptr, o_off_ptr,
                 i0_ptr, i1_ptr, w_ptr,
                 n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, son, soe,
-                INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+                INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
                 BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
-    """out[rows, e tile] = phi(A_rows) P_k + (INCLUDE_DIAG) sum_{chunk start <= j <= i} (a_i.b_j)^p c_j."""
+    """out[rows, e tile] = phi(A_rows) P_k + (INCLUDE_DIAG) sum_{chunk start <= j <= i} (a_i.b_j)^p c_j
+    (``TAIL``: the last e tile also writes column E from z and c's column E)."""
     pid_q = tl.program_id(0)
     hg = tl.program_id(1)
     pid_e = tl.program_id(2)
+    ne = tl.num_programs(2)
     h = hg // G
     k = pid_q // QPC
     q0 = k * T + (pid_q % QPC) * BQ
@@ -153,13 +177,18 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_p
     ao = tl.load(a_off_ptr + hg)
     oo = tl.load(o_off_ptr + hg)
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
+    acc_z = tl.zeros((BQ,), dtype=tl.float32)
     if k > 0:  # P_0 = 0: the first chunk has no far part
         s_base = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (k - 1).to(tl.int64) * F * SE
+        z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
         for f0 in range(0, F, BF):
             fs = f0 + tl.arange(0, BF)
             phi = _features(a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF)
             st = tl.load(s_base + fs[:, None] * SE + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
             acc += tl.dot(phi, st, input_precision=PREC)
+            if TAIL:
+                zt = tl.load(z_base + fs, mask=_if_last(fs < F, pid_e, ne), other=0.0)
+                acc_z += tl.sum(phi * zt[None, :], axis=1)
     if INCLUDE_DIAG:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
@@ -179,14 +208,20 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_p
             cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
                          mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
             acc += tl.dot(s, cv, input_precision=PREC)
+            if TAIL:
+                cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=_if_last(cmask, pid_e, ne), other=0.0)
+                cz = cz.to(tl.float32)
+                acc_z += tl.sum(s * cz[None, :], axis=1)
     tl.store(o_ptr + oo + rows[:, None] * son + es[None, :] * soe, acc, mask=rmask[:, None] & emask[None, :])
+    if TAIL:
+        tl.store(o_ptr + oo + rows * son + E * soe, acc_z, mask=_if_last(rmask, pid_e, ne))
 
 
 @triton.jit
-def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, da_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr, da_off_ptr,
-               i0_ptr, i1_ptr, w_ptr,
+def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
+               da_off_ptr, i0_ptr, i1_ptr, w_ptr,
                n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """dA rows: far part through dphi(A) = dO P_k^T, diagonal chunk from D_ij = dO_i . c_j."""
     pid_q = tl.program_id(0)
@@ -202,11 +237,17 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, da_ptr, a_off_ptr, b_off_ptr, 
     zs = tl.arange(0, R)
     zmask = zs < r
     acc = tl.zeros((BQ, R), dtype=tl.float32)
+    if TAIL:  # dO's tail column, against z (far part) and c's tail column (diagonal chunk)
+        gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
     if k > 0:
         s_base = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (k - 1).to(tl.int64) * F * SE
+        z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
         for f0 in range(0, F, BF):
             fs = f0 + tl.arange(0, BF)
             dphi = tl.zeros((BQ, BF), dtype=tl.float32)
+            if TAIL:
+                zt = tl.load(z_base + fs, mask=fs < F, other=0.0)
+                dphi += gz[:, None] * zt[None, :]
             for e0 in range(0, E, BE):
                 es = e0 + tl.arange(0, BE)
                 emask = es < E
@@ -236,6 +277,9 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, da_ptr, a_off_ptr, b_off_ptr, 
                 cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
                              mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
                 d += tl.dot(gt, tl.trans(cv), input_precision=PREC)
+            if TAIL:
+                cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
+                d += gz[:, None] * cz[None, :]
             d = tl.where(cols[None, :] <= rows[:, None], d, 0.0)
             if SQUARE:  # d (a.b)^2 / da = 2 (a.b) b
                 d = d * 2.0 * tl.dot(qa, tl.trans(kb), input_precision=PREC)
@@ -245,10 +289,10 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, da_ptr, a_off_ptr, b_off_ptr, 
 
 
 @triton.jit
-def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, db_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr, db_off_ptr,
-               i0_ptr, i1_ptr, w_ptr,
+def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
+               db_off_ptr, i0_ptr, i1_ptr, w_ptr,
                n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """dB rows of one kv head: far part through dphi(B) = C U_k^T, diagonal chunk summed over the G groups."""
     pid_k = tl.program_id(0)
@@ -263,11 +307,17 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, db_ptr, a_off_ptr, b_off_ptr, 
     zs = tl.arange(0, R)
     zmask = zs < r
     acc = tl.zeros((BQ, R), dtype=tl.float32)
+    if TAIL:  # c's tail column, against uz (far part) and dO's tail column (diagonal chunk)
+        cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
     if k < NC - 1:  # U_{NC-1} = 0: the last chunk has no later chunks
         u_base = u_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (NC - 2 - k).to(tl.int64) * F * SE
+        uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
         for f0 in range(0, F, BF):
             fs = f0 + tl.arange(0, BF)
             dphi = tl.zeros((BQ, BF), dtype=tl.float32)
+            if TAIL:
+                ut = tl.load(uz_base + fs, mask=fs < F, other=0.0)
+                dphi += cz[:, None] * ut[None, :]
             for e0 in range(0, E, BE):
                 es = e0 + tl.arange(0, BE)
                 emask = es < E
@@ -298,6 +348,9 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, db_ptr, a_off_ptr, b_off_ptr, 
                     gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
                                  mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
                     dt += tl.dot(cv, tl.trans(gt), input_precision=PREC)
+                if TAIL:
+                    gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
+                    dt += cz[:, None] * gz[None, :]
                 dt = tl.where(rows[None, :] >= cols[:, None], dt, 0.0)
                 if SQUARE:
                     dt = dt * 2.0 * tl.dot(kb, tl.trans(qa), input_precision=PREC)
@@ -307,15 +360,17 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, db_ptr, a_off_ptr, b_off_ptr, 
 
 
 @triton.jit
-def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_ptr, dc_off_ptr,
+def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_ptr, dc_off_ptr,
                i0_ptr, i1_ptr, w_ptr,
                n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, sgn, sge, sdn, sde,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
-    """dC rows of one kv head: phi(B) U_k + diagonal chunk (a_i.b_j)^p dO_i summed over the G groups."""
+    """dC rows of one kv head: phi(B) U_k + diagonal chunk (a_i.b_j)^p dO_i summed over the G groups
+    (``TAIL``: the last e tile also writes column E from uz and dO's column E)."""
     pid_k = tl.program_id(0)
     h = tl.program_id(1)
     pid_e = tl.program_id(2)
+    ne = tl.num_programs(2)
     k = pid_k // QPC
     k0 = k * T + (pid_k % QPC) * BQ
     c_end = tl.minimum(k * T + T, n)
@@ -325,13 +380,18 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_p
     emask = es < E
     bo = tl.load(b_off_ptr + h)
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
+    acc_z = tl.zeros((BQ,), dtype=tl.float32)
     if k < NC - 1:
         u_base = u_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (NC - 2 - k).to(tl.int64) * F * SE
+        uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
         for f0 in range(0, F, BF):
             fs = f0 + tl.arange(0, BF)
             phi = _features(b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF)
             ut = tl.load(u_base + fs[:, None] * SE + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
             acc += tl.dot(phi, ut, input_precision=PREC)
+            if TAIL:
+                uz = tl.load(uz_base + fs, mask=_if_last(fs < F, pid_e, ne), other=0.0)
+                acc_z += tl.sum(phi * uz[None, :], axis=1)
     if INCLUDE_DIAG:
         zs = tl.arange(0, R)
         zmask = zs < r
@@ -352,5 +412,11 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_p
                 gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
                              mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
                 acc += tl.dot(st, gt, input_precision=PREC)
+                if TAIL:
+                    gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=_if_last(rmask, pid_e, ne), other=0.0)
+                    gz = gz.to(tl.float32)
+                    acc_z += tl.sum(st * gz[None, :], axis=1)
     dco = tl.load(dc_off_ptr + h)
     tl.store(dc_ptr + dco + cols[:, None] * sdn + es[None, :] * sde, acc, mask=cmask[:, None] & emask[None, :])
+    if TAIL:
+        tl.store(dc_ptr + dco + cols * sdn + E * sde, acc_z, mask=_if_last(cmask, pid_e, ne))

@@ -4,15 +4,20 @@ Memory and launches (the design constraints of this module):
 
 * Nothing of size n x F is ever stored: features are formed tile by tile in registers from the
   r-dim inputs. At n = 32k, r = 32 (F = 528) an fp32 feature tensor would be 69 MB per head.
-* Per-chunk states, fp32 (n / T) x F x SE per kv head (SE = e rounded up to 8): 128 x 528 x 72 x 4 B
-  = 19.5 MB at n = 32k, r = 32, e = 65, T = 256 (the inputs are n (r + e) = 3.2 M values, 6.4 MB in
+* Per-chunk states, fp32 (n / T) x F x SE per kv head (SE = e rounded up to 8, e = 65 stored as
+  64 columns + an F-vector, see "Tail"): 128 x 528 x 65 x 4 B = 17.6 MB at n = 32k, r = 32, e = 65,
+  T = 256 (the inputs are n (r + e) = 3.2 M values, 6.4 MB in
   bf16). They are kept because they let every output tile run in parallel (n / 64 x heads
   programs); one running (528 x 65) fp32 state is 137 KB, more than a program can hold on chip.
   Every chunk's own state is computed in parallel and one cumsum over chunks makes them running
   sums (a sequential walk over chunks in 144 programs was latency-bound: 5.2 ms of a 30 ms
   forward+backward at n = 32k, H = 16 on an H100). Backward recomputes them (prefix states P and
   suffix states U, the same kernel): only a, b, c are saved, so nothing F-sized lives between
-  forward and backward (19.5 MB x heads x layers otherwise).
+  forward and backward (17.6 MB x heads x layers otherwise).
+* Tail: C with e = 2^m + 1 columns (head_dim values + the normaliser, e = 65 at d = 64) runs its
+  first 2^m columns through the e tiles and the last as row sums on the side (``TAIL`` in
+  ``_kernels``). Padding 65 columns to one 128-wide tile made half of every state and output dot
+  multiply zeros.
 * Forward: 2 launches + 1 cumsum. Backward: up to 5 launches (P, U, dA, dB, dC) + 2 cumsums, plus a
   sum over broadcast dims when an input was broadcast (dB, dC are already reduced over query groups
   inside the kernels: B and C are never copied G times). Head offset tables are cached per layout,
@@ -44,6 +49,8 @@ _NUM_WARPS = 4
 # 2, not triton's default 3: the backward kernels stream a (64 x 128) dO tile and a (128 x 64) state
 # tile in fp32 per step, 64 KB a stage; three stages plus layout scratch near H100's 228 KB of smem
 _NUM_STAGES = 2
+# the tail column (module doc); False times the padded layout it replaced (recipes/profile_gpu_kernels.py lt_rows)
+TAIL_COLUMN = True
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -135,8 +142,11 @@ class _Plan:
         self.BQ = min(_tile_rows(self.R), _pow2(self.T))
         self.QPC = -(-self.T // self.BQ)  # row tiles per chunk
         self.BF = min(_MAX_TILE_FEATURES, _pow2(self.F)) if square else min(self.R, _MAX_TILE_FEATURES)
-        self.BE = min(_MAX_TILE_E, _pow2(self.e))
-        self.SE = -(-self.e // 8) * 8  # state row stride: 32-byte aligned rows
+        # tail: e = 2^m + 1 (>= 17) runs as 2^m tiled columns + one side column (see the module doc)
+        self.tail = TAIL_COLUMN and self.e >= 17 and ((self.e - 1) & (self.e - 2)) == 0
+        self.em = self.e - 1 if self.tail else self.e  # the columns the e tiles cover
+        self.BE = min(_MAX_TILE_E, _pow2(self.em))
+        self.SE = -(-self.em // 8) * 8  # state row stride: 32-byte aligned rows
         self.device = a.device
         self.i0, self.i1, self.w = _feature_tables(self.r, square, a.device)
         self.prec = _precision(tf32, {a.dtype, b.dtype, c.dtype})
@@ -166,21 +176,24 @@ class _Plan:
     def kv_offsets(self, x: torch.Tensor) -> torch.Tensor:
         return self.offsets(x, kv=True)
 
-    def states(self, x, y, x_off, y_off, groups: int, reverse: bool) -> torch.Tensor:
+    def states(self, x, y, x_off, y_off, groups: int, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(H, NC-1, F, SE) fp32 running sums of phi(X_m)^T Y_m over chunks: slot k holds chunks 0..k
-        (reverse: slot k holds chunks NC-1-k..NC-1), summed over ``groups`` query groups."""
+        (reverse: slot k holds chunks NC-1-k..NC-1), summed over ``groups`` query groups; and the
+        (H, NC-1, F) sums for Y's tail column (a 1-element dummy without a tail)."""
         s = torch.empty(self.H, self.NC - 1, self.F, self.SE, dtype=torch.float32, device=self.device)
+        z = torch.empty((self.H, self.NC - 1, self.F) if self.tail else (1,), dtype=torch.float32,
+                        device=self.device)
         if self.NC == 1:
-            return s  # one chunk: everything is diagonal, no state is read
-        grid = (self.NC - 1, _cdiv(self.F, self.BF), self.H * _cdiv(self.e, self.BE))
+            return s, z  # one chunk: everything is diagonal, no state is read
+        grid = (self.NC - 1, _cdiv(self.F, self.BF), self.H * _cdiv(self.em, self.BE))
         K._state_kernel[grid](
-            x, y, s, x_off, y_off, self.i0, self.i1, self.w,
-            self.n, self.F, self.e, self.SE, groups, self.T, self.NC,
+            x, y, s, z, x_off, y_off, self.i0, self.i1, self.w,
+            self.n, self.F, self.em, self.SE, groups, self.T, self.NC,
             x.stride(-2), x.stride(-1), y.stride(-2), y.stride(-1),
-            REVERSE=reverse, SQUARE=self.square, BT=self.BQ, BF=self.BF, BE=self.BE, PREC=self.prec,
-            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            REVERSE=reverse, SQUARE=self.square, TAIL=self.tail, BT=self.BQ, BF=self.BF, BE=self.BE,
+            PREC=self.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
-        return s.cumsum_(1)
+        return s.cumsum_(1), (z.cumsum_(1) if self.tail else z)
 
 
 def _precision(tf32, dtypes) -> str:
@@ -203,14 +216,15 @@ def _cdiv(x: int, y: int) -> int:
 def _forward(p: _Plan, a, b, c) -> torch.Tensor:
     out = torch.empty(*p.lead, p.n, p.e, dtype=torch.float32, device=p.device)
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
-    s = p.states(b, c, b_off, c_off, 1, reverse=False)
-    grid = (p.NC * p.QPC, p.H * p.G, _cdiv(p.e, p.BE))
+    s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
+    grid = (p.NC * p.QPC, p.H * p.G, _cdiv(p.em, p.BE))
     K._out_kernel[grid](
-        a, b, c, s, out, p.offsets(a), b_off, c_off, p.offsets(out), p.i0, p.i1, p.w,
-        p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC,
+        a, b, c, s, z, out, p.offsets(a), b_off, c_off, p.offsets(out), p.i0, p.i1, p.w,
+        p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC,
         a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2), c.stride(-1),
         out.stride(-2), out.stride(-1),
-        INCLUDE_DIAG=p.include_diag, SQUARE=p.square, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec,
+        INCLUDE_DIAG=p.include_diag, SQUARE=p.square, TAIL=p.tail, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R,
+        PREC=p.prec,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out
@@ -220,35 +234,35 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
     a_off, g_off = p.offsets(a), p.offsets(g)
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
     strides = (a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1))
-    consts = dict(INCLUDE_DIAG=p.include_diag, SQUARE=p.square, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec,
-                  num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    consts = dict(INCLUDE_DIAG=p.include_diag, SQUARE=p.square, TAIL=p.tail, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R,
+                  PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     da = db = dc = None
     if need_a:
-        s = p.states(b, c, b_off, c_off, 1, reverse=False)
+        s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
         buf = torch.empty(*p.lead, p.n, p.r, dtype=torch.float32, device=p.device)
         K._da_kernel[(p.NC * p.QPC, p.H * p.G)](
-            a, b, c, g, s, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
-            p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+            a, b, c, g, s, z, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
+            p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
             g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
         )
-        del s
+        del s, z
         da = buf.sum_to_size(a.shape).to(a.dtype)
     if need_b or need_c:
         # suffix states summed over the G query groups of each kv head (the reduction dB, dC need)
-        u = p.states(a, g, a_off, g_off, p.G, reverse=True)
+        u, uz = p.states(a, g, a_off, g_off, p.G, reverse=True)
         if need_b:
             buf = torch.empty(*p.kv_lead, p.n, p.r, dtype=torch.float32, device=p.device)
             K._db_kernel[(p.NC * p.QPC, p.H)](
-                a, b, c, g, u, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
-                p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+                a, b, c, g, u, uz, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
+                p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
             )
             db = buf.sum_to_size(b.shape).to(b.dtype)
         if need_c:
             buf = torch.empty(*p.kv_lead, p.n, p.e, dtype=torch.float32, device=p.device)
-            K._dc_kernel[(p.NC * p.QPC, p.H, _cdiv(p.e, p.BE))](
-                a, b, g, u, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
-                p.n, p.r, p.F, p.e, p.SE, p.G, p.T, p.NC, p.QPC, *strides,
+            K._dc_kernel[(p.NC * p.QPC, p.H, _cdiv(p.em, p.BE))](
+                a, b, g, u, uz, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
+                p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides,
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
             )
             dc = buf.sum_to_size(c.shape).to(c.dtype)
