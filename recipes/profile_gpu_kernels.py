@@ -6,7 +6,8 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
 * ``lt_rows``: the Triton causal product alone (``ops.triton.lt_multiply_triton``) for polysketch's
   squared sketches (r = 32, 16) and identity features (r = 64), with and without diagonal blocks,
   against the ``batched`` PyTorch product at 8k (and its max relative error against fp32), and
-  (``padded_e_*``) with c's 65 columns padded to one 128-wide tile, the layout before the tail column;
+  as before two changes (``padded_e_*``: c's 65 columns padded to one 128-wide tile, the layout before
+  the tail column; ``block_chunks_*``: 256-row chunks with the diagonal, before the chunk rule);
 * ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
   product alone; a polysketch + local exact layer in a bf16 module);
 * ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend;
@@ -90,12 +91,16 @@ def lt_rows():
                     ref = lt_multiply_batched(a.float(), b.float(), c.float(), 256, diag, square)
                     got = f()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
-                # the same product with e = 65 padded to one 128-wide tile (the layout before the tail column)
-                causal.TAIL_COLUMN = False
-                try:
-                    row["padded_e_fwd_ms"], row["padded_e_fb_ms"] = do_bench(f), do_bench(fb(f, a, b, c))
-                finally:
-                    causal.TAIL_COLUMN = True
+                # the same product as before two changes, in this run: e = 65 padded to one 128-wide tile
+                # (before the tail column); chunks of block_size rows with the diagonal (before the chunk rule)
+                for knob, key in (("TAIL_COLUMN", "padded_e"), ("DIAG_CHUNK_RULE", "block_chunks")):
+                    if knob == "DIAG_CHUNK_RULE" and not diag:
+                        continue
+                    setattr(causal, knob, False)
+                    try:
+                        row[f"{key}_fwd_ms"], row[f"{key}_fb_ms"] = do_bench(f), do_bench(fb(f, a, b, c))
+                    finally:
+                        setattr(causal, knob, True)
                 rec(**row)
                 del a, b, c
                 torch.cuda.empty_cache()

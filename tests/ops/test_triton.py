@@ -134,6 +134,7 @@ LAYOUTS = [
     ("tail-e65-groups", 70, 4, 65, 16, True, True, (2, 2), (2, 1)),
     ("tail-e65-nodiag", 70, 6, 65, 16, False, False, (2,), (1,)),
     ("tail-e257-2-etiles", 37, 4, 257, 16, True, True, (1,), (1,)),  # 2 e tiles of 128 + the tail
+    ("identity-64-row-chunks", 150, 4, 9, 256, True, False, (2,), (1,)),  # include_diag: T = 64, not 256
     ("a-broadcast-over-heads", 33, 4, 5, 16, True, True, (1, 1), (3, 1)),  # dA summed over 3 heads
     ("no-lead-dims", 23, 4, 5, 16, True, True, (), ()),
     ("n1", 1, 4, 5, 16, True, True, (2,), (1,)),
@@ -156,6 +157,34 @@ def test_tail_column_plan(e, tail, tiled):
     x = torch.zeros(1, 8, 4, device=DEVICE)
     p = causal._Plan(x, x, torch.zeros(1, 8, e, device=DEVICE), 16, True, False)
     assert (p.tail, p.em) == (tail, tiled)
+
+
+
+@pytest.mark.parametrize("r,square,diag,block,chunk", [
+    (64, False, True, 256, 64),  # identity features (linear elu+1 at d = 64): 64-row chunks
+    (128, False, True, 256, 128),
+    (4, False, True, 16, 16),  # never above block_size (the tests' small blocks keep many chunks)
+    (32, True, True, 256, 256),  # F = 528: the state read dominates, T = block_size
+    (16, True, True, 256, 256),  # F = 136 -> 256
+    (64, False, False, 256, 256),  # no diagonal: T is the block the caller drops
+    (4, False, True, 4, 16),  # the smallest matmul tile
+])
+def test_chunk_size_plan(r, square, diag, block, chunk):
+    """The chunk T: the caller's block without the diagonal, chosen for speed with it (see causal.py)."""
+    from hf_polyattn.ops.triton import causal
+
+    x = torch.zeros(1, 8, r, device=DEVICE)
+    assert causal._Plan(x, x, torch.zeros(1, 8, 65, device=DEVICE), block, diag, square).T == chunk
+
+
+def test_block_chunks_switch(monkeypatch):
+    """causal.DIAG_CHUNK_RULE = False (the profiling script's before/after switch): T = block_size again."""
+    from hf_polyattn.ops.triton import causal
+
+    monkeypatch.setattr(causal, "DIAG_CHUNK_RULE", False)
+    a, b, c = _inputs((2,), (1,), 150, 4, 9, torch.float32, seed=4, scale=0.5)
+    assert causal._Plan(a, b, c, 128, True, False).T == 128
+    _check_against_references(a, b, c, 128, True, False, FP32_TOL)
 
 
 def test_padded_layout_switch(monkeypatch):

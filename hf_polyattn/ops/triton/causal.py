@@ -22,9 +22,14 @@ Memory and launches (the design constraints of this module):
   sum over broadcast dims when an input was broadcast (dB, dC are already reduced over query groups
   inside the kernels: B and C are never copied G times). Head offset tables are cached per layout,
   so a call makes no host-to-device copy (each one synchronised the stream: 11 per call before).
-* Chunk T = block_size, so ``include_diag=False`` drops exactly the block_size x block_size blocks
-  aligned at 0 (the diagonal chunks are then simply not computed). With ``include_diag=True`` the
-  result does not depend on T, and block sizes below 16 run as T = 16 (the smallest matmul tile).
+* Chunk T = block_size when ``include_diag=False``, which drops exactly the block_size x block_size
+  blocks aligned at 0 (the diagonal chunks are then simply not computed). With ``include_diag=True``
+  the result does not depend on T, so T is chosen for speed: min(block_size, max(64, F rounded up to
+  a power of two)), at least 16 (the smallest matmul tile). Per row, the diagonal chunk costs about
+  T/2 (r + e) multiply-adds and the state read F e: identity features (F = r = 64, e = 65) at
+  T = 256 spent 4x more on the diagonal (128 x 129) than on the state (64 x 65); at T = 64 the two
+  are even, for 4x the state slabs (8.4 MB a head at n = 32k instead of 2.1). Squared sketches
+  (F = 136, 528) keep T = block_size = 256: their state read dominates and their slabs are F-sized.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 # the tail column (module doc); False times the padded layout it replaced (recipes/profile_gpu_kernels.py lt_rows)
 TAIL_COLUMN = True
+# the include_diag chunk rule (module doc); False runs T = block_size, the rule it replaced (same script)
+DIAG_CHUNK_RULE = True
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -136,7 +143,12 @@ class _Plan:
         self.H = math.prod(self.lead[d] for d in kv_dims)
         self.G = math.prod(self.lead[d] for d in group_dims)
         self.F = self.r * (self.r + 1) // 2 if square else self.r
-        self.T = block_size if not include_diag else max(block_size, 16)
+        if not include_diag:
+            self.T = block_size
+        elif DIAG_CHUNK_RULE:
+            self.T = max(16, min(block_size, max(64, _pow2(self.F))))
+        else:
+            self.T = max(16, block_size)
         self.NC = -(-self.n // self.T)
         self.R = _pow2(self.r)
         self.BQ = min(_tile_rows(self.R), _pow2(self.T))
