@@ -123,6 +123,7 @@ LAYER = {
     "polysketch-window128": dict(kind="polysketch", sketch_size=32, window=128, feature_proj=64),
     "linear-elu": dict(kind="linear"),
     "performer": dict(kind="performer", num_features=256),
+    "sliding-window128": dict(kind="sliding_window", window=128),
 }
 
 

@@ -4,9 +4,7 @@ decode state is the last ``window`` keys and values, so a token costs O(w d)."""
 
 from __future__ import annotations
 
-import torch
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..ops.attention import PolyAttention
 from ..ops.common import _with_normaliser
@@ -37,9 +35,7 @@ class SlidingWindowAttention(PolyAttention):
                              f"(self-attention), got {lq} and {lk}")
         else:
             qs = q5
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, k5, vext))
-        args = (qs, k5, vext, mask, causal, scale, None)
-        loc, _ = checkpoint(self._window_exact, *args, use_reentrant=False) if grad else self._window_exact(*args)
+        loc, _ = self._window_local(qs, k5, vext, mask, causal, scale, tf32=tf32)
         return self._normalise(loc[..., lk - lq :, :]), None, None, None
 
 

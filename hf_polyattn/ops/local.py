@@ -101,29 +101,37 @@ class LocalExactMixin:
 
             far = shifted_lt(fq, fk, vext, w, block, square, backend, tf32) + flip(
                 shifted_lt(flip(fq), flip(fk), flip(vext), w, block, square, backend, tf32))
-        grad = torch.is_grad_enabled() and (
-            any(t is not None and t.requires_grad for t in (qs, k5, vext, q_log_scale))
-            or any(p.requires_grad for p in self.parameters()))
-        args = (qs, k5, vext, mask, causal, scale, q_log_scale)
-        # rematerialised in backward: the (n x 2w) scores and weights are not kept
-        loc, far_scale = checkpoint(self._window_exact, *args, use_reentrant=False) if grad else \
-            self._window_exact(*args)
+        loc, far_scale = self._window_local(qs, k5, vext, mask, causal, scale, q_log_scale, tf32)
+        if self.config.window_mix:
+            mix = self.window_mix.to(loc.dtype)
+            far_scale = mix if far_scale is None else far_scale * mix
         num = loc + (far if far_scale is None else far_scale * far)
         return self._normalise(num[..., lk - lq :, :])
 
+    def _window_local(self, qs, ks, vext, mask, causal, scale, q_log_scale=None, tf32=None):
+        """(loc, far scale) of the exact window part: the Triton kernels on the 'triton' backend (weights
+        recomputed in their backward), else ``_window_exact`` rematerialised in backward (the n x 2w
+        scores and weights are not kept)."""
+        triton = self._local_triton(qs, ks, vext, mask, causal, scale, self.config.resolved_local_kernel,
+                                    q_log_scale, tf32, window=self.config.window)
+        if triton is not None:
+            return triton
+        grad = torch.is_grad_enabled() and (
+            any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale))
+            or any(p.requires_grad for p in self.parameters()))
+        args = (qs, ks, vext, mask, causal, scale, q_log_scale)
+        return checkpoint(self._window_exact, *args, use_reentrant=False) if grad else self._window_exact(*args)
+
     def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale):
-        """Exact weights on each query's window and the factor that puts the far part on their scale."""
+        """Exact weights on each query's window and the factor that puts the far part on their scale
+        (before ``window_mix``)."""
         w = self.config.window
         n = qs.shape[3]
         scores, allowed = window_scores(qs, ks, w, causal, scale, mask)  # (B, Hkv, G, tiles, w, span)
         values = window_tiles(vext, w, causal)
         weights, log_far = self.exact_weights(scores, allowed, self.config.resolved_local_kernel)
         loc = torch.matmul(weights, values).flatten(3, 4)[..., :n, :]
-        scale_far = far_scale(None if log_far is None else log_far.flatten(3, 4)[..., :n, :], q_log_scale)
-        if self.config.window_mix:
-            mix = self.window_mix.to(loc.dtype)
-            scale_far = mix if scale_far is None else scale_far * mix
-        return loc, scale_far
+        return loc, far_scale(None if log_far is None else log_far.flatten(3, 4)[..., :n, :], q_log_scale)
 
     def _local_exact(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None, tf32=None):
         """The exact diagonal blocks, a group of blocks at a time (``_LOCAL_GROUP``), each group rematerialised.
@@ -138,15 +146,9 @@ class LocalExactMixin:
         its backward, nothing b x b stored), except for squared coefficient polynomials
         (``poly_coefficients``) and, under 'auto', head dims beyond the kernels' tiles: those stay here.
         """
-        cfg = self.config
-        if resolve_backend(cfg.backend, ks.device, ks.dtype) == "triton" and (
-                kernel == "softmax" or cfg.poly_coefficients is None):
-            from .triton import LOCAL_MAX_HEAD_DIM, local_blocks_triton
-
-            if max(qs.shape[-1], vext.shape[-1] - 1) <= LOCAL_MAX_HEAD_DIM or not _is_auto(cfg.backend):
-                loc, log_far = local_blocks_triton(qs, ks, vext, cfg.block_size, causal, scale, kernel, mask,
-                                                   self._exact_power, cfg.alpha, cfg.beta, tf32)
-                return loc, far_scale(log_far, q_log_scale)
+        triton = self._local_triton(qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32)
+        if triton is not None:
+            return triton
         span = _LOCAL_GROUP.get(ks.device.type, _LOCAL_GROUP_ACCELERATOR) * self.config.block_size
         n = ks.shape[3]
         grad = torch.is_grad_enabled() and (
@@ -165,6 +167,22 @@ class LocalExactMixin:
         if scales[0] is None:
             return loc, None
         return loc, scales[0] if len(scales) == 1 else torch.cat(scales, dim=3)
+
+    def _local_triton(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32, window=0):
+        """(loc, far scale) of the diagonal blocks (``window`` 0) or the sliding window from the Triton
+        kernels (``ops.triton.local_blocks_triton``), or None where they do not apply: another backend,
+        squared coefficient polynomials (``poly_coefficients``), or under 'auto' head dims beyond their tiles."""
+        cfg = self.config
+        if resolve_backend(cfg.backend, ks.device, ks.dtype) != "triton" or (
+                kernel != "softmax" and cfg.poly_coefficients is not None):
+            return None
+        from .triton import LOCAL_MAX_HEAD_DIM, local_blocks_triton
+
+        if max(qs.shape[-1], vext.shape[-1] - 1) > LOCAL_MAX_HEAD_DIM and _is_auto(cfg.backend):
+            return None
+        loc, log_far = local_blocks_triton(qs, ks, vext, cfg.block_size, causal, scale, kernel, mask,
+                                           self._exact_power, cfg.alpha, cfg.beta, tf32, window)
+        return loc, far_scale(log_far, q_log_scale)
 
     def _local_blocks(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):
         """Exact kernel on the b x b diagonal blocks (query and key rows aligned)."""

@@ -20,7 +20,8 @@ left padding changes nothing (block boundaries shift with it).
 Linear time: the far part is the ordinary causal product with queries shifted by w
 (``lt(phi(Q)[w:], phi(K)[:-w]) V[:-w]``: row i sums keys j <= i - w), so it runs on every
 backend of ``backend.lt_product``; the window is computed in tiles of w queries against
-their 2w (bidirectional 3w) candidate keys: O(n w d) time, O(n w) memory per head.
+their 2w (bidirectional 3w) candidate keys: O(n w d) time, O(n w) memory per head (on the
+'triton' backend, ``ops/triton/local.py`` instead: nothing n x w stored).
 """
 
 from __future__ import annotations

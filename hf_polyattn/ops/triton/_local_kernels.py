@@ -12,6 +12,10 @@ Output row i = sum_j w_ij v_j over the E = e + 1 columns of [v, 1]: the first e 
 matmul, the last (the normaliser column, 0 at padded keys) by a weighted row sum, so a head
 dimension of 64 keeps 64-wide tiles instead of padding 65 columns to 128.
 
+Sliding window (``WINDOW``, runtime ``W`` >= 1; the host passes T = one row tile): query i sees
+the keys j with i - W < j <= i (causal) or |i - j| < W, over the whole sequence instead of one
+block; the same weights, stabiliser and normaliser column (``ops/window.py``'s exact part).
+
 Like flash attention, nothing b x b is stored: the forward keeps m (n floats per query head) for
 the softmax, the backward recomputes the weights tile by tile from q and k. Three kernels, one
 program per (row tile of a block, head):
@@ -62,13 +66,47 @@ def _weights_and_slope(x, allowed, m, alpha, inv_beta, SOFTMAX: tl.constexpr, P:
 
 
 @triton.jit
+def _allowed(rows, cols, rmask, cmask, W, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Which (query, key) pairs of a tile are weighted: both valid, j <= i when causal, inside the window."""
+    allowed = rmask[:, None] & cmask[None, :]
+    if CAUSAL:
+        allowed = allowed & (cols[None, :] <= rows[:, None])
+    if WINDOW:
+        allowed = allowed & (cols[None, :] > rows[:, None] - W)
+        if not CAUSAL:
+            allowed = allowed & (cols[None, :] < rows[:, None] + W)
+    return allowed
+
+
+@triton.jit
+def _key_range(start, q0, c_end, n, W, BQ: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[lo, hi) of the keys a query tile [q0, q0 + BQ) may see, and the end of the valid keys."""
+    if WINDOW:
+        lo = tl.maximum(q0 - W + 1, 0)
+        if CAUSAL:
+            hi = tl.minimum(q0 + BQ, n)
+        else:
+            hi = tl.minimum(q0 + BQ + W - 1, n)
+        k_end = n
+    else:
+        lo = start
+        if CAUSAL:
+            hi = tl.minimum(q0 + BQ, c_end)
+        else:
+            hi = c_end
+        k_end = c_end
+    return lo, hi, k_end
+
+
+@triton.jit
 def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
-                      n, T, QPC, HKV, G, D, E1, scale, alpha, inv_beta,
+                      n, T, QPC, HKV, G, D, E1, W, scale, alpha, inv_beta,
                       sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
                       smb, smn, sob, soh, sog, son, soe, smob, smoh, smog, smon,
                       CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
-                      BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
-    """out[rows] = sum over the block's allowed keys of w_ij [v_j, 1]; softmax: also m[rows]."""
+                      WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                      PREC: tl.constexpr):
+    """out[rows] = sum over the block's (window's) allowed keys of w_ij [v_j, 1]; softmax: also m[rows]."""
     pid_q = tl.program_id(0)
     bhg = tl.program_id(1)
     g = bhg % G
@@ -92,13 +130,10 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_n = tl.zeros((BQ,), dtype=tl.float32)  # the normaliser column
     m_i = tl.zeros((BQ,), dtype=tl.float32)  # running max, starting at the clamp 0
-    if CAUSAL:
-        hi = tl.minimum(q0 + BQ, c_end)
-    else:
-        hi = c_end
-    for j0 in range(start, hi, BQ):
+    lo, hi, k_end = _key_range(start, q0, c_end, n, W, BQ, CAUSAL, WINDOW)
+    for j0 in range(lo, hi, BQ):
         cols = j0 + tl.arange(0, BQ)
-        cmask = cols < c_end
+        cmask = cols < k_end
         if HAS_MASK:
             keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
             cmask = cmask & (keep != 0)
@@ -108,9 +143,7 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
                      mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
         vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
         x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
-        allowed = cmask[None, :]
-        if CAUSAL:
-            allowed = allowed & (cols[None, :] <= rows[:, None])
+        allowed = _allowed(rows, cols, rmask, cmask, W, CAUSAL, WINDOW)
         if SOFTMAX:
             x = tl.where(allowed, x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, axis=1))
@@ -133,12 +166,13 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
 
 @triton.jit
 def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
-                     n, T, QPC, HKV, G, D, E1, scale, alpha, inv_beta,
+                     n, T, QPC, HKV, G, D, E1, W, scale, alpha, inv_beta,
                      sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
                      smb, smn, smob, smoh, smog, smon, sgb, sgh, sgg, sgn, sge, sdb, sdh, sdg, sdn, sdd,
                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
-                     BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
-    """dq[rows] = s sum_j dx_ij k_j over the block's allowed keys (weights recomputed)."""
+                     WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                     PREC: tl.constexpr):
+    """dq[rows] = s sum_j dx_ij k_j over the block's (window's) allowed keys (weights recomputed)."""
     pid_q = tl.program_id(0)
     bhg = tl.program_id(1)
     g = bhg % G
@@ -169,13 +203,10 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
     else:
         m_i = tl.zeros((BQ,), dtype=tl.float32)
     acc = tl.zeros((BQ, BD), dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(q0 + BQ, c_end)
-    else:
-        hi = c_end
-    for j0 in range(start, hi, BQ):
+    lo, hi, k_end = _key_range(start, q0, c_end, n, W, BQ, CAUSAL, WINDOW)
+    for j0 in range(lo, hi, BQ):
         cols = j0 + tl.arange(0, BQ)
-        cmask = cols < c_end
+        cmask = cols < k_end
         if HAS_MASK:
             keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
             cmask = cmask & (keep != 0)
@@ -185,9 +216,7 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
                      mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
         vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
         x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
-        allowed = rmask[:, None] & cmask[None, :]
-        if CAUSAL:
-            allowed = allowed & (cols[None, :] <= rows[:, None])
+        allowed = _allowed(rows, cols, rmask, cmask, W, CAUSAL, WINDOW)
         w, slope = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, SOFTMAX, P)
         dw = tl.dot(go, tl.trans(vt), input_precision=PREC) + gn[:, None] * vn[None, :]
         acc += tl.dot(dw * slope, kt, input_precision=PREC)
@@ -197,12 +226,13 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
 
 @triton.jit
 def _local_dkv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dk_ptr, dv_ptr,
-                      n, T, QPC, HKV, G, D, E1, scale, alpha, inv_beta,
+                      n, T, QPC, HKV, G, D, E1, W, scale, alpha, inv_beta,
                       sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
                       smb, smn, smob, smoh, smog, smon, sgb, sgh, sgg, sgn, sge,
                       skbo, skho, skno, skdo, svbo, svho, svno, sveo,
                       CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
-                      BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
+                      WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                      PREC: tl.constexpr):
     """dk, dv of one key tile of one kv head, summed over its G query heads (weights recomputed)."""
     pid_k = tl.program_id(0)
     bh = tl.program_id(1)
@@ -230,10 +260,21 @@ def _local_dkv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dk_ptr, dv_p
     dk = tl.zeros((BQ, BD), dtype=tl.float32)
     dv = tl.zeros((BQ, BE), dtype=tl.float32)
     dvn = tl.zeros((BQ,), dtype=tl.float32)
-    if CAUSAL:
-        lo = j0  # tiles are aligned at the block start: queries before j0 see none of these keys
+    # the queries that may see these keys: [lo, hi), valid below q_end
+    if WINDOW:
+        if CAUSAL:
+            lo = j0
+        else:
+            lo = tl.maximum(j0 - W + 1, 0)
+        hi = tl.minimum(j0 + BQ + W - 1, n)
+        q_end = n
     else:
-        lo = start
+        if CAUSAL:
+            lo = j0  # tiles are aligned at the block start: queries before j0 see none of these keys
+        else:
+            lo = start
+        hi = c_end
+        q_end = c_end
     q_bh = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh
     g_bh = do_ptr + bb.to(tl.int64) * sgb + hh.to(tl.int64) * sgh
     m_bh = m_ptr + bb.to(tl.int64) * smob + hh.to(tl.int64) * smoh
@@ -241,9 +282,9 @@ def _local_dkv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dk_ptr, dv_p
         q_base = q_bh + g * sqg
         g_base = g_bh + g * sgg
         m_base = m_bh + g * smog
-        for i0 in range(lo, c_end, BQ):
+        for i0 in range(lo, hi, BQ):
             rows = i0 + tl.arange(0, BQ)
-            rmask = rows < c_end
+            rmask = rows < q_end
             qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
                          mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
             go = tl.load(g_base + rows[:, None] * sgn + es[None, :] * sge,
@@ -254,9 +295,7 @@ def _local_dkv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dk_ptr, dv_p
             else:
                 m_i = tl.zeros((BQ,), dtype=tl.float32)
             x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
-            allowed = rmask[:, None] & cmask[None, :]
-            if CAUSAL:
-                allowed = allowed & (cols[None, :] <= rows[:, None])
+            allowed = _allowed(rows, cols, rmask, cmask, W, CAUSAL, WINDOW)
             w, slope = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, SOFTMAX, P)
             dv += tl.dot(tl.trans(w), go, input_precision=PREC)
             dvn += tl.sum(w * gn[:, None], axis=0)

@@ -1,6 +1,8 @@
-"""Host side of the Triton exact diagonal blocks (``local_exact``): argument checks, launches, autograd.
+"""Host side of the Triton exact local part: argument checks, launches, autograd.
 
-The Triton twin of ``LocalExactMixin._local_blocks`` (``hf_polyattn/ops/local.py``) for the weights
+The Triton twin of ``LocalExactMixin._local_blocks`` (``hf_polyattn/ops/local.py``; the diagonal
+blocks of ``local_exact``) and, with ``window`` > 0, of its ``_window_exact`` (the sliding window,
+``ops/window.py``) for the weights
 softmax (row stabiliser m >= 0) and ((s q.k + alpha) / beta)^p with an integer p >= 1; squared
 coefficient polynomials (``poly_coefficients``) stay on the PyTorch path (the caller's dispatch).
 
@@ -9,6 +11,10 @@ row); the backward recomputes the weights from q and k tile by tile (flash-atten
 b x b block of weights or scores ever reaches HBM. In PyTorch the same part held a group of 8
 (CPU) or 64 (accelerators) blocks' scores and weights in memory and rematerialised them under
 torch.utils.checkpoint.
+
+Window: each 64-row query tile (32 beyond head dim 64) reads the keys of its window only, about
+(BQ + w) keys a row tile, so O(n w) work; the PyTorch window scored w-query tiles against 2w (3w)
+candidate keys and kept the (n x 2w) scores and weights for backward (under checkpointing).
 
 Launches: 1 forward, 2 backward (dq; dk and dv together), whatever n; dk and dv are summed over the
 G query heads of a kv head inside the kernel (keys and values are never repeated G times).
@@ -34,9 +40,11 @@ def _is_interpreted() -> bool:
     return type(K._local_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32) -> None:
+def _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32, window=0) -> None:
     if tf32 is not None and not isinstance(tf32, bool):
         raise ValueError(f"tf32 must be None, True or False, got {tf32!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: the diagonal blocks), got {window!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if kernel not in ("softmax", "polynomial"):
@@ -85,12 +93,15 @@ def _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32) 
 class _Plan:
     """Shapes, tiles and broadcast views of one call."""
 
-    def __init__(self, q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32):
+    def __init__(self, q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window=0):
         self.B, self.HKV, self.G = torch.broadcast_shapes(q.shape[:3], k.shape[:3], v.shape[:3])
         self.n, self.D, self.E1 = q.shape[3], q.shape[4], v.shape[4] - 1
-        self.T = block_size
+        self.W = window
         self.BD, self.BE = _pow2(self.D), _pow2(self.E1)
-        self.BQ = min(64 if max(self.BD, self.BE) <= 64 else 32, _pow2(self.T))
+        rows = 64 if max(self.BD, self.BE) <= 64 else 32
+        # a window has no blocks: one row tile a "block" (T = BQ), its keys found from W in the kernels
+        self.T = rows if window else block_size
+        self.BQ = min(rows, _pow2(self.T))
         self.QPC = -(-self.T // self.BQ)  # row tiles per block
         self.NB = -(-self.n // self.T)
         self.causal, self.softmax = bool(causal), kernel == "softmax"
@@ -113,10 +124,12 @@ class _Plan:
         return self.mask, self.mask.stride(0), self.mask.stride(1)
 
     def common(self):
-        return (self.n, self.T, self.QPC, self.HKV, self.G, self.D, self.E1, self.scale, self.alpha, self.inv_beta)
+        return (self.n, self.T, self.QPC, self.HKV, self.G, self.D, self.E1, self.W, self.scale, self.alpha,
+                self.inv_beta)
 
     def consts(self):
         return dict(CAUSAL=self.causal, HAS_MASK=self.mask is not None, SOFTMAX=self.softmax, P=self.P,
+                    WINDOW=self.W > 0,
                     BQ=self.BQ, BD=self.BD, BE=self.BE, PREC=self.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
 
 
@@ -168,9 +181,9 @@ def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv):
 
 class _LocalBlocksTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, block_size, causal, scale, kernel, power, alpha, beta, tf32):  # noqa: D102
-        p = _Plan(q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32)
-        ctx.args = (block_size, causal, scale, kernel, power, alpha, beta, tf32)
+    def forward(ctx, q, k, v, mask, block_size, causal, scale, kernel, power, alpha, beta, tf32, window):  # noqa: D102
+        p = _Plan(q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window)
+        ctx.args = (block_size, causal, scale, kernel, power, alpha, beta, tf32, window)
         if p.n == 0 or p.B * p.HKV * p.G == 0:
             out = torch.zeros(p.B, p.HKV, p.G, p.n, p.E1 + 1, dtype=torch.float32, device=q.device)
             m = torch.zeros(p.B, p.HKV, p.G, p.n, dtype=torch.float32, device=q.device)
@@ -189,7 +202,7 @@ class _LocalBlocksTriton(torch.autograd.Function):
         need_q = ctx.needs_input_grad[0]
         need_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         p = _Plan(q, k, v, ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3], mask, *ctx.args[4:])
-        none = (None,) * 9
+        none = (None,) * 10
         if p.n == 0 or p.B * p.HKV * p.G == 0 or grad_out is None:
             return (torch.zeros_like(q) if need_q else None, torch.zeros_like(k) if ctx.needs_input_grad[1] else None,
                     torch.zeros_like(v) if ctx.needs_input_grad[2] else None, *none)
@@ -210,8 +223,11 @@ def local_blocks_triton(
     alpha: float = 0.0,
     beta: float = 1.0,
     tf32: bool | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Exact weights on the block_size x block_size diagonal blocks (aligned at 0) times [v, 1].
+    """Exact weights on the block_size x block_size diagonal blocks (aligned at 0) times [v, 1]; with
+    ``window`` > 0 on each query's sliding window instead (query i sees the keys j with
+    i - window < j <= i when ``causal``, |i - j| < window otherwise; ``block_size`` unused).
 
     q (B, Hkv, G, n, d), k (B, Hkv, 1, n, d), v (B, Hkv, 1, n, e + 1) = [values, normaliser column]
     (leading dims of k, v may broadcast); ``mask`` (B, n) bool, False at padded keys (or None).
@@ -220,10 +236,11 @@ def local_blocks_triton(
     ((x + alpha) / beta)^power. Returns (loc (B, Hkv, G, n, e + 1) fp32, log_far): log_far =
     -m (B, Hkv, G, n, 1) fp32 for the softmax (the factor exp(-m) that puts a kernel part on these
     weights' scale; not differentiable, as m is detached in PyTorch), None for the polynomial.
-    Same meaning as ``LocalExactMixin._local_blocks`` before its ``far_scale``. Differentiable in
-    q, k, v; fp32 / bf16 / fp16 inputs, fp32 accumulation; ``tf32`` as in ``lt_multiply_triton``.
+    Same meaning as ``LocalExactMixin._local_blocks`` (window: ``_window_exact``) before its
+    ``far_scale``. Differentiable in q, k, v; fp32 / bf16 / fp16 inputs, fp32 accumulation; ``tf32`` as
+    in ``lt_multiply_triton``.
     """
-    _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32)
+    _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32, window)
     loc, m = _LocalBlocksTriton.apply(q, k, v, mask, block_size, bool(causal), float(scale), kernel, int(power),
-                                      float(alpha), float(beta), tf32)
+                                      float(alpha), float(beta), tf32, window)
     return loc, (-m.unsqueeze(-1) if kernel == "softmax" else None)
