@@ -20,7 +20,7 @@ SKETCHES = ("gaussian", "srht", "learned")
 LOCAL_KERNELS = ("polynomial", "softmax")
 EXACT_PATHS = ("auto", "quadratic", "tensor")
 CAUSAL_ALGORITHMS = ("block", "cumsum")
-BACKENDS = ("auto", "loop", "batched", "triton")
+BACKENDS = ("auto", "loop", "batched", "triton", "fla")
 
 # Allowed values of every str field and the minimum of every int field: __post_init__
 # validates each field by its annotation, so a new field without an entry here fails loudly.
@@ -144,8 +144,8 @@ class PolyAttnConfig:
         default="auto",
         metadata={
             "help": "causal product implementation: 'auto' (triton on CUDA when installed, batched on other "
-            "accelerators, loop on CPU), 'loop', 'batched' or 'triton' (forces one); env HF_POLYATTN_BACKEND "
-            "overrides 'auto'"
+            "accelerators, loop on CPU), 'loop', 'batched', 'triton' or 'fla' (fla-core's chunk kernel, CUDA, "
+            "identity features: linear / performer) forces one; env HF_POLYATTN_BACKEND overrides 'auto'"
         },
     )
 

@@ -10,7 +10,8 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
   the tail column; ``block_chunks_*``: 256-row chunks with the diagonal, before the chunk rule);
 * ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
   product alone; a polysketch + local exact layer in a bf16 module);
-* ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend;
+* ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend (``fla`` too
+  for linear and performer when fla-core is installed);
 * ``fla_rows``: fla-core's ``chunk_linear_attn`` with elu+1 features, when fla-core is installed
   (its autotuning takes minutes on the first call of each shape).
 
@@ -128,8 +129,12 @@ LAYER = {
 
 
 def layer_rows():
+    from hf_polyattn.ops.backend import fla_available
+
     for label, opts in LAYER.items():
-        for backend in ("triton", "batched"):
+        # backend='fla' (fla-core's chunk kernel) serves identity features with the diagonal: linear, performer
+        fla = ("fla",) if fla_available() and opts["kind"] in ("linear", "performer") else ()
+        for backend in ("triton", "batched", *fla):
             pa = PolyAttention(PolyAttnConfig(backend=backend, **opts), H, 64).to(dev).to(torch.bfloat16)
             for n in (2048, 8192, 32768, 65536):
                 if backend == "batched" and n > 32768:

@@ -1,7 +1,7 @@
 """Which implementation computes the causal product lt(phi(A) phi(B)^T) C.
 
 Three implementations of one algorithm (PolySketchFormer Section 3), one naive twin
-(``reference.py``) for all of them:
+(``reference.py``) for all of them, and a maintained library's kernel for the part it covers:
 
 * ``loop``: ``causal.lt_multiply``, a Python loop over blocks that builds each block's
   features in cache and stores none for backward. Fastest on the CPU, where memory traffic
@@ -11,6 +11,15 @@ Three implementations of one algorithm (PolySketchFormer Section 3), one naive t
   the accelerator path when Triton is absent.
 * ``triton``: ``ops.triton.lt_multiply_triton``, chunked Triton kernels that form the
   squared features on chip (``pip install hf_polyattn[gpu]``).
+* ``fla``: fla-core's ``chunk_linear_attn`` (``pip install hf_polyattn[fla]``, pinned), CUDA only,
+  for identity features with the diagonal included: the linear and performer kinds without
+  ``local_exact`` (their plain product and a window's far part). Measured on one H100 (bf16,
+  H=16, d=64, elu+1 features, causal forward+backward, n = 32k): 3.8 ms (issue 11's table), where
+  the whole ``triton`` linear elu+1 layer took 9.75 ms (``profile_gpu_kernels/h100-bf16.jsonl``;
+  not the same run, and before the Triton product's side column and 64-row chunks). Opt-in until one
+  run compares them (``recipes/profile_gpu_kernels.py fla_rows layer_rows``). Its dots follow
+  fla-core (tf32 for fp32 inputs: ~2^-10 relative, as ``triton`` in a half-precision model);
+  squared features (polysketch) and dropped diagonal blocks are refused by name.
 
 ``auto`` picks ``triton`` on CUDA when Triton imports, ``batched`` on any other accelerator
 or on CUDA without Triton, ``loop`` on the CPU. Measured (layer forward+backward, bf16 module,
@@ -19,7 +28,7 @@ triton 10.7 / 41.9 ms vs batched 40.9 / 147.5 ms at n = 8k / 32k; for identity f
 are within 8% (linear elu+1 at 32k 9.75 vs 10.4 ms, performer 29.2 vs 28.3 ms) and triton holds
 less memory (linear at 32k: 1.9 vs 2.8 GB), so triton for every kind. On 2 CPU cores batched was
 up to 2.6x slower than the loop (``recipes/results/benchmark_backends/cpu-fp32.md``).
-``PolyAttnConfig.backend`` forces one; so does the environment variable
+``PolyAttnConfig.backend`` forces one ('auto' never picks ``fla``); so does the environment variable
 ``HF_POLYATTN_BACKEND`` when the config says ``auto`` (handy for benchmarks and CI without
 touching saved configs).
 """
@@ -33,13 +42,20 @@ import torch
 from ..config import BACKENDS
 from .causal import lt_multiply, lt_multiply_batched
 
-__all__ = ["BACKENDS", "ENV_VAR", "lt_product", "resolve_backend", "triton_available"]
+__all__ = ["BACKENDS", "ENV_VAR", "FLA_VERSION", "fla_available", "lt_multiply_fla", "lt_product",
+           "resolve_backend", "triton_available"]
 
 ENV_VAR = "HF_POLYATTN_BACKEND"
 
 
 # the Triton kernels' limit on r (the per-row inputs, before squaring): ops/triton/causal.py _MAX_R
 TRITON_MAX_INPUT_FEATURES = 256
+
+# fla-core: the version the 'fla' backend is written against (pyproject's [fla] extra), its key-dim limit
+# (chunk_linear_attn's kernels tile K up to 256), the devices its Triton kernels run on
+FLA_VERSION = "0.6.0"
+FLA_MAX_FEATURES = 256
+_FLA_DEVICES = ("cuda",)
 
 
 def _is_auto(requested: str) -> bool:
@@ -54,12 +70,21 @@ def triton_available() -> bool:
     return is_available()
 
 
+def fla_available() -> bool:
+    """True when fla-core's ``chunk_linear_attn`` imports (says nothing about a GPU being present)."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn  # noqa: F401
+    except Exception:  # a broken install counts as absent: 'fla' is then refused by name
+        return False
+    return True
+
+
 def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """The concrete backend ('loop', 'batched' or 'triton') for ``requested`` on ``device``.
+    """The concrete backend ('loop', 'batched', 'triton' or 'fla') for ``requested`` on ``device``.
 
     float64 inputs (the exact polynomial tensor path) never go to Triton, which computes in
     float32: 'auto' takes 'batched' for them on accelerators.
@@ -87,7 +112,41 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
         if device.type != "cuda" and not _triton_interpreted():
             raise ValueError(f"backend='triton' runs on CUDA tensors (got {device.type}); on the CPU only under "
                              "Triton's interpreter (TRITON_INTERPRET=1, for tests): use backend='loop' or 'auto'")
+    if requested == "fla":
+        if not fla_available():
+            raise ValueError(f"backend='fla' needs fla-core: pip install 'hf_polyattn[fla]' (fla-core=={FLA_VERSION})")
+        if dtype == torch.float64:
+            raise ValueError("backend='fla' computes in float32 at most; float64 inputs (the exact polynomial tensor "
+                             "path) need backend='auto', 'batched' or 'loop'")
+        if device.type not in _FLA_DEVICES:
+            raise ValueError(f"backend='fla' runs fla-core's Triton kernels on CUDA tensors (got {device.type}): use "
+                             "backend='loop' or 'auto' on the CPU")
     return requested
+
+
+def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """lt(A B^T) C, diagonal included, by fla-core's ``chunk_linear_attn`` (fp32 output).
+
+    A (..., n, r), B (..., n, r), C (..., n, e) with broadcastable leading dims (query groups of a
+    kv head included). fla-core takes (batch, n, heads, features) with one key per query head, so
+    every leading index becomes a head: B and C are copied per query group (G-fold; the Triton
+    kernels read them in place). The inputs run in their common dtype (fp32 when any is fp32).
+    """
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    if a.shape[-1] > FLA_MAX_FEATURES:
+        raise ValueError(f"backend='fla': feature size r = {a.shape[-1]} > {FLA_MAX_FEATURES} is beyond fla-core's "
+                         "kernels (performer num_features): use backend='triton' or 'batched'")
+    n = a.shape[-2]
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), c.dtype)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # (..., n, f) -> (1, n, heads, f), contiguous
+        x = x.to(dtype).expand(*lead, n, x.shape[-1]).reshape(-1, n, x.shape[-1])
+        return x.transpose(0, 1).unsqueeze(0).contiguous()
+
+    out, _ = chunk_linear_attn(heads(a), heads(b), heads(c), scale=1.0, normalize=False)
+    return out.squeeze(0).transpose(0, 1).reshape(*lead, n, c.shape[-1]).float()
 
 
 def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: int, include_diag: bool,
@@ -101,6 +160,13 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     which = resolve_backend(backend, a.device, a.dtype)
     if which == "triton" and a.shape[-1] > TRITON_MAX_INPUT_FEATURES and _is_auto(backend):
         which = "batched"  # e.g. performer with num_features > 256: beyond the kernels' tiles
+    if which == "fla":
+        if square or not include_diag:
+            raise ValueError("backend='fla' computes identity features with the diagonal included (the linear and "
+                             "performer kinds without local_exact); " + ("polysketch's squared features" if square
+                             else "local_exact's dropped diagonal blocks") + " need backend='triton', 'batched' or "
+                             "'loop' (or 'auto')")
+        return lt_multiply_fla(a, b, c)
     if which == "triton":
         from .triton import lt_multiply_triton
 

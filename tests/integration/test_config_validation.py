@@ -74,7 +74,7 @@ def test_every_field_rejects_wrong_types_naming_itself(name):
         ("denominator_offset", "1", r"denominator_offset must be a finite real number \(int or float\), got '1'"),
         ("degree", 4.0, r"degree must be an int >= 1, got 4\.0"),
         ("seed", False, r"seed must be an int >= 0, got False"),
-        ("backend", "cuda", r"backend must be one of \['auto', 'loop', 'batched', 'triton'\], got 'cuda'"),
+        ("backend", "cuda", r"backend must be one of \['auto', 'loop', 'batched', 'triton', 'fla'\], got 'cuda'"),
         ("window", -1, r"window must be an int >= 0, got -1"),
         ("window", 4.0, r"window must be an int >= 0, got 4.0"),
         ("window_mix", "yes", r"window_mix must be a bool"),
@@ -100,7 +100,7 @@ def test_numbers_are_normalised():
 
 def test_backend_field():
     field = next(f for f in dataclasses.fields(PolyAttnConfig) if f.name == "backend")
-    assert field.default == "auto" and BACKENDS == ("auto", "loop", "batched", "triton")
+    assert field.default == "auto" and BACKENDS == ("auto", "loop", "batched", "triton", "fla")
     assert "HF_POLYATTN_BACKEND" in field.metadata["help"]
     for backend in BACKENDS:
         cfg = PolyAttnConfig(kind="linear", backend=backend)
