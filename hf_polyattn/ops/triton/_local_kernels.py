@@ -66,6 +66,51 @@ def _weights_and_slope(x, allowed, m, alpha, inv_beta, SOFTMAX: tl.constexpr, P:
 
 
 @triton.jit
+def _query_tile(pid_q, bhg, n, T, QPC, G, HKV, BQ: tl.constexpr):
+    """(query group g, kv head hh, batch bb) of program row ``bhg``; the block start, the tile's first row,
+    the block end, the tile's rows and which of them exist."""
+    g = bhg % G
+    bh = bhg // G
+    start = (pid_q // QPC) * T
+    q0 = start + (pid_q % QPC) * BQ
+    c_end = tl.minimum(start + T, n)
+    rows = q0 + tl.arange(0, BQ)
+    return g, bh % HKV, bh // HKV, start, q0, c_end, rows, rows < c_end
+
+
+@triton.jit
+def _query_operands(q_ptr, k_ptr, v_ptr, g, hh, bb, rows, rmask, D, E1, scale, sqb, sqh, sqg, sqn, sqd, skb, skh,
+                    svb, svh, BD: tl.constexpr, BE: tl.constexpr):
+    """Column ranges and masks (head dim, value dim), this head's k and v bases, and the tile's scaled q (fp32)."""
+    ds = tl.arange(0, BD)
+    dmask = ds < D
+    es = tl.arange(0, BE)
+    emask = es < E1
+    q_base = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh + g.to(tl.int64) * sqg
+    qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
+                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+    k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
+    v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
+    return ds, dmask, es, emask, k_base, v_base, qs
+
+
+@triton.jit
+def _key_tile(k_base, v_base, mask_row, cols, k_end, ds, dmask, es, emask, E1, skn, skd, svn, sve, smn,
+              HAS_MASK: tl.constexpr):
+    """(kept, k, v, v's normaliser column) of the keys ``cols``: kept = below k_end and not padded; fp32 tiles."""
+    cmask = cols < k_end
+    if HAS_MASK:
+        keep = tl.load(mask_row + cols * smn, mask=cmask, other=0)
+        cmask = cmask & (keep != 0)
+    kt = tl.load(k_base + cols[:, None] * skn + ds[None, :] * skd,
+                 mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    vt = tl.load(v_base + cols[:, None] * svn + es[None, :] * sve,
+                 mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+    vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
+    return cmask, kt, vt, vn
+
+
+@triton.jit
 def _allowed(rows, cols, rmask, cmask, W, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """Which (query, key) pairs of a tile are weighted: both valid, j <= i when causal, inside the window."""
     allowed = rmask[:, None] & cmask[None, :]
@@ -107,41 +152,18 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
                       WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                       PREC: tl.constexpr):
     """out[rows] = sum over the block's (window's) allowed keys of w_ij [v_j, 1]; softmax: also m[rows]."""
-    pid_q = tl.program_id(0)
-    bhg = tl.program_id(1)
-    g = bhg % G
-    bh = bhg // G
-    hh = bh % HKV
-    bb = bh // HKV
-    start = (pid_q // QPC) * T
-    q0 = start + (pid_q % QPC) * BQ
-    c_end = tl.minimum(start + T, n)
-    rows = q0 + tl.arange(0, BQ)
-    rmask = rows < c_end
-    ds = tl.arange(0, BD)
-    dmask = ds < D
-    es = tl.arange(0, BE)
-    emask = es < E1
-    q_base = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh + g.to(tl.int64) * sqg
-    k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
-    v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
-    qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
-                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+    g, hh, bb, start, q0, c_end, rows, rmask = _query_tile(tl.program_id(0), tl.program_id(1), n, T, QPC, G, HKV,
+                                                           BQ)
+    ds, dmask, es, emask, k_base, v_base, qs = _query_operands(
+        q_ptr, k_ptr, v_ptr, g, hh, bb, rows, rmask, D, E1, scale, sqb, sqh, sqg, sqn, sqd, skb, skh, svb, svh, BD, BE)
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_n = tl.zeros((BQ,), dtype=tl.float32)  # the normaliser column
     m_i = tl.zeros((BQ,), dtype=tl.float32)  # running max, starting at the clamp 0
     lo, hi, k_end = _key_range(start, q0, c_end, n, W, BQ, CAUSAL, WINDOW)
     for j0 in range(lo, hi, BQ):
         cols = j0 + tl.arange(0, BQ)
-        cmask = cols < k_end
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
-            cmask = cmask & (keep != 0)
-        kt = tl.load(k_base + cols[:, None] * skn + ds[None, :] * skd,
-                     mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        vt = tl.load(v_base + cols[:, None] * svn + es[None, :] * sve,
-                     mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-        vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
+        cmask, kt, vt, vn = _key_tile(k_base, v_base, mask_ptr + bb.to(tl.int64) * smb, cols, k_end, ds, dmask, es,
+                                      emask, E1, skn, skd, svn, sve, smn, HAS_MASK)
         x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
         allowed = _allowed(rows, cols, rmask, cmask, W, CAUSAL, WINDOW)
         if SOFTMAX:
@@ -173,27 +195,11 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
                      WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                      PREC: tl.constexpr):
     """dq[rows] = s sum_j dx_ij k_j over the block's (window's) allowed keys (weights recomputed)."""
-    pid_q = tl.program_id(0)
-    bhg = tl.program_id(1)
-    g = bhg % G
-    bh = bhg // G
-    hh = bh % HKV
-    bb = bh // HKV
-    start = (pid_q // QPC) * T
-    q0 = start + (pid_q % QPC) * BQ
-    c_end = tl.minimum(start + T, n)
-    rows = q0 + tl.arange(0, BQ)
-    rmask = rows < c_end
-    ds = tl.arange(0, BD)
-    dmask = ds < D
-    es = tl.arange(0, BE)
-    emask = es < E1
-    q_base = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh + g.to(tl.int64) * sqg
-    k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
-    v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
+    g, hh, bb, start, q0, c_end, rows, rmask = _query_tile(tl.program_id(0), tl.program_id(1), n, T, QPC, G, HKV,
+                                                           BQ)
+    ds, dmask, es, emask, k_base, v_base, qs = _query_operands(
+        q_ptr, k_ptr, v_ptr, g, hh, bb, rows, rmask, D, E1, scale, sqb, sqh, sqg, sqn, sqd, skb, skh, svb, svh, BD, BE)
     g_base = do_ptr + bb.to(tl.int64) * sgb + hh.to(tl.int64) * sgh + g.to(tl.int64) * sgg
-    qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
-                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
     go = tl.load(g_base + rows[:, None] * sgn + es[None, :] * sge,
                  mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
     gn = tl.load(g_base + rows * sgn + E1 * sge, mask=rmask, other=0.0).to(tl.float32)
@@ -206,15 +212,8 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
     lo, hi, k_end = _key_range(start, q0, c_end, n, W, BQ, CAUSAL, WINDOW)
     for j0 in range(lo, hi, BQ):
         cols = j0 + tl.arange(0, BQ)
-        cmask = cols < k_end
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
-            cmask = cmask & (keep != 0)
-        kt = tl.load(k_base + cols[:, None] * skn + ds[None, :] * skd,
-                     mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        vt = tl.load(v_base + cols[:, None] * svn + es[None, :] * sve,
-                     mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-        vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
+        cmask, kt, vt, vn = _key_tile(k_base, v_base, mask_ptr + bb.to(tl.int64) * smb, cols, k_end, ds, dmask, es,
+                                      emask, E1, skn, skd, svn, sve, smn, HAS_MASK)
         x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
         allowed = _allowed(rows, cols, rmask, cmask, W, CAUSAL, WINDOW)
         w, slope = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, SOFTMAX, P)
@@ -234,29 +233,16 @@ def _local_dkv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dk_ptr, dv_p
                       WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                       PREC: tl.constexpr):
     """dk, dv of one key tile of one kv head, summed over its G query heads (weights recomputed)."""
-    pid_k = tl.program_id(0)
-    bh = tl.program_id(1)
-    hh = bh % HKV
-    bb = bh // HKV
-    start = (pid_k // QPC) * T
-    j0 = start + (pid_k % QPC) * BQ
-    c_end = tl.minimum(start + T, n)
-    cols = j0 + tl.arange(0, BQ)
-    cmask = cols < c_end
-    if HAS_MASK:
-        keep = tl.load(mask_ptr + bb.to(tl.int64) * smb + cols * smn, mask=cmask, other=0)
-        cmask = cmask & (keep != 0)
+    # a key tile of kv head (bb, hh): the query-tile layout with one group
+    _, hh, bb, start, j0, c_end, cols, _ = _query_tile(tl.program_id(0), tl.program_id(1), n, T, QPC, 1, HKV, BQ)
     ds = tl.arange(0, BD)
     dmask = ds < D
     es = tl.arange(0, BE)
     emask = es < E1
     k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
     v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
-    kt = tl.load(k_base + cols[:, None] * skn + ds[None, :] * skd,
-                 mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    vt = tl.load(v_base + cols[:, None] * svn + es[None, :] * sve,
-                 mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-    vn = tl.load(v_base + cols * svn + E1 * sve, mask=cmask, other=0.0).to(tl.float32)
+    cmask, kt, vt, vn = _key_tile(k_base, v_base, mask_ptr + bb.to(tl.int64) * smb, cols, c_end, ds, dmask, es,
+                                  emask, E1, skn, skd, svn, sve, smn, HAS_MASK)
     dk = tl.zeros((BQ, BD), dtype=tl.float32)
     dv = tl.zeros((BQ, BE), dtype=tl.float32)
     dvn = tl.zeros((BQ,), dtype=tl.float32)
