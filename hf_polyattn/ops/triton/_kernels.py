@@ -99,6 +99,59 @@ def _feature_grad(dphi, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, 
 
 
 @triton.jit
+def _chunk_tile(pid, n, T, QPC, BQ: tl.constexpr):
+    """(chunk k, first row, chunk end, rows, which rows exist) of row tile ``pid`` (QPC tiles a chunk)."""
+    k = pid // QPC
+    first = k * T + (pid % QPC) * BQ
+    c_end = tl.minimum(k * T + T, n)
+    rows = first + tl.arange(0, BQ)
+    return k, first, c_end, rows, rows < c_end
+
+
+@triton.jit
+def _far_input_grad(y_ptr, rows, rmask, syn, sye, yz, s_base, z_base, x_ptr, sxn, sxr, i0_ptr, i1_ptr, w_ptr,
+                    F, E, SE, SQUARE: tl.constexpr, TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr,
+                    BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """(rows x R) gradient of the r-dim inputs X through dphi(X) = Y S^T: the far part of dA (Y = dO,
+    S = prefix state, X = A) and of dB (Y = C, S = suffix state, X = B); ``yz`` is Y's tail column,
+    z_base its state slab."""
+    acc = tl.zeros((BQ, R), dtype=tl.float32)
+    for f0 in range(0, F, BF):
+        fs = f0 + tl.arange(0, BF)
+        dphi = tl.zeros((BQ, BF), dtype=tl.float32)
+        if TAIL:
+            zt = tl.load(z_base + fs, mask=fs < F, other=0.0)
+            dphi += yz[:, None] * zt[None, :]
+        for e0 in range(0, E, BE):
+            es = e0 + tl.arange(0, BE)
+            emask = es < E
+            yt = tl.load(y_ptr + rows[:, None] * syn + es[None, :] * sye,
+                         mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+            st = tl.load(s_base + fs[:, None] * SE + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
+            dphi += tl.dot(yt, tl.trans(st), input_precision=PREC)
+        acc += _feature_grad(dphi, x_ptr, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF, R, PREC)
+    return acc
+
+
+@triton.jit
+def _pair_dots(x_ptr, xrows, xmask, sxn, sxe, xz, y_ptr, yrows, ymask, syn, sye, yz, E,
+               TAIL: tl.constexpr, BQ: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
+    """(BQ x BQ) X[xrows] . Y[yrows] over the E tiled columns, plus the tail columns' outer product."""
+    d = tl.zeros((BQ, BQ), dtype=tl.float32)
+    for e0 in range(0, E, BE):
+        es = e0 + tl.arange(0, BE)
+        emask = es < E
+        xt = tl.load(x_ptr + xrows[:, None] * sxn + es[None, :] * sxe,
+                     mask=xmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+        yt = tl.load(y_ptr + yrows[:, None] * syn + es[None, :] * sye,
+                     mask=ymask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+        d += tl.dot(xt, tl.trans(yt), input_precision=PREC)
+    if TAIL:
+        d += xz[:, None] * yz[None, :]
+    return d
+
+
+@triton.jit
 def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr,
                   n, F, E, SE, G, T, NC, sxn, sxr, syn, sye,
                   REVERSE: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
@@ -167,11 +220,7 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
     pid_e = tl.program_id(2)
     ne = tl.num_programs(2)
     h = hg // G
-    k = pid_q // QPC
-    q0 = k * T + (pid_q % QPC) * BQ
-    c_end = tl.minimum(k * T + T, n)
-    rows = q0 + tl.arange(0, BQ)
-    rmask = rows < c_end
+    k, q0, c_end, rows, rmask = _chunk_tile(pid_q, n, T, QPC, BQ)
     es = pid_e * BE + tl.arange(0, BE)
     emask = es < E
     ao = tl.load(a_off_ptr + hg)
@@ -227,37 +276,20 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
     pid_q = tl.program_id(0)
     hg = tl.program_id(1)
     h = hg // G
-    k = pid_q // QPC
-    q0 = k * T + (pid_q % QPC) * BQ
-    c_end = tl.minimum(k * T + T, n)
-    rows = q0 + tl.arange(0, BQ)
-    rmask = rows < c_end
+    k, q0, c_end, rows, rmask = _chunk_tile(pid_q, n, T, QPC, BQ)
     ao = tl.load(a_off_ptr + hg)
     go = tl.load(g_off_ptr + hg)
     zs = tl.arange(0, R)
     zmask = zs < r
     acc = tl.zeros((BQ, R), dtype=tl.float32)
+    gz = tl.zeros((BQ,), dtype=tl.float32)
     if TAIL:  # dO's tail column, against z (far part) and c's tail column (diagonal chunk)
         gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
     if k > 0:
         s_base = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (k - 1).to(tl.int64) * F * SE
         z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
-        for f0 in range(0, F, BF):
-            fs = f0 + tl.arange(0, BF)
-            dphi = tl.zeros((BQ, BF), dtype=tl.float32)
-            if TAIL:
-                zt = tl.load(z_base + fs, mask=fs < F, other=0.0)
-                dphi += gz[:, None] * zt[None, :]
-            for e0 in range(0, E, BE):
-                es = e0 + tl.arange(0, BE)
-                emask = es < E
-                gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
-                             mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-                st = tl.load(s_base + fs[:, None] * SE + es[None, :],
-                             mask=(fs[:, None] < F) & emask[None, :], other=0.0)
-                dphi += tl.dot(gt, tl.trans(st), input_precision=PREC)
-            acc += _feature_grad(dphi, a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, f0, F,
-                                 SQUARE, BF, R, PREC)
+        acc += _far_input_grad(g_ptr + go, rows, rmask, sgn, sge, gz, s_base, z_base, a_ptr + ao, san, sar,
+                               i0_ptr, i1_ptr, w_ptr, F, E, SE, SQUARE, TAIL, BQ, BF, BE, R, PREC)
     if INCLUDE_DIAG:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
@@ -268,18 +300,11 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
             cmask = cols < c_end
             kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
                          mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
-            d = tl.zeros((BQ, BQ), dtype=tl.float32)
-            for e0 in range(0, E, BE):
-                es = e0 + tl.arange(0, BE)
-                emask = es < E
-                gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
-                             mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-                cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
-                             mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-                d += tl.dot(gt, tl.trans(cv), input_precision=PREC)
+            cz = tl.zeros((BQ,), dtype=tl.float32)
             if TAIL:
                 cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
-                d += gz[:, None] * cz[None, :]
+            d = _pair_dots(g_ptr + go, rows, rmask, sgn, sge, gz, c_ptr + co, cols, cmask, scn, sce, cz, E,
+                           TAIL, BQ, BE, PREC)
             d = tl.where(cols[None, :] <= rows[:, None], d, 0.0)
             if SQUARE:  # d (a.b)^2 / da = 2 (a.b) b
                 d = d * 2.0 * tl.dot(qa, tl.trans(kb), input_precision=PREC)
@@ -297,37 +322,20 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
     """dB rows of one kv head: far part through dphi(B) = C U_k^T, diagonal chunk summed over the G groups."""
     pid_k = tl.program_id(0)
     h = tl.program_id(1)
-    k = pid_k // QPC
-    k0 = k * T + (pid_k % QPC) * BQ
-    c_end = tl.minimum(k * T + T, n)
-    cols = k0 + tl.arange(0, BQ)
-    cmask = cols < c_end
+    k, k0, c_end, cols, cmask = _chunk_tile(pid_k, n, T, QPC, BQ)
     bo = tl.load(b_off_ptr + h)
     co = tl.load(c_off_ptr + h)
     zs = tl.arange(0, R)
     zmask = zs < r
     acc = tl.zeros((BQ, R), dtype=tl.float32)
+    cz = tl.zeros((BQ,), dtype=tl.float32)
     if TAIL:  # c's tail column, against uz (far part) and dO's tail column (diagonal chunk)
         cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
     if k < NC - 1:  # U_{NC-1} = 0: the last chunk has no later chunks
         u_base = u_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (NC - 2 - k).to(tl.int64) * F * SE
         uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
-        for f0 in range(0, F, BF):
-            fs = f0 + tl.arange(0, BF)
-            dphi = tl.zeros((BQ, BF), dtype=tl.float32)
-            if TAIL:
-                ut = tl.load(uz_base + fs, mask=fs < F, other=0.0)
-                dphi += cz[:, None] * ut[None, :]
-            for e0 in range(0, E, BE):
-                es = e0 + tl.arange(0, BE)
-                emask = es < E
-                cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
-                             mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-                ut = tl.load(u_base + fs[:, None] * SE + es[None, :],
-                             mask=(fs[:, None] < F) & emask[None, :], other=0.0)
-                dphi += tl.dot(cv, tl.trans(ut), input_precision=PREC)
-            acc += _feature_grad(dphi, b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, f0, F,
-                                 SQUARE, BF, R, PREC)
+        acc += _far_input_grad(c_ptr + co, cols, cmask, scn, sce, cz, u_base, uz_base, b_ptr + bo, sbn, sbr,
+                               i0_ptr, i1_ptr, w_ptr, F, E, SE, SQUARE, TAIL, BQ, BF, BE, R, PREC)
     if INCLUDE_DIAG:
         kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
                      mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
@@ -339,18 +347,11 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
                 rmask = rows < c_end
                 qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
                              mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
-                dt = tl.zeros((BQ, BQ), dtype=tl.float32)
-                for e0 in range(0, E, BE):
-                    es = e0 + tl.arange(0, BE)
-                    emask = es < E
-                    cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
-                                 mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-                    gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
-                                 mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-                    dt += tl.dot(cv, tl.trans(gt), input_precision=PREC)
+                gz = tl.zeros((BQ,), dtype=tl.float32)
                 if TAIL:
                     gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
-                    dt += cz[:, None] * gz[None, :]
+                dt = _pair_dots(c_ptr + co, cols, cmask, scn, sce, cz, g_ptr + go, rows, rmask, sgn, sge, gz, E,
+                                TAIL, BQ, BE, PREC)
                 dt = tl.where(rows[None, :] >= cols[:, None], dt, 0.0)
                 if SQUARE:
                     dt = dt * 2.0 * tl.dot(kb, tl.trans(qa), input_precision=PREC)
@@ -371,11 +372,7 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
     h = tl.program_id(1)
     pid_e = tl.program_id(2)
     ne = tl.num_programs(2)
-    k = pid_k // QPC
-    k0 = k * T + (pid_k % QPC) * BQ
-    c_end = tl.minimum(k * T + T, n)
-    cols = k0 + tl.arange(0, BQ)
-    cmask = cols < c_end
+    k, k0, c_end, cols, cmask = _chunk_tile(pid_k, n, T, QPC, BQ)
     es = pid_e * BE + tl.arange(0, BE)
     emask = es < E
     bo = tl.load(b_off_ptr + h)
