@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..config import PolyAttnConfig
 from .backend import lt_product
@@ -268,24 +269,36 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         off = self.config.denominator_offset if offset is None else offset
         return _safe_divide(num[..., :d], num[..., d:] + off)
 
+    def _side_features(self, x, scale, is_query):
+        """(features, FAVOR+'s query log scale or None) of one side (queries or keys) for the kernel part.
+
+        polysketch: the r-dim sketches (the block algorithm squares them itself, block by block:
+        r(r+1)/2 features never stored); other maps hand over their features.
+        """
+        if self.feature_map.squares:
+            return self.feature_map.sketch_features(self._feature_inputs(x, scale)), None
+        if self.feature_map.log_scaled and is_query:
+            # FAVOR+ query features carry a per-row stabiliser exp(-c): cancels in the ratio,
+            # but the exact softmax blocks must be put on the same scale (far_scale in _linear).
+            return self.feature_map.forward_with_log_scale(self._feature_inputs(x, scale), True)
+        return self.feature_map(self._feature_inputs(x, scale), is_query), None
+
     def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
         cfg = self.config
         lq, lk = q5.shape[3], k5.shape[3]
-        q_log_scale = None
-        # polysketch: the block algorithm squares the r-dim sketches itself, block by block
-        # (r(r+1)/2 features never stored); other maps hand over their features.
         square = self.feature_map.squares
-        if square:
-            fq = self.feature_map.sketch_features(self._feature_inputs(q5, scale))
-            fk = self.feature_map.sketch_features(self._feature_inputs(k5, scale))
-        elif self.feature_map.log_scaled:
-            # FAVOR+ query features carry a per-row stabiliser exp(-c): cancels in the ratio,
-            # but the exact softmax blocks must be put on the same scale (far_scale below).
-            fq, q_log_scale = self.feature_map.forward_with_log_scale(self._feature_inputs(q5, scale), True)
-            fk = self.feature_map(self._feature_inputs(k5, scale), False)
-        else:
-            fq = self.feature_map(self._feature_inputs(q5, scale), True)
-            fk = self.feature_map(self._feature_inputs(k5, scale), False)
+        params = any(p.requires_grad for p in self.feature_map.parameters())
+        sides = []
+        for x, is_query in ((q5, True), (k5, False)):
+            if torch.is_grad_enabled() and (x.requires_grad or params):
+                # Recomputed in backward, each side on its own: the feature maps' intermediates were the
+                # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'
+                # activations were 7 of the 18.4 (n x H x d fp32)-sized tensors alive after a polysketch +
+                # local exact forward; the features are a few thin matmuls (~3% of the layer's flops).
+                sides.append(checkpoint(self._side_features, x, scale, is_query, use_reentrant=False))
+            else:
+                sides.append(self._side_features(x, scale, is_query))
+        (fq, q_log_scale), (fk, _) = sides
 
         def full(x):
             return symmetric_square(x) if square else x
