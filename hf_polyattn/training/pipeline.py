@@ -482,4 +482,7 @@ def run(args: RetrofitArgs) -> dict[str, Any]:
         r.finetune()
         r.evaluate("after_finetune")
     r.save()
+    # tear the process group down before exit: left to the interpreter's exit, gloo's threads aborted a
+    # finished 2-process run now and then ("terminate called without an active exception", exit -6)
+    r.acc.end_training()
     return r.results
