@@ -310,7 +310,11 @@ def test_attention_module_on_triton_backend(monkeypatch, opts, d):
         monkeypatch.setenv(ENV_VAR, which)
         x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = pa.to(dtype)(*x, causal=True, key_padding_mask=mask)
-        results[which, dtype] = [out.detach(), *torch.autograd.grad(out.square().sum(), x)]
+        # the loss leaves out query 0: it sees key 0 alone, so out_0 = v_0 for any q, k and its q/k gradient is
+        # exactly 0, reached by cancelling terms of size |g| ~ 2 out / den ~ 1e13 (den = the 4th power of one
+        # O(1e-3) score with local_exact): every fp32 path returns rounding noise of about one ulp of 1e13 there
+        # (dq_0: 0.0066 from the interpreted kernels vs 1.7e-5 from the loop, numpy 2.4.6; float64 says 0)
+        results[which, dtype] = [out.detach(), *torch.autograd.grad(out[:, :, 1:].square().sum(), x)]
     # against float64: the Triton kernels as accurate as the fp32 block loop (2x its error, or 1e-6 of the
     # largest value). Comparing the two fp32 runs directly was too tight where both lose digits outside the
     # kernels: d = 16 srht dq, 2.3e-4 off float64 in both (index 2, a query that sees one key)
