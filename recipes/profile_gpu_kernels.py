@@ -6,8 +6,9 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
 * ``lt_rows``: the Triton causal product alone (``ops.triton.lt_multiply_triton``) for polysketch's
   squared sketches (r = 32, 16) and identity features (r = 64), with and without diagonal blocks,
   against the ``batched`` PyTorch product at 8k (and its max relative error against fp32), and
-  as before two changes (``padded_e_*``: c's 65 columns padded to one 128-wide tile, the layout before
-  the tail column; ``block_chunks_*``: 256-row chunks with the diagonal, before the chunk rule);
+  as before three changes (``padded_e_*``: c's 65 columns padded to one 128-wide tile, the layout before
+  the tail column; ``block_chunks_*``: 256-row chunks with the diagonal, before the chunk rule;
+  ``gathered_*``: squared features gathered per element, before the column-scaled square tiles);
 * ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
   product alone; a polysketch + local exact layer in a bf16 module);
 * ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend (``fla`` too
@@ -92,10 +93,12 @@ def lt_rows():
                     ref = lt_multiply_batched(a.float(), b.float(), c.float(), 256, diag, square)
                     got = f()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
-                # the same product as before two changes, in this run: e = 65 padded to one 128-wide tile
-                # (before the tail column); chunks of block_size rows with the diagonal (before the chunk rule)
-                for knob, key in (("TAIL_COLUMN", "padded_e"), ("DIAG_CHUNK_RULE", "block_chunks")):
-                    if knob == "DIAG_CHUNK_RULE" and not diag:
+                # the same product as before three changes, in this run: e = 65 padded to one 128-wide tile
+                # (before the tail column); chunks of block_size rows with the diagonal (before the chunk rule);
+                # squared features gathered element by element (before the column-scaled square tiles)
+                for knob, key in (("TAIL_COLUMN", "padded_e"), ("DIAG_CHUNK_RULE", "block_chunks"),
+                                  ("SQUARE_TILES", "gathered")):
+                    if (knob == "DIAG_CHUNK_RULE" and not diag) or (knob == "SQUARE_TILES" and not square):
                         continue
                     setattr(causal, knob, False)
                     try:

@@ -129,7 +129,9 @@ LAYOUTS = [
     ("block-below-tile-nodiag", 29, 5, 3, 4, False, True, (3,), (3,)),  # 4-row chunks in 16-row tiles
     ("identity-r80-e130", 40, 80, 130, 16, True, False, (2,), (1,)),  # 2 feature tiles, 2 e tiles, 32-row tiles
     ("identity-r200-16-row-tiles", 40, 200, 9, 32, True, False, (2,), (1,)),  # R = 256: 16-row tiles (smem)
-    ("square-r20-3-ftiles", 40, 20, 17, 16, True, True, (1,), (1,)),  # F = 210 in 4 tiles of 64; e = 16 + tail
+    ("square-r20-20-ctiles", 40, 20, 17, 16, True, True, (1,), (1,)),  # 20 column tiles 32 wide; e = 16 + tail
+    ("square-r80-e65", 40, 80, 65, 16, True, True, (2,), (1,)),  # R = 128: 32-row tiles, (128 x 64) state tiles
+    ("square-r130-nodiag", 40, 130, 33, 16, False, True, (1,), (1,)),  # R = 256: 16-row tiles, 32-wide e tiles
     # e = 2^m + 1: 2^m tiled columns + the tail column on the side (head_dim 64 + the normaliser)
     ("tail-e65-groups", 70, 4, 65, 16, True, True, (2, 2), (2, 1)),
     ("tail-e65-nodiag", 70, 6, 65, 16, False, False, (2,), (1,)),
@@ -195,6 +197,32 @@ def test_padded_layout_switch(monkeypatch):
     a, b, c = _inputs((2,), (1,), 40, 4, 65, torch.float32, seed=4, scale=0.5)
     assert not causal._Plan(a, b, c, 16, True, True).tail
     _check_against_references(a, b, c, 16, True, True, FP32_TOL)
+
+
+@pytest.mark.parametrize("diag", [True, False], ids=["diag1", "diag0"])
+def test_gathered_square_switch(monkeypatch, diag):
+    """causal.SQUARE_TILES = False (the profiling script's before/after switch) runs the gathered symmetric
+    features in 64-feature tiles again."""
+    from hf_polyattn.ops.triton import causal
+
+    monkeypatch.setattr(causal, "SQUARE_TILES", False)
+    a, b, c = _inputs((2, 2), (2, 1), 70, 6, 65, torch.float32, seed=4, scale=0.5)
+    p = causal._Plan(a, b, c, 16, diag, True)
+    assert not p.cols and (p.BF, p.NT) == (32, 1)
+    _check_against_references(a, b, c, 16, diag, True, FP32_TOL)
+
+
+@pytest.mark.parametrize("r,tiles,width,be", [(6, 6, 16, 64), (32, 32, 32, 64), (80, 80, 128, 64),
+                                              (130, 130, 256, 32)])
+def test_square_tile_plan(r, tiles, width, be):
+    """Square features run as one tile per input column, R = r rounded up wide; state tiles (R x BE) stay
+    within 32 KB of fp32 (BE = 32 at R = 256)."""
+    from hf_polyattn.ops.triton import causal
+
+    x = torch.zeros(1, 8, r, device=DEVICE)
+    p = causal._Plan(x, x, torch.zeros(1, 8, 65, device=DEVICE), 16, True, True)
+    assert p.cols and (p.NT, p.BF, p.BE) == (tiles, width, be)
+    assert p.BF * p.BE * 4 <= 32 * 1024
 
 
 def test_strided_and_expanded_inputs():

@@ -2,10 +2,19 @@
 
 Notation: a sequence of n rows is cut into chunks of T rows (T = the caller's block size, see
 ``causal.py``); chunk k holds rows [k T, min(k T + T, n)). phi is the identity (F = r features) or
-the symmetric square (F = r(r+1)/2, phi_f(x) = w_f x[i0_f] x[i1_f]). Kernels never read a
-feature tensor from memory: every phi tile is formed in registers from two gathered column loads
-of the r-dim input (``_features``), and its gradient goes back to the r columns through two
-one-hot matmuls (``_feature_grad``).
+the symmetric square (F = r(r+1)/2 features phi_(i,j)(x) = w_ij x_i x_j for i <= j, w_ij = sqrt(2)
+for i < j and 1 for i = j, stored i-major: feature (i, j) is state row i r - i(i-1)/2 + j - i).
+Kernels never read a feature tensor from memory; the features are formed on chip, tile by tile.
+
+Square tiles (``COLS``, the default): feature tile i is the row tile of x scaled by its own column
+i, phi_i = x * x[:, i] * w_i (rows x R, the columns j < i masked to zero: their pairs are tile j's),
+so a tile costs one column load and one multiply a feature; its gradient goes back to x by two
+elementwise terms and one row sum (``_tile_grad``). The tiles compute the r^2 pairs, twice the
+r(r+1)/2 the states hold (the masked half), on tensor cores; the states keep the symmetric size.
+The gathered layout it replaced (``COLS`` False, kept for the before/after timing of
+recipes/profile_gpu_kernels.py) formed 64-feature tiles from two gathered loads of the r-dim input
+per feature (``_features``: 64 scalar global loads per thread and tile, H100 sm_90 build in
+recipes/results/inspect_triton_sm90/) and their gradient through two one-hot matmuls (``_feature_grad``).
 
 Three kinds of kernel, all launched once per call over (tiles x heads):
 
@@ -98,6 +107,79 @@ def _feature_grad(dphi, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, 
     return dx
 
 
+_SQRT2 = tl.constexpr(1.4142135623730951)
+
+
+@triton.jit
+def _row_tile(x_ptr, rows, row_mask, sxn, sxr, r, R: tl.constexpr):
+    """The (rows x R) fp32 tile of the r-dim input x (columns r..R-1 zero): one vectorisable load."""
+    zs = tl.arange(0, R)
+    return tl.load(x_ptr + rows[:, None] * sxn + zs[None, :] * sxr, mask=row_mask[:, None] & (zs < r)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _num_tiles(r, F, SQUARE: tl.constexpr, COLS: tl.constexpr, BF: tl.constexpr):
+    """Feature tiles of phi: one per column i for square tiles, else ceil(F / BF)."""
+    if SQUARE and COLS:
+        nt = r
+    else:
+        nt = tl.cdiv(F, BF)
+    return nt
+
+
+@triton.jit
+def _square_weights(t, r, BF: tl.constexpr):
+    """(j, w_tj, state row of pair (t, j)) of square tile t: w = sqrt(2) for j > t, 1 for j = t, 0 for
+    j < t (pair (j, t) belongs to tile j) and for j >= r."""
+    js = tl.arange(0, BF)
+    w = tl.where((js >= t) & (js < r), tl.where(js > t, _SQRT2, 1.0), 0.0)
+    # pair (t, j) sits at row t r - t(t-1)/2 + (j - t) of the i-major symmetric order
+    return js, w, t * r - (t * (t + 1)) // 2 + js
+
+
+@triton.jit
+def _tile_slots(t, r, F, SQUARE: tl.constexpr, COLS: tl.constexpr, BF: tl.constexpr):
+    """(state rows (BF,), which of them exist) of feature tile t."""
+    if SQUARE and COLS:
+        js, w, fs = _square_weights(t, r, BF)
+        keep = w != 0.0
+    else:
+        fs = t * BF + tl.arange(0, BF)
+        keep = fs < F
+    return fs, keep
+
+
+@triton.jit
+def _tile(t, xs, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F,
+          SQUARE: tl.constexpr, COLS: tl.constexpr, BF: tl.constexpr):
+    """phi tile t (rows x BF) fp32 (its state rows: ``_tile_slots``). ``xs``: the rows' (rows x R) input tile
+    (square tiles scale it by its own column t; unused otherwise)."""
+    if SQUARE and COLS:
+        js, w, fs = _square_weights(t, r, BF)
+        xt = tl.load(x_ptr + rows * sxn + t * sxr, mask=row_mask, other=0.0).to(tl.float32)
+        phi = xs * (xt[:, None] * w[None, :])
+    else:
+        phi = _features(x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, t * BF, F, SQUARE, BF)
+    return phi
+
+
+@triton.jit
+def _tile_grad(dphi, t, xs, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F,
+               SQUARE: tl.constexpr, COLS: tl.constexpr, BF: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """(rows x R) gradient of x from the gradient of phi tile t. Square tiles: phi_tj = w_tj x_t x_j, so
+    dx_j += w_tj x_t dphi_tj and dx_t += sum_j w_tj x_j dphi_tj (j = t gets both: d x_t^2 = 2 x_t)."""
+    if SQUARE and COLS:
+        js, w, fs = _square_weights(t, r, BF)
+        xt = tl.load(x_ptr + rows * sxn + t * sxr, mask=row_mask, other=0.0).to(tl.float32)
+        wd = dphi * w[None, :]
+        dx = wd * xt[:, None] + tl.where(js[None, :] == t, tl.sum(wd * xs, axis=1)[:, None], 0.0)
+    else:
+        dx = _feature_grad(dphi, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, t * BF, F, SQUARE, BF, R,
+                           PREC)
+    return dx
+
+
 @triton.jit
 def _chunk_tile(pid, n, T, QPC, BQ: tl.constexpr):
     """(chunk k, first row, chunk end, rows, which rows exist) of row tile ``pid`` (QPC tiles a chunk)."""
@@ -109,27 +191,28 @@ def _chunk_tile(pid, n, T, QPC, BQ: tl.constexpr):
 
 
 @triton.jit
-def _far_input_grad(y_ptr, rows, rmask, syn, sye, yz, s_base, z_base, x_ptr, sxn, sxr, i0_ptr, i1_ptr, w_ptr,
-                    F, E, SE, SQUARE: tl.constexpr, TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr,
-                    BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+def _far_input_grad(y_ptr, rows, rmask, syn, sye, yz, s_base, z_base, x_ptr, xs, sxn, sxr, i0_ptr, i1_ptr, w_ptr,
+                    r, F, E, SE, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, BQ: tl.constexpr,
+                    BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """(rows x R) gradient of the r-dim inputs X through dphi(X) = Y S^T: the far part of dA (Y = dO,
     S = prefix state, X = A) and of dB (Y = C, S = suffix state, X = B); ``yz`` is Y's tail column,
-    z_base its state slab."""
+    z_base its state slab, ``xs`` X's (rows x R) tile."""
     acc = tl.zeros((BQ, R), dtype=tl.float32)
-    for f0 in range(0, F, BF):
-        fs = f0 + tl.arange(0, BF)
+    for t in range(0, _num_tiles(r, F, SQUARE, COLS, BF)):
+        fs, fmask = _tile_slots(t, r, F, SQUARE, COLS, BF)
         dphi = tl.zeros((BQ, BF), dtype=tl.float32)
         if TAIL:
-            zt = tl.load(z_base + fs, mask=fs < F, other=0.0)
+            zt = tl.load(z_base + fs, mask=fmask, other=0.0)
             dphi += yz[:, None] * zt[None, :]
         for e0 in range(0, E, BE):
             es = e0 + tl.arange(0, BE)
             emask = es < E
             yt = tl.load(y_ptr + rows[:, None] * syn + es[None, :] * sye,
                          mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-            st = tl.load(s_base + fs[:, None] * SE + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
+            st = tl.load(s_base + fs[:, None] * SE + es[None, :], mask=fmask[:, None] & emask[None, :], other=0.0)
             dphi += tl.dot(yt, tl.trans(st), input_precision=PREC)
-        acc += _feature_grad(dphi, x_ptr, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF, R, PREC)
+        acc += _tile_grad(dphi, t, xs, x_ptr, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF,
+                          R, PREC)
     return acc
 
 
@@ -153,13 +236,13 @@ def _pair_dots(x_ptr, xrows, xmask, sxn, sxe, xz, y_ptr, yrows, ymask, syn, sye,
 
 @triton.jit
 def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr,
-                  n, F, E, SE, G, T, NC, sxn, sxr, syn, sye,
-                  REVERSE: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
-                  BT: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):
+                  n, r, F, E, SE, G, T, NC, sxn, sxr, syn, sye,
+                  REVERSE: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
+                  BT: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """Slot k (REVERSE: NC-1-k) of s gets phi(X_k)^T Y_k of chunk k alone, summed over the G groups.
 
     NC - 1 slots: the forward reads chunks 0..NC-2 (the last chunk's state is never read), the
-    reverse 1..NC-1. One program per (chunk, F tile, kv head x e tile): every chunk in parallel;
+    reverse 1..NC-1. One program per (chunk, feature tile, kv head x e tile): every chunk in parallel;
     the host turns the slots into running sums with one cumsum over the chunk axis. (A first
     version walked the chunks in order inside 144 programs at n = 32k, H = 16: latency-bound,
     5.2 ms of a 30 ms forward+backward on an H100.) ``TAIL``: the last e tile's program also
@@ -169,28 +252,40 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
         k = tl.program_id(0) + 1
     else:
         k = tl.program_id(0)
-    pid_f = tl.program_id(1)
+    t = tl.program_id(1)
     pid_he = tl.program_id(2)
     ne = tl.cdiv(E, BE)
     h = pid_he // ne
     pid_e = pid_he % ne
-    fs = pid_f * BF + tl.arange(0, BF)
     es = pid_e * BE + tl.arange(0, BE)
     emask = es < E
-    acc = tl.zeros((BF, BE), dtype=tl.float32)
+    # square tiles accumulate the slab transposed, (BE x BF) = Y^T phi: as phi^T Y an R = 32 tile had 32 rows,
+    # too few for Hopper's 64-row warpgroup MMA (the sm_90 build fell back to mma.sync: HMMA, no HGMMA in
+    # recipes/results/inspect_triton_sm90/); identity tiles keep (BF x BE) (transposed, 197 -> 224 registers at BF = 64)
+    if SQUARE and COLS:
+        acc = tl.zeros((BE, BF), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BF, BE), dtype=tl.float32)
     acc_z = tl.zeros((BF,), dtype=tl.float32)
     c_start = k * T
     c_end = tl.minimum(c_start + T, n)
+    fs, fmask = _tile_slots(t, r, F, SQUARE, COLS, BF)
     for g in range(0, G):
         xo = tl.load(x_off_ptr + h * G + g)
         yo = tl.load(y_off_ptr + h * G + g)
         for t0 in range(c_start, c_end, BT):
             rows = t0 + tl.arange(0, BT)
             rmask = rows < c_end
-            phi = _features(x_ptr + xo, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, pid_f * BF, F, SQUARE, BF)
+            xs = tl.zeros((BT, R), dtype=tl.float32)
+            if SQUARE and COLS:
+                xs = _row_tile(x_ptr + xo, rows, rmask, sxn, sxr, r, R)
+            phi = _tile(t, xs, x_ptr + xo, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF)
             y = tl.load(y_ptr + yo + rows[:, None] * syn + es[None, :] * sye,
                         mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-            acc += tl.dot(tl.trans(phi), y, input_precision=PREC)
+            if SQUARE and COLS:
+                acc += tl.dot(tl.trans(y), phi, input_precision=PREC)
+            else:
+                acc += tl.dot(tl.trans(phi), y, input_precision=PREC)
             if TAIL:
                 yz = tl.load(y_ptr + yo + rows * syn + E * sye, mask=_if_last(rmask, pid_e, ne), other=0.0)
                 yz = yz.to(tl.float32)
@@ -201,17 +296,20 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
         slot = k
     if TAIL:
         z_tile = z_ptr + h.to(tl.int64) * (NC - 1) * F + slot.to(tl.int64) * F + fs
-        tl.store(z_tile, acc_z, mask=_if_last(fs < F, pid_e, ne))
+        tl.store(z_tile, acc_z, mask=_if_last(fmask, pid_e, ne))
     # padding columns E..SE-1 get the zeros of the masked loads: the whole slab is defined
-    s_tile = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + slot.to(tl.int64) * F * SE + fs[:, None] * SE + es[None, :]
-    tl.store(s_tile, acc, mask=(fs[:, None] < F) & (es[None, :] < SE))
+    s_slab = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + slot.to(tl.int64) * F * SE
+    if SQUARE and COLS:
+        tl.store(s_slab + fs[None, :] * SE + es[:, None], acc, mask=fmask[None, :] & (es[:, None] < SE))
+    else:
+        tl.store(s_slab + fs[:, None] * SE + es[None, :], acc, mask=fmask[:, None] & (es[None, :] < SE))
 
 
 @triton.jit
 def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_ptr, o_off_ptr,
                 i0_ptr, i1_ptr, w_ptr,
                 n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, son, soe,
-                INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
+                INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
                 BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """out[rows, e tile] = phi(A_rows) P_k + (INCLUDE_DIAG) sum_{chunk start <= j <= i} (a_i.b_j)^p c_j
     (``TAIL``: the last e tile also writes column E from z and c's column E)."""
@@ -225,31 +323,27 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
     emask = es < E
     ao = tl.load(a_off_ptr + hg)
     oo = tl.load(o_off_ptr + hg)
+    qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)  # square tiles' input and the diagonal's queries
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_z = tl.zeros((BQ,), dtype=tl.float32)
     if k > 0:  # P_0 = 0: the first chunk has no far part
         s_base = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (k - 1).to(tl.int64) * F * SE
         z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
-        for f0 in range(0, F, BF):
-            fs = f0 + tl.arange(0, BF)
-            phi = _features(a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF)
-            st = tl.load(s_base + fs[:, None] * SE + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
+        for t in range(0, _num_tiles(r, F, SQUARE, COLS, BF)):
+            fs, fmask = _tile_slots(t, r, F, SQUARE, COLS, BF)
+            phi = _tile(t, qa, a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF)
+            st = tl.load(s_base + fs[:, None] * SE + es[None, :], mask=fmask[:, None] & emask[None, :], other=0.0)
             acc += tl.dot(phi, st, input_precision=PREC)
             if TAIL:
-                zt = tl.load(z_base + fs, mask=_if_last(fs < F, pid_e, ne), other=0.0)
+                zt = tl.load(z_base + fs, mask=_if_last(fmask, pid_e, ne), other=0.0)
                 acc_z += tl.sum(phi * zt[None, :], axis=1)
     if INCLUDE_DIAG:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
-        zs = tl.arange(0, R)
-        zmask = zs < r
-        qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
-                     mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
         for j0 in range(k * T, q0 + BQ, BQ):
             cols = j0 + tl.arange(0, BQ)
             cmask = cols < c_end
-            kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
-                         mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+            kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
             s = tl.dot(qa, tl.trans(kb), input_precision=PREC)
             if SQUARE:
                 s = s * s
@@ -270,7 +364,7 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
 def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
                da_off_ptr, i0_ptr, i1_ptr, w_ptr,
                n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """dA rows: far part through dphi(A) = dO P_k^T, diagonal chunk from D_ij = dO_i . c_j."""
     pid_q = tl.program_id(0)
@@ -281,6 +375,7 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
     go = tl.load(g_off_ptr + hg)
     zs = tl.arange(0, R)
     zmask = zs < r
+    qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
     acc = tl.zeros((BQ, R), dtype=tl.float32)
     gz = tl.zeros((BQ,), dtype=tl.float32)
     if TAIL:  # dO's tail column, against z (far part) and c's tail column (diagonal chunk)
@@ -288,18 +383,15 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
     if k > 0:
         s_base = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (k - 1).to(tl.int64) * F * SE
         z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
-        acc += _far_input_grad(g_ptr + go, rows, rmask, sgn, sge, gz, s_base, z_base, a_ptr + ao, san, sar,
-                               i0_ptr, i1_ptr, w_ptr, F, E, SE, SQUARE, TAIL, BQ, BF, BE, R, PREC)
+        acc += _far_input_grad(g_ptr + go, rows, rmask, sgn, sge, gz, s_base, z_base, a_ptr + ao, qa, san, sar,
+                               i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
     if INCLUDE_DIAG:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
-        qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
-                     mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
         for j0 in range(k * T, q0 + BQ, BQ):
             cols = j0 + tl.arange(0, BQ)
             cmask = cols < c_end
-            kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
-                         mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+            kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
             cz = tl.zeros((BQ,), dtype=tl.float32)
             if TAIL:
                 cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
@@ -317,7 +409,7 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
 def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
                db_off_ptr, i0_ptr, i1_ptr, w_ptr,
                n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """dB rows of one kv head: far part through dphi(B) = C U_k^T, diagonal chunk summed over the G groups."""
     pid_k = tl.program_id(0)
@@ -327,6 +419,7 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
     co = tl.load(c_off_ptr + h)
     zs = tl.arange(0, R)
     zmask = zs < r
+    kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
     acc = tl.zeros((BQ, R), dtype=tl.float32)
     cz = tl.zeros((BQ,), dtype=tl.float32)
     if TAIL:  # c's tail column, against uz (far part) and dO's tail column (diagonal chunk)
@@ -334,19 +427,16 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
     if k < NC - 1:  # U_{NC-1} = 0: the last chunk has no later chunks
         u_base = u_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (NC - 2 - k).to(tl.int64) * F * SE
         uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
-        acc += _far_input_grad(c_ptr + co, cols, cmask, scn, sce, cz, u_base, uz_base, b_ptr + bo, sbn, sbr,
-                               i0_ptr, i1_ptr, w_ptr, F, E, SE, SQUARE, TAIL, BQ, BF, BE, R, PREC)
+        acc += _far_input_grad(c_ptr + co, cols, cmask, scn, sce, cz, u_base, uz_base, b_ptr + bo, kb, sbn, sbr,
+                               i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
     if INCLUDE_DIAG:
-        kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
-                     mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
         for g in range(0, G):
             ao = tl.load(a_off_ptr + h * G + g)
             go = tl.load(g_off_ptr + h * G + g)
             for q_start in range(k0, c_end, BQ):
                 rows = q_start + tl.arange(0, BQ)
                 rmask = rows < c_end
-                qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
-                             mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+                qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
                 gz = tl.zeros((BQ,), dtype=tl.float32)
                 if TAIL:
                     gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
@@ -364,7 +454,7 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
 def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_ptr, dc_off_ptr,
                i0_ptr, i1_ptr, w_ptr,
                n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, sgn, sge, sdn, sde,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, TAIL: tl.constexpr,
+               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """dC rows of one kv head: phi(B) U_k + diagonal chunk (a_i.b_j)^p dO_i summed over the G groups
     (``TAIL``: the last e tile also writes column E from uz and dO's column E)."""
@@ -376,32 +466,28 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
     es = pid_e * BE + tl.arange(0, BE)
     emask = es < E
     bo = tl.load(b_off_ptr + h)
+    kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_z = tl.zeros((BQ,), dtype=tl.float32)
     if k < NC - 1:
         u_base = u_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (NC - 2 - k).to(tl.int64) * F * SE
         uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
-        for f0 in range(0, F, BF):
-            fs = f0 + tl.arange(0, BF)
-            phi = _features(b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, f0, F, SQUARE, BF)
-            ut = tl.load(u_base + fs[:, None] * SE + es[None, :], mask=(fs[:, None] < F) & emask[None, :], other=0.0)
+        for t in range(0, _num_tiles(r, F, SQUARE, COLS, BF)):
+            fs, fmask = _tile_slots(t, r, F, SQUARE, COLS, BF)
+            phi = _tile(t, kb, b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF)
+            ut = tl.load(u_base + fs[:, None] * SE + es[None, :], mask=fmask[:, None] & emask[None, :], other=0.0)
             acc += tl.dot(phi, ut, input_precision=PREC)
             if TAIL:
-                uz = tl.load(uz_base + fs, mask=_if_last(fs < F, pid_e, ne), other=0.0)
+                uz = tl.load(uz_base + fs, mask=_if_last(fmask, pid_e, ne), other=0.0)
                 acc_z += tl.sum(phi * uz[None, :], axis=1)
     if INCLUDE_DIAG:
-        zs = tl.arange(0, R)
-        zmask = zs < r
-        kb = tl.load(b_ptr + bo + cols[:, None] * sbn + zs[None, :] * sbr,
-                     mask=cmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
         for g in range(0, G):
             ao = tl.load(a_off_ptr + h * G + g)
             go = tl.load(g_off_ptr + h * G + g)
             for q_start in range(k0, c_end, BQ):
                 rows = q_start + tl.arange(0, BQ)
                 rmask = rows < c_end
-                qa = tl.load(a_ptr + ao + rows[:, None] * san + zs[None, :] * sar,
-                             mask=rmask[:, None] & zmask[None, :], other=0.0).to(tl.float32)
+                qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
                 st = tl.dot(kb, tl.trans(qa), input_precision=PREC)
                 if SQUARE:
                     st = st * st

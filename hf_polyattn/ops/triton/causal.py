@@ -43,14 +43,18 @@ from . import _kernels as K
 
 __all__ = ["lt_multiply_triton"]
 
-# 64-row tiles, 64 features per tile (a 64 x 64 fp32 phi tile is 32 registers a thread at 4 warps), e
-# padded to one tile up to 128. Rows per tile shrink as r grows: the diagonal part holds (rows x R)
-# fp32 tiles of a and b, and at R = 256 with 64 rows they needed 352 KB of shared memory (H100: 227 KB).
+# 64-row tiles, 64 features per tile (a 64 x 64 fp32 phi tile is 32 registers a thread at 4 warps; square
+# features: one tile per input column, R wide), e padded to one tile up to 128. Rows per tile shrink as r
+# grows: the diagonal part holds (rows x R) fp32 tiles of a and b, and at R = 256 with 64 rows they needed
+# 352 KB of shared memory (H100: 227 KB).
 _MAX_TILE_ROWS = 64
 _MAX_TILE_FEATURES = 64
 _MAX_TILE_E = 128
 _MAX_R = 256
 _NUM_WARPS = 4
+# dA / dB of square tiles with the diagonal chunk: at 4 warps the sm_90 build spilled (255 registers, 112 and
+# 192 bytes of stack); at 8 no stack, 253 / 239 registers (recipes/inspect_triton_sm90.py)
+_NUM_WARPS_GRAD_DIAG = 8
 # 2, not triton's default 3: the backward kernels stream a (64 x 128) dO tile and a (128 x 64) state
 # tile in fp32 per step, 64 KB a stage; three stages plus layout scratch near H100's 228 KB of smem
 _NUM_STAGES = 2
@@ -58,6 +62,9 @@ _NUM_STAGES = 2
 TAIL_COLUMN = True
 # the include_diag chunk rule (module doc); False runs T = block_size, the rule it replaced (same script)
 DIAG_CHUNK_RULE = True
+# square feature tiles formed by column scaling (``_kernels`` module doc); False runs the gathered symmetric
+# tiles they replaced (same script: ``gathered_*`` rows)
+SQUARE_TILES = True
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -153,11 +160,19 @@ class _Plan:
         self.R = _pow2(self.r)
         self.BQ = min(_tile_rows(self.R), _pow2(self.T))
         self.QPC = -(-self.T // self.BQ)  # row tiles per chunk
-        self.BF = min(_MAX_TILE_FEATURES, _pow2(self.F)) if square else min(self.R, _MAX_TILE_FEATURES)
+        # square tiles: one per input column, all R columns wide; else BF-feature tiles
+        self.cols = SQUARE_TILES and square
+        if self.cols:
+            self.BF, self.NT = self.R, self.r
+        else:
+            self.BF = min(_MAX_TILE_FEATURES, _pow2(self.F)) if square else min(self.R, _MAX_TILE_FEATURES)
+            self.NT = _cdiv(self.F, self.BF)
         # tail: e = 2^m + 1 (>= 17) runs as 2^m tiled columns + one side column (see the module doc)
         self.tail = TAIL_COLUMN and self.e >= 17 and ((self.e - 1) & (self.e - 2)) == 0
         self.em = self.e - 1 if self.tail else self.e  # the columns the e tiles cover
         self.BE = min(_MAX_TILE_E, _pow2(self.em))
+        if self.cols:  # an (R x BE) fp32 state tile per step: at most 32 KB (R = 256: 32 columns)
+            self.BE = max(16, min(self.BE, 8192 // self.R))
         self.SE = -(-self.em // 8) * 8  # state row stride: 32-byte aligned rows
         self.device = a.device
         self.i0, self.i1, self.w = _feature_tables(self.r, square, a.device)
@@ -197,13 +212,13 @@ class _Plan:
                         device=self.device)
         if self.NC == 1:
             return s, z  # one chunk: everything is diagonal, no state is read
-        grid = (self.NC - 1, _cdiv(self.F, self.BF), self.H * _cdiv(self.em, self.BE))
+        grid = (self.NC - 1, self.NT, self.H * _cdiv(self.em, self.BE))
         K._state_kernel[grid](
             x, y, s, z, x_off, y_off, self.i0, self.i1, self.w,
-            self.n, self.F, self.em, self.SE, groups, self.T, self.NC,
+            self.n, self.r, self.F, self.em, self.SE, groups, self.T, self.NC,
             x.stride(-2), x.stride(-1), y.stride(-2), y.stride(-1),
-            REVERSE=reverse, SQUARE=self.square, TAIL=self.tail, BT=self.BQ, BF=self.BF, BE=self.BE,
-            PREC=self.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            REVERSE=reverse, SQUARE=self.square, COLS=self.cols, TAIL=self.tail, BT=self.BQ, BF=self.BF, BE=self.BE,
+            R=self.R, PREC=self.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
         return s.cumsum_(1), (z.cumsum_(1) if self.tail else z)
 
@@ -235,9 +250,8 @@ def _forward(p: _Plan, a, b, c) -> torch.Tensor:
         p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC,
         a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2), c.stride(-1),
         out.stride(-2), out.stride(-1),
-        INCLUDE_DIAG=p.include_diag, SQUARE=p.square, TAIL=p.tail, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R,
-        PREC=p.prec,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        INCLUDE_DIAG=p.include_diag, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R,
+        PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out
 
@@ -246,8 +260,9 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
     a_off, g_off = p.offsets(a), p.offsets(g)
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
     strides = (a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1))
-    consts = dict(INCLUDE_DIAG=p.include_diag, SQUARE=p.square, TAIL=p.tail, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R,
-                  PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    consts = dict(INCLUDE_DIAG=p.include_diag, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ, BF=p.BF,
+                  BE=p.BE, R=p.R, PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    grad_consts = dict(consts, num_warps=_NUM_WARPS_GRAD_DIAG) if p.cols and p.include_diag else consts
     da = db = dc = None
     if need_a:
         s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
@@ -255,7 +270,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
         K._da_kernel[(p.NC * p.QPC, p.H * p.G)](
             a, b, c, g, s, z, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
             p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
-            g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
+            g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **grad_consts,
         )
         del s, z
         da = buf.sum_to_size(a.shape).to(a.dtype)
@@ -267,7 +282,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
             K._db_kernel[(p.NC * p.QPC, p.H)](
                 a, b, c, g, u, uz, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
                 p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
-                g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
+                g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **grad_consts,
             )
             db = buf.sum_to_size(b.shape).to(b.dtype)
         if need_c:
