@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs, in stages that each fit one call of the device tool (10 minutes a
+# command, 30 minutes of device time a session): run them in this order, one call each, and commit what lands
+# in $OUT (see recipes/results/PENDING.md for where each file goes).
+#
+#   bash recipes/gpu_checks.sh tests     # the Triton kernels and the bf16 model contract compiled for CUDA
+#   bash recipes/gpu_checks.sh kernels   # SDPA, the causal product alone (with its before/after switches), profile
+#   bash recipes/gpu_checks.sh layers    # whole PolyAttention layers per backend, and a layer profile at 32k
+#   bash recipes/gpu_checks.sh bench     # the official table against SDPA: hf-polyattn bench --device cuda
+#   bash recipes/gpu_checks.sh e2e       # GPT-2-small-shaped training step and decoding, SDPA vs the kinds
+#
+# Runs from the repository root with the machine's own torch / triton / transformers (the lent machines have no
+# package index: the repository goes on PYTHONPATH, nothing is installed). Each stage stops itself before the
+# tool's limit (timeout) so that what it printed and wrote under $OUT comes back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+case "${1:-}" in
+  tests|kernels|layers|bench|e2e) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e" >&2; exit 2 ;;
+esac
+OUT="${OUT:-recipes/results/gpu_run}"
+mkdir -p "$OUT"
+python - <<'EOF' | tee "$OUT/machine.txt"
+import torch, triton, transformers
+print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
+EOF
+
+case "${1:-}" in
+  tests)
+    # 8 workers: each compiles its kernels in parallel (one process compiled test_triton.py for over 110 s)
+    timeout 540 python -m pytest -q -n 8 -p no:cacheprovider tests/ops/test_triton.py tests/ops/test_triton_local.py \
+      tests/ops/test_triton_window.py tests/ops/test_fla_backend.py tests/integration/test_cuda_models.py \
+      2>&1 | tee "$OUT/cuda_tests.txt" | tail -40 ;;
+  kernels)
+    timeout 540 python recipes/profile_gpu_kernels.py sdpa_rows lt_rows profile_lt --out "$OUT" \
+      2>&1 | tee "$OUT/kernels.log" | grep -v '^{' | tail -60 ;;
+  layers)
+    timeout 540 python recipes/profile_gpu_kernels.py layer_rows profile_layer --out "$OUT" \
+      2>&1 | tee "$OUT/layers.log" | grep -v '^{' | tail -60 ;;
+  bench)
+    timeout 560 python recipes/benchmark_attention.py --device cuda --kinds sdpa polysketch-local polysketch \
+      linear-elu performer polysketch-window128 --lengths 2048 8192 32768 65536 --repeats 3 --timeout 60 \
+      --out "$OUT" 2>&1 | tail -40 ;;
+  e2e)
+    timeout 560 python recipes/e2e_speed.py --device cuda --dtype bfloat16 --out "$OUT" 2>&1 | tail -40 ;;
+esac
