@@ -4,7 +4,8 @@
 # in $OUT (see recipes/results/PENDING.md for where each file goes).
 #
 #   bash recipes/gpu_checks.sh tests     # the Triton kernels and the bf16 model contract compiled for CUDA
-#   bash recipes/gpu_checks.sh kernels   # SDPA, the causal product alone (with its before/after switches), profile
+#   bash recipes/gpu_checks.sh kernels   # SDPA, the causal product and the local part alone (with their before/after
+#                                        # switches), a profile of the product
 #   bash recipes/gpu_checks.sh layers    # whole PolyAttention layers per backend, and a layer profile at 32k
 #   bash recipes/gpu_checks.sh bench     # the official table against SDPA: hf-polyattn bench --device cuda
 #   bash recipes/gpu_checks.sh e2e       # GPT-2-small-shaped training step and decoding, SDPA vs the kinds
@@ -34,7 +35,7 @@ case "${1:-}" in
       tests/ops/test_triton_window.py tests/ops/test_fla_backend.py tests/integration/test_cuda_models.py \
       2>&1 | tee "$OUT/cuda_tests.txt" | tail -40 ;;
   kernels)
-    timeout 540 python recipes/profile_gpu_kernels.py sdpa_rows lt_rows profile_lt --out "$OUT" \
+    timeout 540 python recipes/profile_gpu_kernels.py sdpa_rows lt_rows local_rows profile_lt --out "$OUT" \
       2>&1 | tee "$OUT/kernels.log" | grep -v '^{' | tail -60 ;;
   layers)
     timeout 540 python recipes/profile_gpu_kernels.py layer_rows profile_layer --out "$OUT" \

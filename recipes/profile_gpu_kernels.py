@@ -9,6 +9,8 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
   as before three changes (``padded_e_*``: c's 65 columns padded to one 128-wide tile, the layout before
   the tail column; ``block_chunks_*``: 256-row chunks with the diagonal, before the chunk rule;
   ``gathered_*``: squared features gathered per element, before the column-scaled square tiles);
+* ``local_rows``: the Triton exact local part alone (degree-4 and softmax blocks, a 128 window), with the
+  dk/dv kernel's pipeline stages as now (1) and as before (2);
 * ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
   product alone; a polysketch + local exact layer in a bf16 module);
 * ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend (``fla`` too
@@ -121,6 +123,32 @@ def profile_lt():
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
 
 
+def local_rows():
+    """The exact local part alone (``ops.triton.local_blocks_triton``): degree-4 and softmax diagonal blocks
+    (b = 256) and a 128 window, forward and forward+backward, with the dk/dv kernel at one pipeline stage (now)
+    and at two (``dkv_stages2_fb_ms``: before; it spilled registers on sm_90)."""
+    from hf_polyattn.ops.triton import local, local_blocks_triton
+
+    for n in (8192, 32768):
+        for kernel, window in (("polynomial", 0), ("softmax", 0), ("softmax", 128)):
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(1, H, 1, n, 64 + (i == 2), generator=g).to(dev, torch.bfloat16).requires_grad_()
+                       for i in range(3))
+
+            def f(q=q, k=k, v=v, kernel=kernel, window=window):
+                return local_blocks_triton(q, k, v, 256, True, 0.125, kernel, None, 4, 0.0, 1.0, True, window)[0]
+            row = dict(what="local_triton", n=n, kernel=kernel, window=window, fwd_ms=do_bench(f),
+                       fb_ms=do_bench(fb(f, q, k, v)))
+            saved, local.DKV_STAGES = local.DKV_STAGES, 2
+            try:
+                row["dkv_stages2_fb_ms"] = do_bench(fb(f, q, k, v))
+            finally:
+                local.DKV_STAGES = saved
+            rec(**row)
+            del q, k, v
+            torch.cuda.empty_cache()
+
+
 LAYER = {
     "polysketch": dict(kind="polysketch"),
     "polysketch-local": dict(kind="polysketch", sketch="learned", local_exact=True),
@@ -179,7 +207,7 @@ def fla_rows():
         rec(what="fla_linear_elu", n=n, fwd_ms=do_bench(f), fb_ms=do_bench(fb(f, q, k, v)))
 
 
-SECTIONS = ["sdpa_rows", "lt_rows", "profile_lt", "layer_rows", "profile_layer", "fla_rows"]
+SECTIONS = ["sdpa_rows", "lt_rows", "local_rows", "profile_lt", "layer_rows", "profile_layer", "fla_rows"]
 
 
 def main(argv=None) -> int:

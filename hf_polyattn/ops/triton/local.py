@@ -34,6 +34,10 @@ __all__ = ["MAX_HEAD_DIM", "local_blocks_triton"]
 MAX_HEAD_DIM = 128
 _NUM_WARPS = 4
 _NUM_STAGES = 2
+# dk/dv: one stage. With 2 (the others' setting) the sm_90 build spilled 144-160 bytes of stack in the key loop at 4
+# warps and 32-64 at 8 (255 registers: the prefetched q and dO tiles on top of k, v, dk, dv); with 1, 248 registers
+# and no stack (recipes/inspect_triton_sm90.py). Untimed; recipes/profile_gpu_kernels.py times both (local rows)
+DKV_STAGES = 1
 
 
 def _is_interpreted() -> bool:
@@ -173,7 +177,7 @@ def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv):
         sk, sv = _s5(dkb), _s5(dvb)
         K._local_dkv_kernel[(p.NB * p.QPC, p.B * p.HKV)](
             q, k, v, mask, m, grad, dkb, dvb, *p.common(), *_qkv_strides(q, k, v), smb, smn, *sm, *sg,
-            sk[0], sk[1], sk[3], sk[4], sv[0], sv[1], sv[3], sv[4], **p.consts())
+            sk[0], sk[1], sk[3], sk[4], sv[0], sv[1], sv[3], sv[4], **dict(p.consts(), num_stages=DKV_STAGES))
         dk = dkb.sum_to_size(k0.shape).to(k0.dtype)
         dv = dvb.sum_to_size(v0.shape).to(v0.dtype)
     return dq, dk, dv
