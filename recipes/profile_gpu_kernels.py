@@ -8,7 +8,8 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
   against the ``batched`` PyTorch product at 8k (and its max relative error against fp32), and
   as before three changes (``padded_e_*``: c's 65 columns padded to one 128-wide tile, the layout before
   the tail column; ``block_chunks_*``: 256-row chunks with the diagonal, before the chunk rule;
-  ``gathered_*``: squared features gathered per element, before the column-scaled square tiles);
+  ``gathered_*``: squared features gathered per element, before the column-scaled square tiles;
+  ``block_states_*``: chunks of at most block_size rows, before chunks of at least F rows);
 * ``local_rows``: the Triton exact local part alone (degree-4 and softmax blocks, a 128 window), with the
   dk/dv kernel's pipeline stages as now (1) and as before (2);
 * ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
@@ -56,6 +57,16 @@ def fb(fn, *xs):
     return run
 
 
+def peak_mb(run):
+    """Peak memory of one call of ``run`` above what was allocated before it (MiB)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def inputs(n, r, e, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(1, H, n, r, generator=g) / r ** 0.5).to(dev, dtype).requires_grad_()
@@ -87,7 +98,7 @@ def lt_rows():
                 a, b, c = inputs(n, r, 65)
                 f = lambda a=a, b=b, c=c, d=diag, s=square: lt_multiply_triton(a, b, c, 256, d, s)  # noqa: E731
                 row = dict(what="lt_triton", n=n, r=r, square=square, diag=diag, fwd_ms=do_bench(f),
-                           fb_ms=do_bench(fb(f, a, b, c)))
+                           fb_ms=do_bench(fb(f, a, b, c)), peak_mb=peak_mb(fb(f, a, b, c)))
                 if n == 8192:
                     gb = lambda a=a, b=b, c=c, d=diag, s=square: lt_multiply_batched(a, b, c, 256, d, s)  # noqa: E731
                     row["batched_fb_ms"] = do_bench(fb(gb, a, b, c))
@@ -95,16 +106,19 @@ def lt_rows():
                     ref = lt_multiply_batched(a.float(), b.float(), c.float(), 256, diag, square)
                     got = f()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
-                # the same product as before three changes, in this run: e = 65 padded to one 128-wide tile
+                # the same product as before four changes, in this run: e = 65 padded to one 128-wide tile
                 # (before the tail column); chunks of block_size rows with the diagonal (before the chunk rule);
-                # squared features gathered element by element (before the column-scaled square tiles)
+                # squared features gathered element by element (before the column-scaled square tiles); chunks
+                # of at most block_size rows when F = 528 > 256 (before the state chunk rule; peak memory too)
                 for knob, key in (("TAIL_COLUMN", "padded_e"), ("DIAG_CHUNK_RULE", "block_chunks"),
-                                  ("SQUARE_TILES", "gathered")):
-                    if (knob == "DIAG_CHUNK_RULE" and not diag) or (knob == "SQUARE_TILES" and not square):
+                                  ("SQUARE_TILES", "gathered"), ("STATE_CHUNK_RULE", "block_states")):
+                    if (knob == "DIAG_CHUNK_RULE" and not diag) or (knob == "SQUARE_TILES" and not square) or (
+                            knob == "STATE_CHUNK_RULE" and not (square and r * (r + 1) // 2 > 256)):
                         continue
                     setattr(causal, knob, False)
                     try:
                         row[f"{key}_fwd_ms"], row[f"{key}_fb_ms"] = do_bench(f), do_bench(fb(f, a, b, c))
+                        row[f"{key}_peak_mb"] = peak_mb(fb(f, a, b, c))
                     finally:
                         setattr(causal, knob, True)
                 rec(**row)

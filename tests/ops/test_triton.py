@@ -166,17 +166,35 @@ def test_tail_column_plan(e, tail, tiled):
     (64, False, True, 256, 64),  # identity features (linear elu+1 at d = 64): 64-row chunks
     (128, False, True, 256, 128),
     (4, False, True, 16, 16),  # never above block_size (the tests' small blocks keep many chunks)
-    (32, True, True, 256, 256),  # F = 528: the state read dominates, T = block_size
+    (32, True, True, 256, 1024),  # F = 528: raised to T >= F (states at most c's size; 256 held 2x)
     (16, True, True, 256, 256),  # F = 136 -> 256
-    (64, False, False, 256, 256),  # no diagonal: T is the block the caller drops
+    (64, False, False, 256, 256),  # no diagonal: T is the block the caller drops ...
+    (32, True, False, 256, 1024),  # ... times a power of two when F = 528 > 256: 4 blocks a chunk
+    (8, True, False, 16, 64),  # F = 36 > 16: 4 blocks of 16
     (4, False, True, 4, 16),  # the smallest matmul tile
 ])
 def test_chunk_size_plan(r, square, diag, block, chunk):
-    """The chunk T: the caller's block without the diagonal, chosen for speed with it (see causal.py)."""
+    """The chunk T: chosen for speed with the diagonal, a whole number of the caller's blocks without it, and at
+    least F rows either way (see causal.py)."""
     from hf_polyattn.ops.triton import causal
 
     x = torch.zeros(1, 8, r, device=DEVICE)
-    assert causal._Plan(x, x, torch.zeros(1, 8, 65, device=DEVICE), block, diag, square).T == chunk
+    p = causal._Plan(x, x, torch.zeros(1, 8, 65, device=DEVICE), block, diag, square)
+    assert p.T == chunk and p.T >= p.F
+    assert p.quad == (diag or chunk > block)
+
+
+@pytest.mark.parametrize("diag", [True, False], ids=["diag1", "diag0"])
+def test_block_states_switch(monkeypatch, diag):
+    """causal.STATE_CHUNK_RULE = False (the profiling script's before/after switch): chunks of at most block_size
+    rows again, F > T; the same product either way (the chunks of several blocks are tested everywhere else)."""
+    from hf_polyattn.ops.triton import causal
+
+    monkeypatch.setattr(causal, "STATE_CHUNK_RULE", False)
+    a, b, c = _inputs((2, 2), (2, 1), 70, 8, 65, torch.float32, seed=4, scale=0.5)
+    p = causal._Plan(a, b, c, 16, diag, True)
+    assert p.T == 16 and p.F == 36 and p.quad == diag
+    _check_against_references(a, b, c, 16, diag, True, FP32_TOL)
 
 
 def test_block_chunks_switch(monkeypatch):

@@ -191,6 +191,38 @@ def _chunk_tile(pid, n, T, QPC, BQ: tl.constexpr):
 
 
 @triton.jit
+def _exact_pair(qi, kj, BLK, INCLUDE_DIAG: tl.constexpr):
+    """Which (query i, key j) pairs of one chunk the chunk's exact part takes (broadcast index tensors): j <= i
+    with the diagonal included, else the pairs of different blocks, block(j) < block(i) (the dropped diagonal
+    blocks are BLK rows aligned at 0; chunks are whole blocks)."""
+    if INCLUDE_DIAG:
+        ok = kj <= qi
+    else:
+        ok = (kj // BLK) < (qi // BLK)
+    return ok
+
+
+@triton.jit
+def _exact_keys_end(q0, BLK, INCLUDE_DIAG: tl.constexpr, BQ: tl.constexpr):
+    """End of the keys the query tile [q0, q0 + BQ) takes exactly (they start at its chunk's start)."""
+    if INCLUDE_DIAG:
+        hi = q0 + BQ
+    else:
+        hi = ((q0 + BQ - 1) // BLK) * BLK  # the start of the last row's block
+    return hi
+
+
+@triton.jit
+def _exact_queries_start(k0, BLK, INCLUDE_DIAG: tl.constexpr):
+    """First query that takes the key tile starting at k0 exactly (they end at its chunk's end)."""
+    if INCLUDE_DIAG:
+        lo = k0
+    else:
+        lo = (k0 // BLK + 1) * BLK  # the next block
+    return lo
+
+
+@triton.jit
 def _far_input_grad(y_ptr, rows, rmask, syn, sye, yz, s_base, z_base, x_ptr, xs, sxn, sxr, i0_ptr, i1_ptr, w_ptr,
                     r, F, E, SE, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, BQ: tl.constexpr,
                     BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
@@ -308,11 +340,13 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
 @triton.jit
 def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_ptr, o_off_ptr,
                 i0_ptr, i1_ptr, w_ptr,
-                n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, son, soe,
-                INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
-                BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
-    """out[rows, e tile] = phi(A_rows) P_k + (INCLUDE_DIAG) sum_{chunk start <= j <= i} (a_i.b_j)^p c_j
-    (``TAIL``: the last e tile also writes column E from z and c's column E)."""
+                n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, son, soe,
+                INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
+                TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
+                PREC: tl.constexpr):
+    """out[rows, e tile] = phi(A_rows) P_k + (QUAD) sum over the chunk's exact pairs (a_i.b_j)^p c_j: j <= i
+    (INCLUDE_DIAG) or block(j) < block(i) (``_exact_pair``; QUAD: the diagonal is included or chunks hold several
+    blocks). ``TAIL``: the last e tile also writes column E from z and c's column E."""
     pid_q = tl.program_id(0)
     hg = tl.program_id(1)
     pid_e = tl.program_id(2)
@@ -337,17 +371,17 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
             if TAIL:
                 zt = tl.load(z_base + fs, mask=_if_last(fmask, pid_e, ne), other=0.0)
                 acc_z += tl.sum(phi * zt[None, :], axis=1)
-    if INCLUDE_DIAG:
+    if QUAD:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
-        for j0 in range(k * T, q0 + BQ, BQ):
+        for j0 in range(k * T, _exact_keys_end(q0, BLK, INCLUDE_DIAG, BQ), BQ):
             cols = j0 + tl.arange(0, BQ)
             cmask = cols < c_end
             kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
             s = tl.dot(qa, tl.trans(kb), input_precision=PREC)
             if SQUARE:
                 s = s * s
-            s = tl.where(cols[None, :] <= rows[:, None], s, 0.0)
+            s = tl.where(_exact_pair(rows[:, None], cols[None, :], BLK, INCLUDE_DIAG), s, 0.0)
             cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
                          mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
             acc += tl.dot(s, cv, input_precision=PREC)
@@ -363,10 +397,11 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
 @triton.jit
 def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
                da_off_ptr, i0_ptr, i1_ptr, w_ptr,
-               n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
-               BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
-    """dA rows: far part through dphi(A) = dO P_k^T, diagonal chunk from D_ij = dO_i . c_j."""
+               n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
+               INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
+               TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
+               PREC: tl.constexpr):
+    """dA rows: far part through dphi(A) = dO P_k^T, the chunk's exact pairs from D_ij = dO_i . c_j."""
     pid_q = tl.program_id(0)
     hg = tl.program_id(1)
     h = hg // G
@@ -385,10 +420,10 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
         z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
         acc += _far_input_grad(g_ptr + go, rows, rmask, sgn, sge, gz, s_base, z_base, a_ptr + ao, qa, san, sar,
                                i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
-    if INCLUDE_DIAG:
+    if QUAD:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
-        for j0 in range(k * T, q0 + BQ, BQ):
+        for j0 in range(k * T, _exact_keys_end(q0, BLK, INCLUDE_DIAG, BQ), BQ):
             cols = j0 + tl.arange(0, BQ)
             cmask = cols < c_end
             kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
@@ -397,7 +432,7 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
                 cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
             d = _pair_dots(g_ptr + go, rows, rmask, sgn, sge, gz, c_ptr + co, cols, cmask, scn, sce, cz, E,
                            TAIL, BQ, BE, PREC)
-            d = tl.where(cols[None, :] <= rows[:, None], d, 0.0)
+            d = tl.where(_exact_pair(rows[:, None], cols[None, :], BLK, INCLUDE_DIAG), d, 0.0)
             if SQUARE:  # d (a.b)^2 / da = 2 (a.b) b
                 d = d * 2.0 * tl.dot(qa, tl.trans(kb), input_precision=PREC)
             acc += tl.dot(d, kb, input_precision=PREC)
@@ -408,10 +443,11 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
 @triton.jit
 def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
                db_off_ptr, i0_ptr, i1_ptr, w_ptr,
-               n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
-               BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
-    """dB rows of one kv head: far part through dphi(B) = C U_k^T, diagonal chunk summed over the G groups."""
+               n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
+               INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
+               TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
+               PREC: tl.constexpr):
+    """dB rows of one kv head: far part through dphi(B) = C U_k^T, the chunk's exact pairs summed over the G groups."""
     pid_k = tl.program_id(0)
     h = tl.program_id(1)
     k, k0, c_end, cols, cmask = _chunk_tile(pid_k, n, T, QPC, BQ)
@@ -429,11 +465,11 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
         uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
         acc += _far_input_grad(c_ptr + co, cols, cmask, scn, sce, cz, u_base, uz_base, b_ptr + bo, kb, sbn, sbr,
                                i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
-    if INCLUDE_DIAG:
+    if QUAD:
         for g in range(0, G):
             ao = tl.load(a_off_ptr + h * G + g)
             go = tl.load(g_off_ptr + h * G + g)
-            for q_start in range(k0, c_end, BQ):
+            for q_start in range(_exact_queries_start(k0, BLK, INCLUDE_DIAG), c_end, BQ):
                 rows = q_start + tl.arange(0, BQ)
                 rmask = rows < c_end
                 qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
@@ -442,7 +478,7 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
                     gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
                 dt = _pair_dots(c_ptr + co, cols, cmask, scn, sce, cz, g_ptr + go, rows, rmask, sgn, sge, gz, E,
                                 TAIL, BQ, BE, PREC)
-                dt = tl.where(rows[None, :] >= cols[:, None], dt, 0.0)
+                dt = tl.where(_exact_pair(rows[None, :], cols[:, None], BLK, INCLUDE_DIAG), dt, 0.0)
                 if SQUARE:
                     dt = dt * 2.0 * tl.dot(kb, tl.trans(qa), input_precision=PREC)
                 acc += tl.dot(dt, qa, input_precision=PREC)
@@ -453,10 +489,11 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
 @triton.jit
 def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_ptr, dc_off_ptr,
                i0_ptr, i1_ptr, w_ptr,
-               n, r, F, E, SE, G, T, NC, QPC, san, sar, sbn, sbr, sgn, sge, sdn, sde,
-               INCLUDE_DIAG: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
-               BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
-    """dC rows of one kv head: phi(B) U_k + diagonal chunk (a_i.b_j)^p dO_i summed over the G groups
+               n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, sgn, sge, sdn, sde,
+               INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
+               TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
+               PREC: tl.constexpr):
+    """dC rows of one kv head: phi(B) U_k + the chunk's exact pairs (a_i.b_j)^p dO_i summed over the G groups
     (``TAIL``: the last e tile also writes column E from uz and dO's column E)."""
     pid_k = tl.program_id(0)
     h = tl.program_id(1)
@@ -480,18 +517,18 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
             if TAIL:
                 uz = tl.load(uz_base + fs, mask=_if_last(fmask, pid_e, ne), other=0.0)
                 acc_z += tl.sum(phi * uz[None, :], axis=1)
-    if INCLUDE_DIAG:
+    if QUAD:
         for g in range(0, G):
             ao = tl.load(a_off_ptr + h * G + g)
             go = tl.load(g_off_ptr + h * G + g)
-            for q_start in range(k0, c_end, BQ):
+            for q_start in range(_exact_queries_start(k0, BLK, INCLUDE_DIAG), c_end, BQ):
                 rows = q_start + tl.arange(0, BQ)
                 rmask = rows < c_end
                 qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
                 st = tl.dot(kb, tl.trans(qa), input_precision=PREC)
                 if SQUARE:
                     st = st * st
-                st = tl.where(rows[None, :] >= cols[:, None], st, 0.0)
+                st = tl.where(_exact_pair(rows[None, :], cols[:, None], BLK, INCLUDE_DIAG), st, 0.0)
                 gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
                              mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
                 acc += tl.dot(st, gt, input_precision=PREC)

@@ -22,14 +22,21 @@ Memory and launches (the design constraints of this module):
   sum over broadcast dims when an input was broadcast (dB, dC are already reduced over query groups
   inside the kernels: B and C are never copied G times). Head offset tables are cached per layout,
   so a call makes no host-to-device copy (each one synchronised the stream: 11 per call before).
-* Chunk T = block_size when ``include_diag=False``, which drops exactly the block_size x block_size
-  blocks aligned at 0 (the diagonal chunks are then simply not computed). With ``include_diag=True``
-  the result does not depend on T, so T is chosen for speed: min(block_size, max(64, F rounded up to
-  a power of two)), at least 16 (the smallest matmul tile). Per row, the diagonal chunk costs about
-  T/2 (r + e) multiply-adds and the state read F e: identity features (F = r = 64, e = 65) at
-  T = 256 spent 4x more on the diagonal (128 x 129) than on the state (64 x 65); at T = 64 the two
-  are even, for 4x the state slabs (8.4 MB a head at n = 32k instead of 2.1). Squared sketches
-  (F = 136, 528) keep T = block_size = 256: their state read dominates and their slabs are F-sized.
+* Chunk T. The states are (n / T) F x SE fp32 a kv head; the chunk's own pairs are computed exactly
+  from r-dim dot products, (a_i.b_j)^p, about T/2 (r + e) multiply-adds a row, against F e for the
+  state read. With ``include_diag=True`` the result does not depend on T, so T is chosen for speed:
+  min(block_size, max(64, F rounded up to a power of two)), at least 16 (the smallest matmul tile):
+  identity features (F = r = 64, e = 65) at T = 256 spent 4x more on the diagonal (128 x 129) than
+  on the state (64 x 65); at T = 64 the two are even, for 4x the state slabs (8.4 MB a head at
+  n = 32k instead of 2.1). ``include_diag=False`` drops the block_size x block_size diagonal blocks
+  aligned at 0; a chunk is then a whole number of blocks and its exact part the pairs of different
+  blocks (``_kernels._exact_pair``). Either way T is raised until T >= F (``STATE_CHUNK_RULE``:
+  block_size times a power of two without the diagonal, F rounded up to a power of two with it), so
+  the states are at most the size of c in fp32: polysketch's F = 528 (r = 32) at T = 256 held
+  (n / 256) 528 x 64 fp32 = 2.06 n d bytes, 4.1 bf16 query-sized tensors a head, more than any
+  other tensor of a layer's backward; at T = 1024, 1.0. The price is the exact part of the chunk:
+  at b = 256, T = 1024 a query row reads on average 384 more keys exactly, (r + e) = 97
+  multiply-adds each, about what its state read costs.
 """
 
 from __future__ import annotations
@@ -52,8 +59,8 @@ _MAX_TILE_FEATURES = 64
 _MAX_TILE_E = 128
 _MAX_R = 256
 _NUM_WARPS = 4
-# dA / dB of square tiles with the diagonal chunk: at 4 warps the sm_90 build spilled (255 registers, 112 and
-# 192 bytes of stack); at 8 no stack, 253 / 239 registers (recipes/inspect_triton_sm90.py)
+# dA / dB of squared features with an exact part in the chunk: at 4 warps the sm_90 build spilled (column tiles:
+# 255 registers, 112 and 192 bytes of stack; gathered: 8 bytes); at 8 none (recipes/inspect_triton_sm90.py)
 _NUM_WARPS_GRAD_DIAG = 8
 # 2, not triton's default 3: the backward kernels stream a (64 x 128) dO tile and a (128 x 64) state
 # tile in fp32 per step, 64 KB a stage; three stages plus layout scratch near H100's 228 KB of smem
@@ -62,6 +69,9 @@ _NUM_STAGES = 2
 TAIL_COLUMN = True
 # the include_diag chunk rule (module doc); False runs T = block_size, the rule it replaced (same script)
 DIAG_CHUNK_RULE = True
+# chunks of at least F rows (module doc); False keeps the chunk at block_size or below, as before (same script:
+# ``block_states_*`` rows)
+STATE_CHUNK_RULE = True
 # square feature tiles formed by column scaling (``_kernels`` module doc); False runs the gathered symmetric
 # tiles they replaced (same script: ``gathered_*`` rows)
 SQUARE_TILES = True
@@ -152,14 +162,24 @@ class _Plan:
         self.F = self.r * (self.r + 1) // 2 if square else self.r
         if not include_diag:
             self.T = block_size
-        elif DIAG_CHUNK_RULE:
-            self.T = max(16, min(block_size, max(64, _pow2(self.F))))
+            if STATE_CHUNK_RULE and self.F > block_size:
+                self.T = block_size * _pow2(-(-self.F // block_size), lo=1)
         else:
-            self.T = max(16, block_size)
+            if DIAG_CHUNK_RULE:
+                self.T = max(16, min(block_size, max(64, _pow2(self.F))))
+            else:
+                self.T = max(16, block_size)
+            if STATE_CHUNK_RULE and self.T < self.F:
+                self.T = _pow2(self.F)
+        self.BLK = block_size  # the dropped diagonal blocks (include_diag=False)
+        # the chunk's exact part: the diagonal, or the pairs of different blocks when a chunk holds several
+        self.quad = include_diag or self.T > block_size
         self.NC = -(-self.n // self.T)
         self.R = _pow2(self.r)
         self.BQ = min(_tile_rows(self.R), _pow2(self.T))
         self.QPC = -(-self.T // self.BQ)  # row tiles per chunk
+        # row tiles that hold rows: a last chunk shorter than T (n < T included) launches only its own tiles
+        self.tiles = (self.NC - 1) * self.QPC + _cdiv(self.n - (self.NC - 1) * self.T, self.BQ) if self.n else 0
         # square tiles: one per input column, all R columns wide; else BF-feature tiles
         self.cols = SQUARE_TILES and square
         if self.cols:
@@ -244,14 +264,14 @@ def _forward(p: _Plan, a, b, c) -> torch.Tensor:
     out = torch.empty(*p.lead, p.n, p.e, dtype=torch.float32, device=p.device)
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
     s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
-    grid = (p.NC * p.QPC, p.H * p.G, _cdiv(p.em, p.BE))
+    grid = (p.tiles, p.H * p.G, _cdiv(p.em, p.BE))
     K._out_kernel[grid](
         a, b, c, s, z, out, p.offsets(a), b_off, c_off, p.offsets(out), p.i0, p.i1, p.w,
-        p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC,
+        p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK,
         a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2), c.stride(-1),
         out.stride(-2), out.stride(-1),
-        INCLUDE_DIAG=p.include_diag, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ, BF=p.BF, BE=p.BE, R=p.R,
-        PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        INCLUDE_DIAG=p.include_diag, QUAD=p.quad, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ, BF=p.BF,
+        BE=p.BE, R=p.R, PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out
 
@@ -260,16 +280,16 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
     a_off, g_off = p.offsets(a), p.offsets(g)
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
     strides = (a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1))
-    consts = dict(INCLUDE_DIAG=p.include_diag, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ, BF=p.BF,
-                  BE=p.BE, R=p.R, PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
-    grad_consts = dict(consts, num_warps=_NUM_WARPS_GRAD_DIAG) if p.cols and p.include_diag else consts
+    consts = dict(INCLUDE_DIAG=p.include_diag, QUAD=p.quad, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ,
+                  BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    grad_consts = dict(consts, num_warps=_NUM_WARPS_GRAD_DIAG) if p.square and p.quad else consts
     da = db = dc = None
     if need_a:
         s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
         buf = torch.empty(*p.lead, p.n, p.r, dtype=torch.float32, device=p.device)
-        K._da_kernel[(p.NC * p.QPC, p.H * p.G)](
+        K._da_kernel[(p.tiles, p.H * p.G)](
             a, b, c, g, s, z, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
-            p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+            p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides, c.stride(-2), c.stride(-1),
             g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **grad_consts,
         )
         del s, z
@@ -279,17 +299,17 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
         u, uz = p.states(a, g, a_off, g_off, p.G, reverse=True)
         if need_b:
             buf = torch.empty(*p.kv_lead, p.n, p.r, dtype=torch.float32, device=p.device)
-            K._db_kernel[(p.NC * p.QPC, p.H)](
+            K._db_kernel[(p.tiles, p.H)](
                 a, b, c, g, u, uz, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
-                p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides, c.stride(-2), c.stride(-1),
+                p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides, c.stride(-2), c.stride(-1),
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **grad_consts,
             )
             db = buf.sum_to_size(b.shape).to(b.dtype)
         if need_c:
             buf = torch.empty(*p.kv_lead, p.n, p.e, dtype=torch.float32, device=p.device)
-            K._dc_kernel[(p.NC * p.QPC, p.H, _cdiv(p.em, p.BE))](
+            K._dc_kernel[(p.tiles, p.H, _cdiv(p.em, p.BE))](
                 a, b, g, u, uz, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
-                p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, *strides,
+                p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides,
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
             )
             dc = buf.sum_to_size(c.shape).to(c.dtype)
