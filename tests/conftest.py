@@ -10,6 +10,10 @@ import torch
 # leaves triton half in compiled mode ("Cannot call @triton.jit'd outside of the scope of a kernel").
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+    from tests.triton_interpreter import mend
+
+    mend()  # the interpreter's bf16 dots and fp32 -> bf16 rounding made to match CUDA's (tests/triton_interpreter.py)
 
 
 @pytest.fixture(autouse=True)
