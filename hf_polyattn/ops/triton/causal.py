@@ -256,6 +256,14 @@ def _precision(tf32, dtypes) -> str:
     return "tf32" if tf32 else "tf32x3"
 
 
+def _grad_buffer(shape: tuple, x: torch.Tensor) -> torch.Tensor:
+    """Where a kernel writes the gradient of input ``x``: a tensor of x's own dtype when it has x's shape (the
+    kernel rounds its fp32 sums once on the store, as ``.to`` would), else fp32 to be summed to x's shape first.
+    A bf16 input's fp32 buffer and its bf16 copy were 3 bf16 x-sized tensors for one."""
+    direct = tuple(x.shape) == tuple(shape)
+    return torch.empty(shape, dtype=x.dtype if direct else torch.float32, device=x.device)
+
+
 def _cdiv(x: int, y: int) -> int:
     return -(-x // y)
 
@@ -286,7 +294,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
     da = db = dc = None
     if need_a:
         s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
-        buf = torch.empty(*p.lead, p.n, p.r, dtype=torch.float32, device=p.device)
+        buf = _grad_buffer((*p.lead, p.n, p.r), a)
         K._da_kernel[(p.tiles, p.H * p.G)](
             a, b, c, g, s, z, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
             p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides, c.stride(-2), c.stride(-1),
@@ -298,7 +306,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
         # suffix states summed over the G query groups of each kv head (the reduction dB, dC need)
         u, uz = p.states(a, g, a_off, g_off, p.G, reverse=True)
         if need_b:
-            buf = torch.empty(*p.kv_lead, p.n, p.r, dtype=torch.float32, device=p.device)
+            buf = _grad_buffer((*p.kv_lead, p.n, p.r), b)
             K._db_kernel[(p.tiles, p.H)](
                 a, b, c, g, u, uz, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
                 p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides, c.stride(-2), c.stride(-1),
@@ -306,7 +314,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
             )
             db = buf.sum_to_size(b.shape).to(b.dtype)
         if need_c:
-            buf = torch.empty(*p.kv_lead, p.n, p.e, dtype=torch.float32, device=p.device)
+            buf = _grad_buffer((*p.kv_lead, p.n, p.e), c)
             K._dc_kernel[(p.tiles, p.H, _cdiv(p.em, p.BE))](
                 a, b, g, u, uz, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
                 p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides,

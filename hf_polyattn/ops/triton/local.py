@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _local_kernels as K
-from .causal import _pow2, _precision
+from .causal import _grad_buffer, _pow2, _precision
 
 __all__ = ["MAX_HEAD_DIM", "local_blocks_triton"]
 
@@ -166,14 +166,14 @@ def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv):
     sm, sg = tuple(m.stride()), _s5(grad)
     dq = dk = dv = None
     if need_q:
-        buf = torch.empty(p.B, p.HKV, p.G, p.n, p.D, dtype=torch.float32, device=p.device)
+        buf = _grad_buffer((p.B, p.HKV, p.G, p.n, p.D), q0)
         K._local_dq_kernel[(p.NB * p.QPC, p.B * p.HKV * p.G)](
             q, k, v, mask, m, grad, buf, *p.common(), *_qkv_strides(q, k, v), smb, smn, *sm, *sg, *_s5(buf),
             **p.consts())
         dq = buf.sum_to_size(q0.shape).to(q0.dtype)
     if need_kv:
-        dkb = torch.empty(p.B, p.HKV, 1, p.n, p.D, dtype=torch.float32, device=p.device)
-        dvb = torch.empty(p.B, p.HKV, 1, p.n, p.E1 + 1, dtype=torch.float32, device=p.device)
+        dkb = _grad_buffer((p.B, p.HKV, 1, p.n, p.D), k0)
+        dvb = _grad_buffer((p.B, p.HKV, 1, p.n, p.E1 + 1), v0)
         sk, sv = _s5(dkb), _s5(dvb)
         K._local_dkv_kernel[(p.NB * p.QPC, p.B * p.HKV)](
             q, k, v, mask, m, grad, dkb, dvb, *p.common(), *_qkv_strides(q, k, v), smb, smn, *sm, *sg,
@@ -181,6 +181,7 @@ def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv):
         dk = dkb.sum_to_size(k0.shape).to(k0.dtype)
         dv = dvb.sum_to_size(v0.shape).to(v0.dtype)
     return dq, dk, dv
+
 
 
 class _LocalBlocksTriton(torch.autograd.Function):
