@@ -44,9 +44,10 @@ def helps(tmp_path_factory):
 
 def _option_default(help_text: str, option: str) -> str:
     flat = re.sub(r"\s+", " ", help_text)
-    m = re.search(rf"(?:^| ){re.escape(option)} [A-Z_]+ (?:[^-]|-(?!-))*?\(default: ([^()\s]+)\)", flat)
+    m = re.search(rf"(?:^| ){re.escape(option)} [A-Z_]+ (?:[^-]|-(?!-))*?\(default: ([^()]+?)\)", flat)
     assert m, f"no default shown for {option} in: {flat[:3000]}"
-    return m.group(1)
+    # argparse wraps long paths after a hyphen ("/work/ci-" / "check/recipes/..."): the default has no spaces
+    return m.group(1).replace(" ", "")
 
 
 @pytest.mark.parametrize("name", RECIPES_WITH_DATA)
