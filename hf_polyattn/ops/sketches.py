@@ -161,11 +161,24 @@ class PolynomialSketch(nn.Module):
         if degree == 1:
             return next(it)(x) / math.sqrt(r)
         if degree == 2:
-            a, b = x, x
-        else:
-            a = self._sketch(x, degree // 2, it)
-            b = self._sketch(x, degree // 2, it)
+            return _leaf_pair(x, next(it), next(it)) / math.sqrt(r)
+        a = self._sketch(x, degree // 2, it)
+        b = self._sketch(x, degree // 2, it)
         return next(it)(a) * next(it)(b) / math.sqrt(r)
+
+
+def _leaf_pair(x: torch.Tensor, f: _Factor, g: _Factor) -> torch.Tensor:
+    """f(x) * g(x) for two factors of the same input (a degree-2 node, polysketch's whole sketch at p = 4) with one
+    product of x and their matrices side by side ([W_f, W_g], learned: [W_f, W_g, H_f, H_g]), not 2 (learned: 4)
+    products each reading x: on a GPU each was a launch, and with a bf16 model a bf16 copy of the fp32 x
+    (``project``); 2-4 reads of x become one. Column for column the same dot products as the separate products."""
+    mats = [f.weight, g.weight] + ([f.hidden, g.hidden] if f.learned else [])
+    parts = project(x, torch.cat(mats, dim=-1)).split([m.shape[-1] for m in mats], dim=-1)
+    yf, yg = parts[0], parts[1]
+    if f.learned:
+        yf = yf + project(F.gelu(parts[2]), f.out)
+        yg = yg + project(F.gelu(parts[3]), g.out)
+    return yf * yg
 
 
 _INDEX_CACHE: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
