@@ -1,51 +1,18 @@
 """Peak memory of one attention layer's forward + backward, counted on the CPU by tensor storages.
 
-``_PeakLive`` adds up the bytes of every storage created inside it while they are alive (a weak reference
-frees them): what an allocator would hold at least, on any device. The bound is in units of one fp32 tensor
-shaped like the query (B, H, n, d), so it does not depend on n.
+``PeakLive`` (hf_polyattn/live_memory.py) adds up the bytes of every storage created inside it while they are alive
+(a weak reference frees them): what an allocator would hold at least, on any device. The bounds are in units of one
+tensor shaped like the query (B, H, n, d) in the layer's dtype, so they barely depend on n.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_polyattn import PolyAttnConfig
+from hf_polyattn.live_memory import PeakLive
 from hf_polyattn.ops import PolyAttention
-
-
-class _PeakLive(TorchDispatchMode):
-    """The largest sum of live storage bytes created inside (inputs made outside are not counted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in self.seen:
-            return
-        self.seen.add(key)
-        self.live += size
-        self.peak = max(self.peak, self.live)
-
-        def free(key=key, size=size):
-            self.live -= size
-            self.seen.discard(key)
-
-        weakref.finalize(storage, free)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
 
 
 def _peak_units(opts: dict, n: int, heads: int = 4, kv_heads: int = 2, d: int = 32) -> float:
@@ -53,7 +20,7 @@ def _peak_units(opts: dict, n: int, heads: int = 4, kv_heads: int = 2, d: int = 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, n, d, generator=gen, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, n, d, generator=gen, requires_grad=True) for _ in range(2))
-    tracker = _PeakLive()
+    tracker = PeakLive()
     with tracker:
         pa(q, k, v, causal=True).sum().backward()
     return tracker.peak / q.numel() / 4
@@ -70,7 +37,7 @@ def test_learned_polysketch_layer_peak(n):
 
 def test_tracker_counts_what_is_alive():
     """The tracker itself: 3 live tensors of 1 MiB at once (the fourth made after one is freed) peak at 3 MiB."""
-    tracker = _PeakLive()
+    tracker = PeakLive()
     with tracker:
         a, b, c = (torch.ones(2**18) for _ in range(3))
         del a
@@ -78,3 +45,15 @@ def test_tracker_counts_what_is_alive():
     assert tracker.peak == 3 * 2**20 and tracker.live == 3 * 2**20
     del b, c, d
     assert tracker.live == 0
+
+
+def test_tracker_skips_storages_made_outside():
+    """Views and in-place results of a tensor made before own no new memory; a copy of it does (1 MiB)."""
+    x = torch.ones(2**18)
+    tracker = PeakLive(top=2)
+    with tracker:
+        y = x.view(2, -1)[1:]
+        x.add_(1.0)
+        z = x.clone()
+    assert tracker.peak == 2**20 and [a.op for a in tracker.at_peak] == ["aten.clone.default"]
+    del y, z
