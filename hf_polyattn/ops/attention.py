@@ -26,10 +26,17 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import PolyAttnConfig
-from .backend import lt_product
+from .backend import lt_product, resolve_backend
 from .base import AttentionBase, layer_seed
 from .causal import lt_multiply_cumsum
-from .common import _int_power, _safe_divide, _with_normaliser  # noqa: F401  (re-exported)
+from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser: re-exported)
+    HALF,
+    _int_power,
+    _safe_divide,
+    _with_normaliser,
+    to_work,
+    work_dtype,
+)
 from .feature_maps import FeatureMap
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
@@ -187,7 +194,12 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         out_dtype = query.dtype
-        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        path = self._recurrent_path() if state is not None else self.choose_path(lq, lk, causal)
+        work = work_dtype(query.dtype)
+        if state is None and query.dtype in HALF and self._half_on_triton(path, causal, query.device):
+            # the kernels load bf16/fp16 and convert on chip: fp32 copies of q, k, v (2 bf16 query units each, kept
+            # for backward) and an fp32 [v, 1] were 2 to 7 units of a bf16 layer's peak (recipes/memory_layers.py)
+            work = query.dtype
         bsz = query.shape[0]
         q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, lq, self.head_dim)
         k5 = key.to(work).unsqueeze(2)
@@ -204,9 +216,6 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                     new = mask if mask is not None else torch.ones(bsz, lk, dtype=torch.bool, device=query.device)
                     mask = torch.cat([old, new], dim=1)
             kv0 = state.kv
-            path = self._recurrent_path()
-        else:
-            path = self.choose_path(lq, lk, causal)
 
         raw = (q5, k5)  # the model's own q, k: a sliding window's exact part scores with them
         q5, k5 = self.kernel_inputs(q5, k5)
@@ -215,7 +224,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw)
             return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), new_state
         # half-precision models: the Triton kernels' dots take tf32 operands (fp32 accumulation)
-        tf32 = True if out_dtype in (torch.bfloat16, torch.float16) else None
+        tf32 = True if out_dtype in HALF else None
         out, fk, vext, kv_end = self.run_path(path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32)
         out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
         if state is None:
@@ -224,9 +233,26 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             return out, RecurrentState(kv_end, None, None, None, state.length + lk)
         return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path)
 
+    def _half_on_triton(self, path: str, causal: bool, device: torch.device) -> bool:
+        """Whether half-precision q, k, v go to this call's kernels as they are, without fp32 copies: on the
+        'triton' backend the causal product and the exact local part (blocks, window) read bf16/fp16 and convert to
+        fp32 on load, while the feature maps and the q/k maps (``kernel_inputs``) upcast their own inputs. Only the
+        kernel product path of this class (a subclass's own ``run_path`` keeps its fp32 inputs), without a recurrent
+        state, causal or with a window (the bidirectional product without one is a PyTorch matmul), and not the
+        per-token cumsum. Where the product or the local part still falls back to PyTorch under 'auto' (over 256
+        feature columns, head dims over 128, squared coefficient polynomials) they upcast there."""
+        cfg = self.config
+        return (path == "linear" and self.feature_map is not None and (causal or bool(cfg.window))
+                and cfg.causal_algorithm != "cumsum" and type(self).run_path is PolyAttention.run_path
+                and type(self).path_inputs is PolyAttention.path_inputs
+                and resolve_backend(cfg.backend, device) == "triton")
+
     def kernel_inputs(self, q5: torch.Tensor, k5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k as the kernel sees them: the learnable projection (feature_proj), then the q/k
-        LayerNorm (qk_norm): q' = LayerNorm(q W), the calibration probe's map in PEERS.md."""
+        LayerNorm (qk_norm): q' = LayerNorm(q W), the calibration probe's map in PEERS.md. In the working dtype
+        (half-precision q, k of the Triton path are upcast first)."""
+        if self.config.feature_proj or self.config.qk_norm:
+            q5, k5 = to_work(q5, k5)
         if self.config.feature_proj:
             q5, k5 = self.feature_proj(q5), self.feature_proj(k5)
         if self.config.qk_norm:
@@ -273,15 +299,18 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         """(features, FAVOR+'s query log scale or None) of one side (queries or keys) for the kernel part.
 
         polysketch: the r-dim sketches (the block algorithm squares them itself, block by block:
-        r(r+1)/2 features never stored); other maps hand over their features.
+        r(r+1)/2 features never stored); other maps hand over their features. Always computed in the working
+        dtype (half-precision inputs of the Triton path upcast here, inside the recomputed part).
         """
+        (x,) = to_work(x)
+        x = self._feature_inputs(x, scale)
         if self.feature_map.squares:
-            return self.feature_map.sketch_features(self._feature_inputs(x, scale)), None
+            return self.feature_map.sketch_features(x), None
         if self.feature_map.log_scaled and is_query:
             # FAVOR+ query features carry a per-row stabiliser exp(-c): cancels in the ratio,
             # but the exact softmax blocks must be put on the same scale (far_scale in _linear).
-            return self.feature_map.forward_with_log_scale(self._feature_inputs(x, scale), True)
-        return self.feature_map(self._feature_inputs(x, scale), is_query), None
+            return self.feature_map.forward_with_log_scale(x, True)
+        return self.feature_map(x, is_query), None
 
     def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
         cfg = self.config

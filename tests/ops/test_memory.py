@@ -7,12 +7,16 @@ tensor shaped like the query (B, H, n, d) in the layer's dtype, so they barely d
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hf_polyattn import PolyAttnConfig
-from hf_polyattn.live_memory import PeakLive
+from hf_polyattn.live_memory import PeakLive, layer_config
 from hf_polyattn.ops import PolyAttention
+from hf_polyattn.ops.backend import lt_product, triton_available
+from hf_polyattn.ops.common import _with_normaliser
 
 
 def _peak_units(opts: dict, n: int, heads: int = 4, kv_heads: int = 2, d: int = 32) -> float:
@@ -57,3 +61,68 @@ def test_tracker_skips_storages_made_outside():
         z = x.clone()
     assert tracker.peak == 2**20 and [a.op for a in tracker.at_peak] == ["aten.clone.default"]
     del y, z
+
+
+# ------------------------------------------------------------------ half inputs (the Triton path's) elsewhere
+def test_pytorch_backends_upcast_half_values():
+    """lt_product with bf16 values on 'loop' / 'batched' equals the fp32 values (the PyTorch backends compute in
+    the features' dtype)."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(1, 2, 1, 40, 4, generator=gen) for _ in range(2))
+    c = torch.randn(1, 2, 1, 40, 9, generator=gen).to(torch.bfloat16)
+    for backend in ("loop", "batched"):
+        got = lt_product(a, b, c, 16, True, True, backend)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, lt_product(a, b, c.float(), 16, True, True, backend), rtol=0, atol=0)
+
+
+def test_pytorch_local_blocks_upcast_half_inputs():
+    """The PyTorch exact blocks and window (the fallback of the Triton ones) given bf16 q, k, [v, 1] compute what
+    they compute from their fp32 copies."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, g, 40, 8, generator=gen).to(torch.bfloat16) for g in (2, 1, 1))
+    vext = _with_normaliser(v, None)
+    for opts, method in ((dict(kind="polysketch", local_exact=True), "_local_exact"),
+                         (dict(kind="linear", window=8), "_window_local")):
+        mod = PolyAttention(PolyAttnConfig(block_size=16, backend="loop", **opts), 4, 8, 2)
+        args = (None, True, 0.3) + (("polynomial",) if method == "_local_exact" else ())
+        got = getattr(mod, method)(q, k, vext, *args)[0]
+        want = getattr(mod, method)(q.float(), k.float(), vext.float(), *args)[0]
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def _interpreted_triton() -> bool:
+    """The Triton kernels run here on CPU tensors: triton is installed and in its interpreter (tests/conftest.py
+    sets TRITON_INTERPRET=1 without a GPU)."""
+    return triton_available() and os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+triton_only = pytest.mark.skipif(not _interpreted_triton(), reason="needs triton in its interpreter (CPU tensors)")
+
+
+@triton_only
+@pytest.mark.parametrize("layer", ["polysketch-local", "polysketch", "linear-elu", "performer", "polysketch-window128"])
+def test_bf16_triton_inputs_stay_half(layer, monkeypatch):
+    """The bf16 layer with q, k, v handed to the kernels in bf16 gives the output it gave with the fp32 copies, to
+    the bit (the kernels convert on load, the feature maps upcast their own inputs), and its gradients up to bf16
+    rounding (where two parts of the layer add their bf16 gradients of one input)."""
+    cfg = layer_config(layer, **(dict(num_features=32) if layer == "performer" else {}))
+    gen = torch.Generator().manual_seed(8)
+    mod = cfg.spec.module_class()(cfg, 2, 64)
+    with torch.no_grad():  # a trained layer: learned sketches and projections away from their identity start
+        for p in mod.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    mod = mod.to(torch.bfloat16)
+    x = [torch.randn(1, 2, 320, 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    g = torch.randn(1, 2, 320, 64, generator=gen).to(torch.bfloat16)
+    results = []
+    for keep_half in (True, False):
+        monkeypatch.setattr(type(mod), "_half_on_triton", lambda self, *a, keep=keep_half: keep)
+        xs = [t.clone().requires_grad_() for t in x]
+        out = mod(*xs, causal=True)
+        results.append((out, torch.autograd.grad(out, xs, g)))
+    (out, grads), (out_fp32, grads_fp32) = results
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out_fp32)
+    for a, b in zip(grads, grads_fp32):
+        assert a.dtype == torch.bfloat16
+        assert (a.float() - b.float()).norm() <= 2**-7 * b.float().norm()
