@@ -34,6 +34,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     _int_power,
     _safe_divide,
     _with_normaliser,
+    normalised_sum,
     to_work,
     work_dtype,
 )
@@ -340,27 +341,29 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         block = cfg.block_size
         if local is not None and mask is not None and kv0 is None:
             _warn_if_misaligned_left_padding(mask, block)
+        loc = far_scale = None
         if causal:
             if lq < lk:
                 fq = F.pad(fq, (0, 0, lk - lq, 0))
             if cfg.causal_algorithm == "cumsum":
-                num = lt_multiply_cumsum(full(fq), full(fk), vext)
+                far = lt_multiply_cumsum(full(fq), full(fk), vext)
             else:
-                num = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32)
+                far = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32)
             if kv0 is not None:
-                num = num + torch.matmul(full(fq), kv0)
+                far = far + torch.matmul(full(fq), kv0)
             if local is not None:
                 qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5
                 if q_log_scale is not None:
                     q_log_scale = F.pad(q_log_scale, (0, 0, lk - lq, 0)) if lq < lk else q_log_scale
                 loc, far_scale = self._local_exact(qs, k5, vext, mask, True, scale, local, q_log_scale, tf32)
-                num = loc + num if far_scale is None else loc + far_scale * num
-            num = num[..., lk - lq :, :]
+                loc = loc[..., lk - lq :, :]
+                far_scale = None if far_scale is None else far_scale[..., lk - lq :, :]
+            far = far[..., lk - lq :, :]
         else:
             fq, fk = full(fq), full(fk)
             kv = torch.matmul(fk.transpose(-1, -2), vext)
             if local is None:
-                num = torch.matmul(fq, kv)
+                far = torch.matmul(fq, kv)
             else:
                 if lq != lk:
                     raise ValueError("local_exact with bidirectional attention needs q_len == kv_len "
@@ -372,5 +375,5 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 own = torch.matmul(fkb.transpose(-1, -2), vb)  # (.., nb, F, e)
                 far = torch.matmul(fqb, kv.unsqueeze(3) - own).flatten(3, 4)[..., :lq, :]
                 loc, far_scale = self._local_exact(q5, k5, vext, mask, False, scale, local, q_log_scale, tf32)
-                num = loc + far if far_scale is None else loc + far_scale * far
-        return self._normalise(num), (fk, square), vext
+        out = normalised_sum(far, loc, far_scale, self.config.denominator_offset, vext.dtype)
+        return out, (fk, square), vext

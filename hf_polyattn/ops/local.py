@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backend import _is_auto, resolve_backend
-from .common import to_work
+from .common import normalised_sum, to_work
 from .sketches import symmetric_square
 from .window import shifted_lt, window_scores, window_tiles
 
@@ -106,8 +106,10 @@ class LocalExactMixin:
         if self.config.window_mix:
             mix = self.window_mix.to(loc.dtype)
             far_scale = mix if far_scale is None else far_scale * mix
-        num = loc + (far if far_scale is None else far_scale * far)
-        return self._normalise(num[..., lk - lq :, :])
+        if far_scale is not None and far_scale.shape[-2] > 1:  # per row (not window_mix alone): the query rows
+            far_scale = far_scale[..., lk - lq :, :]
+        return normalised_sum(far[..., lk - lq :, :], loc[..., lk - lq :, :], far_scale, self.config.denominator_offset,
+                              vext.dtype)
 
     def _window_local(self, qs, ks, vext, mask, causal, scale, q_log_scale=None, tf32=None):
         """(loc, far scale) of the exact window part: the Triton kernels on the 'triton' backend (weights

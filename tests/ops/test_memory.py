@@ -16,7 +16,7 @@ from hf_polyattn import PolyAttnConfig
 from hf_polyattn.live_memory import PeakLive, layer_config
 from hf_polyattn.ops import PolyAttention
 from hf_polyattn.ops.backend import lt_product, triton_available
-from hf_polyattn.ops.common import _with_normaliser
+from hf_polyattn.ops.common import _safe_divide, _with_normaliser, normalised_sum
 
 
 def _peak_units(opts: dict, n: int, heads: int = 4, kv_heads: int = 2, d: int = 32) -> float:
@@ -126,3 +126,57 @@ def test_bf16_triton_inputs_stay_half(layer, monkeypatch):
     for a, b in zip(grads, grads_fp32):
         assert a.dtype == torch.bfloat16
         assert (a.float() - b.float()).norm() <= 2**-7 * b.float().norm()
+
+
+# ------------------------------------------------------------------ the normalised sum (ops/common.py)
+def _composition(far, loc, far_scale, offset):
+    """What PolyAttention computed before normalised_sum: the sum, then _safe_divide on its slices."""
+    num = far if far_scale is None else far * far_scale
+    num = num if loc is None else loc + num
+    d = num.shape[-1] - 1
+    return _safe_divide(num[..., :d], num[..., d:] + offset)
+
+
+def _sum_inputs(case: str, dtype):
+    gen = torch.Generator().manual_seed(3)
+    far = torch.randn(2, 2, 1, 9, 6, generator=gen, dtype=dtype)  # one kv group slot, broadcast over 2 groups
+    far[..., -1] = far[..., -1].abs() + 0.2
+    far[0, 1, 0, 4, -1] = -5.0  # a denominator <= 0: that row is 0 and passes no gradient
+    loc = None if case == "far" else torch.randn(2, 2, 2, 9, 6, generator=gen, dtype=dtype)
+    scale = {"far": None, "loc": None, "rows": torch.rand(2, 2, 2, 9, 1, generator=gen, dtype=dtype) + 0.5,
+             "mix": torch.rand(2, 2, 1, 1, generator=gen, dtype=dtype) + 0.5}[case]  # mix: window_mix's shape
+    return [None if t is None else t.requires_grad_() for t in (far, loc, scale)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", ["far", "loc", "rows", "mix"])
+def test_normalised_sum_equals_the_composition(case, dtype):
+    """Values and gradients equal to the bit to the composition it replaces (its backward computes the same
+    operations), with a denominator <= 0 in one row; and gradcheck in float64."""
+    xs = _sum_inputs(case, dtype)
+    got, want = normalised_sum(*xs, 0.5), _composition(*xs, 0.5)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert (got[0, 1, :, 4] == 0).all()
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    live = [x for x in xs if x is not None]
+    for a, b in zip(torch.autograd.grad(got, live, g), torch.autograd.grad(want, live, g)):
+        assert torch.equal(a, b)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda *t: normalised_sum(*t, 0.5), tuple(xs))
+
+
+def test_normalised_sum_half_output_and_bad_offset():
+    """A bf16 output (what a bf16 layer returns): the composition's value cast to bf16, and its gradients for a
+    bf16 incoming gradient (an expanded one, as from .sum(), and a dense one), to the bit. A tensor offset is
+    refused by name."""
+    far, loc, scale = _sum_inputs("rows", torch.float32)
+    out = normalised_sum(far, loc, scale, 0.0, torch.bfloat16)
+    want = _composition(far, loc, scale, 0.0).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    dense = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    for g in (torch.ones((), dtype=torch.bfloat16).expand(out.shape), dense):
+        for a, b in zip(torch.autograd.grad(out, (far, loc, scale), g, retain_graph=True),
+                        torch.autograd.grad(want, (far, loc, scale), g, retain_graph=True)):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="offset"):
+        normalised_sum(far, loc, None, torch.zeros(1))
