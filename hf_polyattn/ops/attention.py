@@ -219,7 +219,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             kv0 = state.kv
 
         raw = (q5, k5)  # the model's own q, k: a sliding window's exact part scores with them
-        q5, k5 = self.kernel_inputs(q5, k5)
+        if not self._maps_with_features(path, state):
+            q5, k5 = self.kernel_inputs(q5, k5)
         q5, k5, v5 = self.path_inputs(path, q5, k5, v5)
         if state is not None and lq == 1 and self.decodes_by_step(path):
             out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw)
@@ -250,15 +251,36 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
 
     def kernel_inputs(self, q5: torch.Tensor, k5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k as the kernel sees them: the learnable projection (feature_proj), then the q/k
-        LayerNorm (qk_norm): q' = LayerNorm(q W), the calibration probe's map in PEERS.md. In the working dtype
-        (half-precision q, k of the Triton path are upcast first)."""
-        if self.config.feature_proj or self.config.qk_norm:
-            q5, k5 = to_work(q5, k5)
+        LayerNorm (qk_norm): q' = LayerNorm(q W), the calibration probe's map in PEERS.md."""
+        return self.kernel_input(q5, True), self.kernel_input(k5, False)
+
+    @property
+    def _maps_inputs(self) -> bool:
+        return bool(self.config.feature_proj or self.config.qk_norm)
+
+    def kernel_input(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """One side of ``kernel_inputs``, in the working dtype (half-precision q, k of the Triton path upcast)."""
+        if not self._maps_inputs:
+            return x
+        (x,) = to_work(x)
         if self.config.feature_proj:
-            q5, k5 = self.feature_proj(q5), self.feature_proj(k5)
+            x = self.feature_proj(x)
         if self.config.qk_norm:
-            q5, k5 = self.q_norm(q5), self.k_norm(k5)
-        return q5, k5
+            x = (self.q_norm if is_query else self.k_norm)(x)
+        return x
+
+    def _maps_with_features(self, path: str, state) -> bool:
+        """Whether ``kernel_inputs`` is applied inside each side's recomputed feature map (``_linear``) instead of
+        before the path: on this class's kernel product path when only the features read the mapped q, k (a
+        sliding window's exact part scores the model's own q, k; block-diagonal ``local_exact`` blocks read the
+        mapped ones). Recomputed, the projection's fp32 input and output (2 bf16 query units each per side) are not
+        kept for backward: the bf16 polysketch + window 128 + feature_proj 64 layer peaked at 24.44 bf16 query units
+        with them kept, 16.19 without (n = 1024, H = 4, counted storages on a 2-core CPU, recipes/memory_layers.py)."""
+        cfg = self.config
+        return (self._maps_inputs and state is None and path == "linear" and self.feature_map is not None
+                and type(self).run_path is PolyAttention.run_path
+                and type(self).path_inputs is PolyAttention.path_inputs
+                and (bool(cfg.window) or cfg.resolved_local_kernel is None))
 
     def _feature_inputs(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         # linear maps act on raw (or LayerNorm-ed) q/k as in Katharopoulos et al.; the
@@ -296,13 +318,16 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         off = self.config.denominator_offset if offset is None else offset
         return _safe_divide(num[..., :d], num[..., d:] + off)
 
-    def _side_features(self, x, scale, is_query):
+    def _side_features(self, x, scale, is_query, map_input=False):
         """(features, FAVOR+'s query log scale or None) of one side (queries or keys) for the kernel part.
 
         polysketch: the r-dim sketches (the block algorithm squares them itself, block by block:
         r(r+1)/2 features never stored); other maps hand over their features. Always computed in the working
         dtype (half-precision inputs of the Triton path upcast here, inside the recomputed part).
+        ``map_input``: x is the model's own q or k, ``kernel_input`` is applied here first.
         """
+        if map_input:
+            x = self.kernel_input(x, is_query)
         (x,) = to_work(x)
         x = self._feature_inputs(x, scale)
         if self.feature_map.squares:
@@ -317,7 +342,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         cfg = self.config
         lq, lk = q5.shape[3], k5.shape[3]
         square = self.feature_map.squares
-        params = any(p.requires_grad for p in self.feature_map.parameters())
+        # forward left kernel_inputs to the features (_maps_with_features): q5, k5 are still the model's own
+        map_input = self._maps_inputs and q5 is raw[0]
+        params = any(p.requires_grad for p in (self.parameters() if map_input else self.feature_map.parameters()))
         sides = []
         for x, is_query in ((q5, True), (k5, False)):
             if torch.is_grad_enabled() and (x.requires_grad or params):
@@ -325,9 +352,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'
                 # activations were 7 of the 18.4 (n x H x d fp32)-sized tensors alive after a polysketch +
                 # local exact forward; the features are a few thin matmuls (~3% of the layer's flops).
-                sides.append(checkpoint(self._side_features, x, scale, is_query, use_reentrant=False))
+                sides.append(checkpoint(self._side_features, x, scale, is_query, map_input, use_reentrant=False))
             else:
-                sides.append(self._side_features(x, scale, is_query))
+                sides.append(self._side_features(x, scale, is_query, map_input))
         (fq, q_log_scale), (fk, _) = sides
 
         def full(x):
