@@ -26,10 +26,18 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import PolyAttnConfig
-from .backend import lt_product
+from .backend import lt_product, resolve_backend
 from .base import AttentionBase, layer_seed
 from .causal import lt_multiply_cumsum
-from .common import _int_power, _safe_divide, _with_normaliser  # noqa: F401  (re-exported)
+from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser: re-exported)
+    HALF,
+    _int_power,
+    _safe_divide,
+    _with_normaliser,
+    normalised_sum,
+    to_work,
+    work_dtype,
+)
 from .feature_maps import FeatureMap
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
@@ -187,7 +195,12 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         out_dtype = query.dtype
-        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        path = self._recurrent_path() if state is not None else self.choose_path(lq, lk, causal)
+        work = work_dtype(query.dtype)
+        if state is None and query.dtype in HALF and self._half_on_triton(path, causal, query.device):
+            # the kernels load bf16/fp16 and convert on chip: fp32 copies of q, k, v (2 bf16 query units each, kept
+            # for backward) and an fp32 [v, 1] were 2 to 7 units of a bf16 layer's peak (recipes/memory_layers.py)
+            work = query.dtype
         bsz = query.shape[0]
         q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, lq, self.head_dim)
         k5 = key.to(work).unsqueeze(2)
@@ -204,18 +217,16 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                     new = mask if mask is not None else torch.ones(bsz, lk, dtype=torch.bool, device=query.device)
                     mask = torch.cat([old, new], dim=1)
             kv0 = state.kv
-            path = self._recurrent_path()
-        else:
-            path = self.choose_path(lq, lk, causal)
 
         raw = (q5, k5)  # the model's own q, k: a sliding window's exact part scores with them
-        q5, k5 = self.kernel_inputs(q5, k5)
+        if not self._maps_with_features(path, state):
+            q5, k5 = self.kernel_inputs(q5, k5)
         q5, k5, v5 = self.path_inputs(path, q5, k5, v5)
         if state is not None and lq == 1 and self.decodes_by_step(path):
             out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw)
             return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), new_state
         # half-precision models: the Triton kernels' dots take tf32 operands (fp32 accumulation)
-        tf32 = True if out_dtype in (torch.bfloat16, torch.float16) else None
+        tf32 = True if out_dtype in HALF else None
         out, fk, vext, kv_end = self.run_path(path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32)
         out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
         if state is None:
@@ -224,14 +235,52 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             return out, RecurrentState(kv_end, None, None, None, state.length + lk)
         return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path)
 
+    def _half_on_triton(self, path: str, causal: bool, device: torch.device) -> bool:
+        """Whether half-precision q, k, v go to this call's kernels as they are, without fp32 copies: on the
+        'triton' backend the causal product and the exact local part (blocks, window) read bf16/fp16 and convert to
+        fp32 on load, while the feature maps and the q/k maps (``kernel_inputs``) upcast their own inputs. Only the
+        kernel product path of this class (a subclass's own ``run_path`` keeps its fp32 inputs), without a recurrent
+        state, causal or with a window (the bidirectional product without one is a PyTorch matmul), and not the
+        per-token cumsum. Where the product or the local part still falls back to PyTorch under 'auto' (over 256
+        feature columns, head dims over 128, squared coefficient polynomials) they upcast there."""
+        cfg = self.config
+        return (path == "linear" and self.feature_map is not None and (causal or bool(cfg.window))
+                and cfg.causal_algorithm != "cumsum" and type(self).run_path is PolyAttention.run_path
+                and type(self).path_inputs is PolyAttention.path_inputs
+                and resolve_backend(cfg.backend, device) == "triton")
+
     def kernel_inputs(self, q5: torch.Tensor, k5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k as the kernel sees them: the learnable projection (feature_proj), then the q/k
         LayerNorm (qk_norm): q' = LayerNorm(q W), the calibration probe's map in PEERS.md."""
+        return self.kernel_input(q5, True), self.kernel_input(k5, False)
+
+    @property
+    def _maps_inputs(self) -> bool:
+        return bool(self.config.feature_proj or self.config.qk_norm)
+
+    def kernel_input(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """One side of ``kernel_inputs``, in the working dtype (half-precision q, k of the Triton path upcast)."""
+        if not self._maps_inputs:
+            return x
+        (x,) = to_work(x)
         if self.config.feature_proj:
-            q5, k5 = self.feature_proj(q5), self.feature_proj(k5)
+            x = self.feature_proj(x)
         if self.config.qk_norm:
-            q5, k5 = self.q_norm(q5), self.k_norm(k5)
-        return q5, k5
+            x = (self.q_norm if is_query else self.k_norm)(x)
+        return x
+
+    def _maps_with_features(self, path: str, state) -> bool:
+        """Whether ``kernel_inputs`` is applied inside each side's recomputed feature map (``_linear``) instead of
+        before the path: on this class's kernel product path when only the features read the mapped q, k (a
+        sliding window's exact part scores the model's own q, k; block-diagonal ``local_exact`` blocks read the
+        mapped ones). Recomputed, the projection's fp32 input and output (2 bf16 query units each per side) are not
+        kept for backward: the bf16 polysketch + window 128 + feature_proj 64 layer peaked at 24.44 bf16 query units
+        with them kept, 16.19 without (n = 1024, H = 4, counted storages on a 2-core CPU, recipes/memory_layers.py)."""
+        cfg = self.config
+        return (self._maps_inputs and state is None and path == "linear" and self.feature_map is not None
+                and type(self).run_path is PolyAttention.run_path
+                and type(self).path_inputs is PolyAttention.path_inputs
+                and (bool(cfg.window) or cfg.resolved_local_kernel is None))
 
     def _feature_inputs(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         # linear maps act on raw (or LayerNorm-ed) q/k as in Katharopoulos et al.; the
@@ -269,25 +318,33 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         off = self.config.denominator_offset if offset is None else offset
         return _safe_divide(num[..., :d], num[..., d:] + off)
 
-    def _side_features(self, x, scale, is_query):
+    def _side_features(self, x, scale, is_query, map_input=False):
         """(features, FAVOR+'s query log scale or None) of one side (queries or keys) for the kernel part.
 
         polysketch: the r-dim sketches (the block algorithm squares them itself, block by block:
-        r(r+1)/2 features never stored); other maps hand over their features.
+        r(r+1)/2 features never stored); other maps hand over their features. Always computed in the working
+        dtype (half-precision inputs of the Triton path upcast here, inside the recomputed part).
+        ``map_input``: x is the model's own q or k, ``kernel_input`` is applied here first.
         """
+        if map_input:
+            x = self.kernel_input(x, is_query)
+        (x,) = to_work(x)
+        x = self._feature_inputs(x, scale)
         if self.feature_map.squares:
-            return self.feature_map.sketch_features(self._feature_inputs(x, scale)), None
+            return self.feature_map.sketch_features(x), None
         if self.feature_map.log_scaled and is_query:
             # FAVOR+ query features carry a per-row stabiliser exp(-c): cancels in the ratio,
             # but the exact softmax blocks must be put on the same scale (far_scale in _linear).
-            return self.feature_map.forward_with_log_scale(self._feature_inputs(x, scale), True)
-        return self.feature_map(self._feature_inputs(x, scale), is_query), None
+            return self.feature_map.forward_with_log_scale(x, True)
+        return self.feature_map(x, is_query), None
 
     def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
         cfg = self.config
         lq, lk = q5.shape[3], k5.shape[3]
         square = self.feature_map.squares
-        params = any(p.requires_grad for p in self.feature_map.parameters())
+        # forward left kernel_inputs to the features (_maps_with_features): q5, k5 are still the model's own
+        map_input = self._maps_inputs and q5 is raw[0]
+        params = any(p.requires_grad for p in (self.parameters() if map_input else self.feature_map.parameters()))
         sides = []
         for x, is_query in ((q5, True), (k5, False)):
             if torch.is_grad_enabled() and (x.requires_grad or params):
@@ -295,9 +352,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'
                 # activations were 7 of the 18.4 (n x H x d fp32)-sized tensors alive after a polysketch +
                 # local exact forward; the features are a few thin matmuls (~3% of the layer's flops).
-                sides.append(checkpoint(self._side_features, x, scale, is_query, use_reentrant=False))
+                sides.append(checkpoint(self._side_features, x, scale, is_query, map_input, use_reentrant=False))
             else:
-                sides.append(self._side_features(x, scale, is_query))
+                sides.append(self._side_features(x, scale, is_query, map_input))
         (fq, q_log_scale), (fk, _) = sides
 
         def full(x):
@@ -311,27 +368,29 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         block = cfg.block_size
         if local is not None and mask is not None and kv0 is None:
             _warn_if_misaligned_left_padding(mask, block)
+        loc = far_scale = None
         if causal:
             if lq < lk:
                 fq = F.pad(fq, (0, 0, lk - lq, 0))
             if cfg.causal_algorithm == "cumsum":
-                num = lt_multiply_cumsum(full(fq), full(fk), vext)
+                far = lt_multiply_cumsum(full(fq), full(fk), vext)
             else:
-                num = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32)
+                far = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32)
             if kv0 is not None:
-                num = num + torch.matmul(full(fq), kv0)
+                far = far + torch.matmul(full(fq), kv0)
             if local is not None:
                 qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5
                 if q_log_scale is not None:
                     q_log_scale = F.pad(q_log_scale, (0, 0, lk - lq, 0)) if lq < lk else q_log_scale
                 loc, far_scale = self._local_exact(qs, k5, vext, mask, True, scale, local, q_log_scale, tf32)
-                num = loc + num if far_scale is None else loc + far_scale * num
-            num = num[..., lk - lq :, :]
+                loc = loc[..., lk - lq :, :]
+                far_scale = None if far_scale is None else far_scale[..., lk - lq :, :]
+            far = far[..., lk - lq :, :]
         else:
             fq, fk = full(fq), full(fk)
             kv = torch.matmul(fk.transpose(-1, -2), vext)
             if local is None:
-                num = torch.matmul(fq, kv)
+                far = torch.matmul(fq, kv)
             else:
                 if lq != lk:
                     raise ValueError("local_exact with bidirectional attention needs q_len == kv_len "
@@ -343,5 +402,5 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 own = torch.matmul(fkb.transpose(-1, -2), vb)  # (.., nb, F, e)
                 far = torch.matmul(fqb, kv.unsqueeze(3) - own).flatten(3, 4)[..., :lq, :]
                 loc, far_scale = self._local_exact(q5, k5, vext, mask, False, scale, local, q_log_scale, tf32)
-                num = loc + far if far_scale is None else loc + far_scale * far
-        return self._normalise(num), (fk, square), vext
+        out = normalised_sum(far, loc, far_scale, self.config.denominator_offset, vext.dtype)
+        return out, (fk, square), vext

@@ -43,7 +43,7 @@ from ..config import BACKENDS
 from .causal import lt_multiply, lt_multiply_batched
 
 __all__ = ["BACKENDS", "ENV_VAR", "FLA_VERSION", "fla_available", "lt_multiply_fla", "lt_product",
-           "resolve_backend", "triton_available"]
+           "product_backend", "resolve_backend", "triton_available"]
 
 ENV_VAR = "HF_POLYATTN_BACKEND"
 
@@ -149,6 +149,15 @@ def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.
     return out.squeeze(0).transpose(0, 1).reshape(*lead, n, c.shape[-1]).float()
 
 
+def product_backend(requested: str, device: torch.device, dtype: torch.dtype, features: int) -> str:
+    """The backend ``lt_product`` runs for ``features`` input columns (r before squaring): ``resolve_backend``,
+    except that 'auto' leaves 'triton' for 'batched' beyond the kernels' tiles (performer with num_features > 256)."""
+    which = resolve_backend(requested, device, dtype)
+    if which == "triton" and features > TRITON_MAX_INPUT_FEATURES and _is_auto(requested):
+        which = "batched"
+    return which
+
+
 def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: int, include_diag: bool,
                square: bool, backend: str = "auto", tf32: bool | None = None) -> torch.Tensor:
     """lt(phi(A) phi(B)^T) C by the chosen backend (see the module doc).
@@ -157,9 +166,9 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     the attention module passes True for half-precision models. The PyTorch backends follow
     torch's own float32 matmul setting.
     """
-    which = resolve_backend(backend, a.device, a.dtype)
-    if which == "triton" and a.shape[-1] > TRITON_MAX_INPUT_FEATURES and _is_auto(backend):
-        which = "batched"  # e.g. performer with num_features > 256: beyond the kernels' tiles
+    which = product_backend(backend, a.device, a.dtype, a.shape[-1])
+    if which in ("loop", "batched") and c.dtype != a.dtype:
+        c = c.to(torch.promote_types(a.dtype, c.dtype))  # half values: the PyTorch backends compute in fp32
     if which == "fla":
         if square or not include_diag:
             raise ValueError("backend='fla' computes identity features with the diagonal included (the linear and "

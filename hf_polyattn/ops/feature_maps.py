@@ -193,14 +193,20 @@ class PerformerFeatureMap(FeatureMap):
         return self.forward_with_log_scale(x, is_query)[0]
 
     def forward_with_log_scale(self, x: torch.Tensor, is_query: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features divided by exp(c) and c (per row for queries, one constant for keys)."""
-        proj = project(x, self.omega) - 0.5 * (x * x).sum(-1, keepdim=True)
-        if is_query:
-            c = proj.amax(dim=-1, keepdim=True).detach()
-        else:
-            half_norm = 0.5 * self.omega.to(x.dtype).pow(2).sum(-2, keepdim=True).amax(-1, keepdim=True)
-            c = (half_norm - 30.0).clamp_min(0.0)
-        return torch.exp(proj - c) / math.sqrt(self.num_features), c
+        """Features divided by exp(c) and c (per row for queries, one constant for keys).
+
+        n x m fp32 at m = 256 is 8 bf16 query units a side: ``proj`` (a fresh matmul product) is shifted in place
+        and 1/sqrt(m) taken into the exponent, so the features are exp's own output (which its backward keeps)
+        and no second n x m copy is made; the same values up to rounding (exp(a - log sqrt m) for exp(a) / sqrt m).
+        """
+        proj = project(x, self.omega).sub_(0.5 * (x * x).sum(-1, keepdim=True))
+        with torch.no_grad():
+            if is_query:
+                c = proj.amax(dim=-1, keepdim=True)
+            else:
+                half_norm = 0.5 * self.omega.to(x.dtype).pow(2).sum(-2, keepdim=True).amax(-1, keepdim=True)
+                c = (half_norm - 30.0).clamp_min(0.0)
+        return torch.exp(proj.sub_(c + 0.5 * math.log(self.num_features))), c
 
 
 @register_feature_map("polysketch")

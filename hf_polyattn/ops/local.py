@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backend import _is_auto, resolve_backend
+from .common import normalised_sum, to_work
 from .sketches import symmetric_square
 from .window import shifted_lt, window_scores, window_tiles
 
@@ -105,8 +106,10 @@ class LocalExactMixin:
         if self.config.window_mix:
             mix = self.window_mix.to(loc.dtype)
             far_scale = mix if far_scale is None else far_scale * mix
-        num = loc + (far if far_scale is None else far_scale * far)
-        return self._normalise(num[..., lk - lq :, :])
+        if far_scale is not None and far_scale.shape[-2] > 1:  # per row (not window_mix alone): the query rows
+            far_scale = far_scale[..., lk - lq :, :]
+        return normalised_sum(far[..., lk - lq :, :], loc[..., lk - lq :, :], far_scale, self.config.denominator_offset,
+                              vext.dtype)
 
     def _window_local(self, qs, ks, vext, mask, causal, scale, q_log_scale=None, tf32=None):
         """(loc, far scale) of the exact window part: the Triton kernels on the 'triton' backend (weights
@@ -116,6 +119,7 @@ class LocalExactMixin:
                                     q_log_scale, tf32, window=self.config.window)
         if triton is not None:
             return triton
+        qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
         grad = torch.is_grad_enabled() and (
             any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale))
             or any(p.requires_grad for p in self.parameters()))
@@ -149,6 +153,7 @@ class LocalExactMixin:
         triton = self._local_triton(qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32)
         if triton is not None:
             return triton
+        qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
         span = _LOCAL_GROUP.get(ks.device.type, _LOCAL_GROUP_ACCELERATOR) * self.config.block_size
         n = ks.shape[3]
         grad = torch.is_grad_enabled() and (
@@ -168,18 +173,25 @@ class LocalExactMixin:
             return loc, None
         return loc, scales[0] if len(scales) == 1 else torch.cat(scales, dim=3)
 
+    def _local_uses_triton(self, kernel: str, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether ``_local_triton`` runs the exact local part with ``kernel`` on ``head_dim``-wide q/k and values."""
+        from .triton import LOCAL_MAX_HEAD_DIM
+
+        cfg = self.config
+        if resolve_backend(cfg.backend, device, dtype) != "triton" or (
+                kernel != "softmax" and cfg.poly_coefficients is not None):
+            return False
+        return head_dim <= LOCAL_MAX_HEAD_DIM or not _is_auto(cfg.backend)
+
     def _local_triton(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32, window=0):
         """(loc, far scale) of the diagonal blocks (``window`` 0) or the sliding window from the Triton
         kernels (``ops.triton.local_blocks_triton``), or None where they do not apply: another backend,
         squared coefficient polynomials (``poly_coefficients``), or under 'auto' head dims beyond their tiles."""
         cfg = self.config
-        if resolve_backend(cfg.backend, ks.device, ks.dtype) != "triton" or (
-                kernel != "softmax" and cfg.poly_coefficients is not None):
+        if not self._local_uses_triton(kernel, max(qs.shape[-1], vext.shape[-1] - 1), ks.device, ks.dtype):
             return None
-        from .triton import LOCAL_MAX_HEAD_DIM, local_blocks_triton
+        from .triton import local_blocks_triton
 
-        if max(qs.shape[-1], vext.shape[-1] - 1) > LOCAL_MAX_HEAD_DIM and _is_auto(cfg.backend):
-            return None
         loc, log_far = local_blocks_triton(qs, ks, vext, cfg.block_size, causal, scale, kernel, mask,
                                            self._exact_power, cfg.alpha, cfg.beta, tf32, window)
         return loc, far_scale(log_far, q_log_scale)
