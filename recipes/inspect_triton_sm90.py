@@ -148,7 +148,8 @@ def lt_cases(n: int, H: int):
         saved, causal.SQUARE_TILES = causal.SQUARE_TILES, tiles  # False: the layout before the square tiles
         try:
             with captured(_kernels) as launches:
-                p = causal._Plan(a, b, c, 256, diag, square, True)
+                # linear elu+1 as the attention layer runs it: raw q, k, the activation applied on load
+                p = causal._Plan(a, b, c, 256, diag, square, True, None if square else "elu")
                 causal._forward(p, a, b, c)
                 causal._backward(p, a, b, c, torch.randn(1, H, n, 65), True, True, True)
         finally:

@@ -15,7 +15,9 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
 * ``profile_lt`` / ``profile_layer``: torch.profiler tables of one forward+backward at 32k (the
   product alone; a polysketch + local exact layer in a bf16 module);
 * ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend (``fla`` too
-  for linear and performer when fla-core is installed);
+  for linear and performer when fla-core is installed), with peak memory; ``linear-elu`` on ``triton`` also
+  as before its map moved into the kernels (backend ``triton-mapped``: ``attention.KERNEL_ACTIVATIONS = False``,
+  elu + 1 applied in PyTorch to fp32 copies of q, k);
 * ``fla_rows``: fla-core's ``chunk_linear_attn`` with elu+1 features, when fla-core is installed
   (its autotuning takes minutes on the first call of each shape).
 
@@ -174,13 +176,17 @@ LAYER = {
 
 
 def layer_rows():
+    from hf_polyattn.ops import attention
     from hf_polyattn.ops.backend import fla_available
 
     for label, opts in LAYER.items():
         # backend='fla' (fla-core's chunk kernel) serves identity features with the diagonal: linear, performer
         fla = ("fla",) if fla_available() and opts["kind"] in ("linear", "performer") else ()
-        for backend in ("triton", "batched", *fla):
+        mapped = ("triton-mapped",) if label == "linear-elu" else ()
+        for row in ("triton", *mapped, "batched", *fla):
+            backend = row.split("-")[0]
             pa = PolyAttention(PolyAttnConfig(backend=backend, **opts), H, 64).to(dev).to(torch.bfloat16)
+            attention.KERNEL_ACTIVATIONS = row != "triton-mapped"
             for n in (2048, 8192, 32768, 65536):
                 if backend == "batched" and n > 32768:
                     continue
@@ -189,12 +195,13 @@ def layer_rows():
                 f = lambda pa=pa, q=q, k=k, v=v: pa(q, k, v, causal=True)  # noqa: E731
                 try:
                     torch.cuda.reset_peak_memory_stats()
-                    rec(what="layer", kind=label, backend=backend, n=n, fwd_ms=do_bench(f),
+                    rec(what="layer", kind=label, backend=row, n=n, fwd_ms=do_bench(f),
                         fb_ms=do_bench(fb(f, q, k, v)), peak_mb=torch.cuda.max_memory_allocated() / 2**20)
                 except Exception as err:
-                    rec(what="layer", kind=label, backend=backend, n=n, error=repr(err)[:300])
+                    rec(what="layer", kind=label, backend=row, n=n, error=repr(err)[:300])
                 del q, k, v
                 torch.cuda.empty_cache()
+            attention.KERNEL_ACTIVATIONS = True
 
 
 def profile_layer():

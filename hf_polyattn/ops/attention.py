@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import PolyAttnConfig
-from .backend import lt_product, resolve_backend
+from .backend import lt_product, product_backend, resolve_backend
 from .base import AttentionBase, layer_seed
 from .causal import lt_multiply_cumsum
 from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser: re-exported)
@@ -45,6 +45,12 @@ from .sketches import project, symmetric_square
 from .state import RecurrentState
 
 __all__ = ["HeadLayerNorm", "HeadProjection", "PolyAttention", "RecurrentState", "layer_seed"]
+
+
+# the linear maps' elu + 1 / relu applied by the Triton kernels as they load q, k (``_product_activation``); False
+# maps fp32 copies in PyTorch and hands the kernels feature tensors, as before (recipes/profile_gpu_kernels.py
+# layer_rows times both: ``triton`` and ``triton-mapped``)
+KERNEL_ACTIVATIONS = True
 
 
 class HeadLayerNorm(nn.Module):
@@ -338,16 +344,35 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             return self.feature_map.forward_with_log_scale(x, True)
         return self.feature_map(x, is_query), None
 
+    def _product_activation(self, causal: bool, kv0, x: torch.Tensor) -> str | None:
+        """The feature map as ``lt_product``'s ``activation`` when the causal product runs on the Triton kernels,
+        which apply it as they load q and k: elu + 1 / relu features and their gradients (n x d fp32 each, 2 bf16
+        query units: 8 of a bf16 linear-elu layer's 13.84 at its peak, n = 512, H = 2) never exist. None elsewhere
+        (the PyTorch products read feature tensors; a window or a carried state read the features themselves)."""
+        fm, cfg = self.feature_map, self.config
+        if (not KERNEL_ACTIVATIONS or fm.activation is None or fm.scaled_inputs or not causal or kv0 is not None
+                or cfg.window or cfg.causal_algorithm == "cumsum"):
+            return None
+        return fm.activation if product_backend(cfg.backend, x.device, x.dtype, fm.num_features) == "triton" else None
+
     def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
         cfg = self.config
         lq, lk = q5.shape[3], k5.shape[3]
         square = self.feature_map.squares
         # forward left kernel_inputs to the features (_maps_with_features): q5, k5 are still the model's own
         map_input = self._maps_inputs and q5 is raw[0]
+        act = self._product_activation(causal, kv0, q5)
         params = any(p.requires_grad for p in (self.parameters() if map_input else self.feature_map.parameters()))
         sides = []
         for x, is_query in ((q5, True), (k5, False)):
-            if torch.is_grad_enabled() and (x.requires_grad or params):
+            if act is not None and not map_input:  # the kernels form the features from q, k themselves
+                sides.append((x, None))
+            elif act is not None:  # ... from the mapped q, k (recomputed in backward, as the features below)
+                grad = torch.is_grad_enabled() and (x.requires_grad or params)
+                y = checkpoint(self.kernel_input, x, is_query, use_reentrant=False) if grad else self.kernel_input(
+                    x, is_query)
+                sides.append((y, None))
+            elif torch.is_grad_enabled() and (x.requires_grad or params):
                 # Recomputed in backward, each side on its own: the feature maps' intermediates were the
                 # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'
                 # activations were 7 of the 18.4 (n x H x d fp32)-sized tensors alive after a polysketch +
@@ -375,7 +400,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             if cfg.causal_algorithm == "cumsum":
                 far = lt_multiply_cumsum(full(fq), full(fk), vext)
             else:
-                far = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32)
+                far = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32, act)
             if kv0 is not None:
                 far = far + torch.matmul(full(fq), kv0)
             if local is not None:
@@ -403,4 +428,6 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 far = torch.matmul(fqb, kv.unsqueeze(3) - own).flatten(3, 4)[..., :lq, :]
                 loc, far_scale = self._local_exact(q5, k5, vext, mask, False, scale, local, q_log_scale, tf32)
         out = normalised_sum(far, loc, far_scale, self.config.denominator_offset, vext.dtype)
+        if act is not None:  # fk is the map's input: the state after these keys (_next_state) maps it first
+            return out, (fk, square, lambda x: self.feature_map(x, False)), vext
         return out, (fk, square), vext

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.nn import functional as F
 
 from ..config import BACKENDS
 from .causal import lt_multiply, lt_multiply_batched
@@ -158,15 +159,30 @@ def product_backend(requested: str, device: torch.device, dtype: torch.dtype, fe
     return which
 
 
+# phi of ``lt_product(activation=...)``, named as the feature maps of ops/feature_maps.py
+ACTIVATIONS = {"elu": lambda x: F.elu(x) + 1.0, "relu": F.relu}
+
+
 def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: int, include_diag: bool,
-               square: bool, backend: str = "auto", tf32: bool | None = None) -> torch.Tensor:
+               square: bool, backend: str = "auto", tf32: bool | None = None,
+               activation: str | None = None) -> torch.Tensor:
     """lt(phi(A) phi(B)^T) C by the chosen backend (see the module doc).
 
     ``tf32``: operand precision of the Triton kernels' dots (``ops.triton.causal._precision``);
     the attention module passes True for half-precision models. The PyTorch backends follow
-    torch's own float32 matmul setting.
+    torch's own float32 matmul setting. ``activation`` ('elu': elu(x) + 1, 'relu'; identity features only):
+    phi(x) = that map of a and b; the Triton kernels apply it as they load a and b (no n x r feature tensors
+    or their gradients in memory), the other backends to a float32 (float64 stays) copy first.
     """
+    if activation is not None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be None or one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        if square:
+            raise ValueError(f"activation={activation!r} is for identity features: square must be False")
     which = product_backend(backend, a.device, a.dtype, a.shape[-1])
+    if activation is not None and which != "triton":
+        a, b = (ACTIVATIONS[activation](x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
+                for x in (a, b))
     if which in ("loop", "batched") and c.dtype != a.dtype:
         c = c.to(torch.promote_types(a.dtype, c.dtype))  # half values: the PyTorch backends compute in fp32
     if which == "fla":
@@ -179,6 +195,6 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     if which == "triton":
         from .triton import lt_multiply_triton
 
-        return lt_multiply_triton(a, b, c, block_size, include_diag, square, tf32)
+        return lt_multiply_triton(a, b, c, block_size, include_diag, square, tf32, activation)
     fn = lt_multiply if which == "loop" else lt_multiply_batched
     return fn(a, b, c, block_size, include_diag, square)

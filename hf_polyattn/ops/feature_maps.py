@@ -44,7 +44,9 @@ class FeatureMap(nn.Module):
     (the block algorithm squares them per block, never storing r(r+1)/2 features);
     ``log_scaled``: ``forward_with_log_scale`` gives query features divided by a per-row exp(c);
     ``per_head``: built as ``cls(kv_heads, dim)`` instead of ``cls(dim)``;
-    ``selectable``: a ``feature_map=`` choice of the linear kind (False for maps built by their own kind).
+    ``selectable``: a ``feature_map=`` choice of the linear kind (False for maps built by their own kind);
+    ``activation``: the map is this elementwise function of ``lt_product(activation=...)`` ('elu', 'relu'), which
+    the Triton kernels apply as they load q and k (a subclass that changes ``forward`` must set it back to None).
     """
 
     num_features: int
@@ -53,6 +55,7 @@ class FeatureMap(nn.Module):
     log_scaled = False
     per_head = False
     selectable = True
+    activation: str | None = None
 
     def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -83,6 +86,8 @@ def register_feature_map(name: str) -> Callable[[type[FeatureMap]], type[Feature
 class EluFeatureMap(FeatureMap):
     """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive, so weights are > 0."""
 
+    activation = "elu"
+
     def __init__(self, dim: int):
         super().__init__()
         self.num_features = dim
@@ -94,6 +99,8 @@ class EluFeatureMap(FeatureMap):
 @register_feature_map("relu")
 class ReluFeatureMap(FeatureMap):
     """phi(x) = relu(x); a row whose weights are all zero returns 0 rather than NaN."""
+
+    activation = "relu"
 
     def __init__(self, dim: int):
         super().__init__()

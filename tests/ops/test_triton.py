@@ -55,19 +55,23 @@ def _grads(out, g, xs):
     return torch.autograd.grad((out * g).sum(), xs)
 
 
-def _check_against_references(a, b, c, block, diag, square, grad_tol, tf32=None):
+def _check_against_references(a, b, c, block, diag, square, grad_tol, tf32=None, activation=None):
     """Output and gradients against both references: fp32 tolerances (inputs are exact in fp32)
-    unless the dots run in tf32 (half inputs on a GPU, or tf32=True): then the tf32 bounds above."""
-    out = lt_multiply_triton(a, b, c, block, diag, square, tf32)
+    unless the dots run in tf32 (half inputs on a GPU, or tf32=True): then the tf32 bounds above.
+    ``activation``: the references take that map of a and b (in float64, gradients through it)."""
+    from hf_polyattn.ops.backend import ACTIVATIONS
+
+    out = lt_multiply_triton(a, b, c, block, diag, square, tf32, activation)
     assert out.dtype == torch.float32
     assert torch.isfinite(out).all()
     a64, b64, c64 = (x.detach().double().requires_grad_() for x in (a, b, c))
-    ref = lt_multiply(a64, b64, c64, block, diag, square)
-    dense = _dense(a64, b64, c64, block, diag, square)
+    fa, fb = (ACTIVATIONS[activation](a64), ACTIVATIONS[activation](b64)) if activation else (a64, b64)
+    ref = lt_multiply(fa, fb, c64, block, diag, square)
+    dense = _dense(fa, fb, c64, block, diag, square)
     torch.testing.assert_close(ref, dense)  # the two references agree
     in_tf32 = COMPILED and (tf32 or (tf32 is None and a.dtype != torch.float32))
     if in_tf32:
-        absolute = _dense(a64, b64, c64, block, diag, square, absolute=True)
+        absolute = _dense(fa, fb, c64, block, diag, square, absolute=True)
         assert ((out.double() - ref).abs() <= TF32_REL * absolute + 1e-6).all()
     else:
         torch.testing.assert_close(out.double(), ref, **FP32_TOL)
@@ -298,6 +302,40 @@ def test_half_inputs_do_not_overflow():
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+ACT_CASES = [
+    pytest.param(act, r, diag, dt, id=f"{act}-r{r}-diag{int(diag)}-{str(dt).split('.')[-1]}")
+    for act in ("elu", "relu")
+    for r, diag in ((6, True), (8, False))  # r = 6: columns 6, 7 of the 8-wide tiles are padding (elu(0) + 1 = 1)
+    for dt in (torch.float32, torch.bfloat16)
+]
+
+
+@pytest.mark.parametrize("act,r,diag,dtype", ACT_CASES)
+def test_activation_matches_mapped_inputs(act, r, diag, dtype):
+    """activation='elu' / 'relu' (applied on load) equals the product of elu(x) + 1 / relu(x) of the inputs,
+    outputs and gradients w.r.t. the raw a, b (through the map) and c, against float64 references; the gradients
+    come back in the inputs' dtype."""
+    a, b, c = _inputs((2, 2), (2, 1), 45, r, 9, dtype, seed=11)
+    grad_tol = FP32_TOL if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-3)
+    _check_against_references(a, b, c, 16, diag, False, grad_tol, activation=act)
+
+
+def test_activation_is_causal_and_checked():
+    n, m = 53, 30
+    a, b, c = _inputs((2, 2), (2, 1), n, 4, 5, torch.float32, seed=4)
+    out = lt_multiply_triton(a, b, c, 16, True, False, activation="elu")
+    b2, c2 = b.detach().clone(), c.detach().clone()
+    b2[..., m:, :] = torch.randn_like(b2[..., m:, :]) * 10
+    c2[..., m:, :] = torch.randn_like(c2[..., m:, :]) * 10
+    out2 = lt_multiply_triton(a, b2, c2, 16, True, False, activation="elu")
+    assert torch.equal(out[..., :m, :], out2[..., :m, :])
+    assert not torch.allclose(out[..., m:, :], out2[..., m:, :])
+    with pytest.raises(ValueError, match="activation must be one of"):
+        lt_multiply_triton(a, b, c, 16, activation="gelu")
+    with pytest.raises(ValueError, match="square must be False"):
+        lt_multiply_triton(a, b, c, 16, True, True, activation="elu")
+
+
 def test_only_some_inputs_need_grad():
     a, b, c = _inputs((2,), (1,), 20, 4, 5, torch.float32, seed=6)
     b = b.detach()
@@ -333,6 +371,8 @@ MODULE_KINDS = [
     dict(kind="polysketch", sketch="learned", sketch_size=4, local_exact=True),
     dict(kind="polysketch", sketch="srht", sketch_size=4, degree=2),
     dict(kind="linear", feature_map="elu"),
+    dict(kind="linear", feature_map="relu", local_exact=True),
+    dict(kind="linear", feature_map="elu", feature_proj=16, qk_norm=True),
     dict(kind="performer", num_features=8, local_exact=True),
     dict(kind="polysketch", sketch="learned", sketch_size=4, window=5, feature_proj=16, qk_norm=True),
 ]
@@ -371,8 +411,56 @@ def test_attention_module_on_triton_backend(monkeypatch, opts, d):
         assert err_t <= 2 * err_l + 1e-6 * w.abs().max().item(), (name, err_t, err_l)
 
 
+@pytest.mark.parametrize("fmap", ["elu", "relu"])
+def test_linear_layer_hands_its_map_to_the_kernels(monkeypatch, fmap):
+    """On the 'triton' backend a causal linear elu+1 / relu layer passes raw q, k with activation=<map> (no feature
+    tensors), and the state after a prefill (folded from the keys through the map) continues it exactly: prefill
+    then steps equal the full forward."""
+    from hf_polyattn import PolyAttnConfig
+    from hf_polyattn.ops import PolyAttention, backend
+    from hf_polyattn.ops.backend import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "triton")
+    pa = PolyAttention(PolyAttnConfig(kind="linear", feature_map=fmap, block_size=16), 4, 8, 2).to(DEVICE)
+    seen = []
+    real = backend.lt_product
+
+    def spy(a, b, c, *args, **kwargs):
+        seen.append((tuple(a.shape), args[5:] + tuple(kwargs.values())))
+        return real(a, b, c, *args, **kwargs)
+
+    monkeypatch.setattr("hf_polyattn.ops.attention.lt_product", spy)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 40, 8, generator=gen).to(DEVICE) for h in (4, 2, 2))
+    full = pa(q, k, v, causal=True)
+    assert seen and seen[0][1] == (fmap,), seen
+    state = pa.init_state()
+    outs = []
+    for s, t in ((0, 33), (33, 34), (34, 40)):
+        o, state = pa(q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], causal=True, state=state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, **FP32_TOL)
+
+
 def test_auto_backend_knows_the_kernel_limit():
     from hf_polyattn.ops import backend
     from hf_polyattn.ops.triton import causal
 
     assert backend.TRITON_MAX_INPUT_FEATURES == causal._MAX_R
+
+
+def test_kernel_activations_switch(monkeypatch):
+    """attention.KERNEL_ACTIVATIONS = False (the before of profile_gpu_kernels.py's ``triton-mapped`` rows) maps q, k
+    in PyTorch and passes no activation; both give the same layer output."""
+    from hf_polyattn import PolyAttnConfig
+    from hf_polyattn.ops import PolyAttention, attention
+    from hf_polyattn.ops.backend import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "triton")
+    pa = PolyAttention(PolyAttnConfig(kind="linear", block_size=16), 2, 8).to(DEVICE)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=torch.Generator().manual_seed(i)).to(DEVICE) for i in range(3))
+    assert pa._product_activation(True, None, q) == "elu"
+    on = pa(q, k, v, causal=True)
+    monkeypatch.setattr(attention, "KERNEL_ACTIVATIONS", False)
+    assert pa._product_activation(True, None, q) is None
+    torch.testing.assert_close(pa(q, k, v, causal=True), on, **FP32_TOL)

@@ -37,6 +37,10 @@ with row sums and outer products on the CUDA cores; its states live in their own
 (``z``). Rounding 65 columns up to one 128-wide tile made half of every state and output dot
 padding.
 
+Activation (``ACT``, identity features only): phi(x) = act(x) elementwise, applied to every tile of A
+and B as it is loaded (1: elu(x) + 1, 2: relu(x)), and dA, dB multiplied by act'(x) as they are stored:
+linear attention's feature maps without an n x r feature tensor or its gradient in HBM.
+
 All accumulation is fp32; features and states never exist in half precision (degree-4..8
 polynomial values overflow fp16's 65504). ``PREC`` is the fp32 dot precision: "tf32x3" keeps
 fp32 accuracy (~1e-6 relative) on tensor cores, "tf32" is ~5e-4 relative and 3x cheaper. Inputs in
@@ -58,8 +62,28 @@ def _if_last(mask, pid_e, ne):
 
 
 @triton.jit
+def _act(x, mask, ACT: tl.constexpr):
+    """act(x) where ``mask``, 0 elsewhere (masked loads give x = 0, and elu(0) + 1 = 1 is no padding)."""
+    if ACT == 1:
+        x = tl.where(mask, tl.where(x > 0, x + 1.0, tl.exp(x)), 0.0)
+    elif ACT == 2:
+        x = tl.where(x > 0, x, 0.0)
+    return x
+
+
+@triton.jit
+def _act_grad(dy, x, ACT: tl.constexpr):
+    """d act(x) / dx times dy: elu + 1: 1 above 0, exp(x) below; relu: 1 above 0."""
+    if ACT == 1:
+        dy = dy * tl.where(x > 0, 1.0, tl.exp(x))
+    elif ACT == 2:
+        dy = tl.where(x > 0, dy, 0.0)
+    return dy
+
+
+@triton.jit
 def _features(x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, f0, F,
-              SQUARE: tl.constexpr, BF: tl.constexpr):
+              SQUARE: tl.constexpr, BF: tl.constexpr, ACT: tl.constexpr):
     """phi(x) for ``rows`` and features f0..f0+BF as a (rows x BF) fp32 tile, formed on chip."""
     fs = f0 + tl.arange(0, BF)
     fmask = fs < F
@@ -74,6 +98,7 @@ def _features(x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, f0, F,
         phi = x0 * x1 * w[None, :]
     else:
         phi = tl.load(x_ptr + rows[:, None] * sxn + fs[None, :] * sxr, mask=m, other=0.0).to(tl.float32)
+        phi = _act(phi, m, ACT)
     return phi
 
 
@@ -111,11 +136,11 @@ _SQRT2 = tl.constexpr(1.4142135623730951)
 
 
 @triton.jit
-def _row_tile(x_ptr, rows, row_mask, sxn, sxr, r, R: tl.constexpr):
-    """The (rows x R) fp32 tile of the r-dim input x (columns r..R-1 zero): one vectorisable load."""
+def _row_tile(x_ptr, rows, row_mask, sxn, sxr, r, R: tl.constexpr, ACT: tl.constexpr):
+    """The (rows x R) fp32 tile of act(x) for the r-dim input x (columns r..R-1 zero): one vectorisable load."""
     zs = tl.arange(0, R)
-    return tl.load(x_ptr + rows[:, None] * sxn + zs[None, :] * sxr, mask=row_mask[:, None] & (zs < r)[None, :],
-                   other=0.0).to(tl.float32)
+    m = row_mask[:, None] & (zs < r)[None, :]
+    return _act(tl.load(x_ptr + rows[:, None] * sxn + zs[None, :] * sxr, mask=m, other=0.0).to(tl.float32), m, ACT)
 
 
 @triton.jit
@@ -152,7 +177,7 @@ def _tile_slots(t, r, F, SQUARE: tl.constexpr, COLS: tl.constexpr, BF: tl.conste
 
 @triton.jit
 def _tile(t, xs, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F,
-          SQUARE: tl.constexpr, COLS: tl.constexpr, BF: tl.constexpr):
+          SQUARE: tl.constexpr, COLS: tl.constexpr, BF: tl.constexpr, ACT: tl.constexpr):
     """phi tile t (rows x BF) fp32 (its state rows: ``_tile_slots``). ``xs``: the rows' (rows x R) input tile
     (square tiles scale it by its own column t; unused otherwise)."""
     if SQUARE and COLS:
@@ -160,7 +185,7 @@ def _tile(t, xs, x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F,
         xt = tl.load(x_ptr + rows * sxn + t * sxr, mask=row_mask, other=0.0).to(tl.float32)
         phi = xs * (xt[:, None] * w[None, :])
     else:
-        phi = _features(x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, t * BF, F, SQUARE, BF)
+        phi = _features(x_ptr, rows, row_mask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, t * BF, F, SQUARE, BF, ACT)
     return phi
 
 
@@ -270,7 +295,8 @@ def _pair_dots(x_ptr, xrows, xmask, sxn, sxe, xz, y_ptr, yrows, ymask, syn, sye,
 def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr,
                   n, r, F, E, SE, G, T, NC, sxn, sxr, syn, sye,
                   REVERSE: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
-                  BT: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+                  BT: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr,
+                  ACT: tl.constexpr):
     """Slot k (REVERSE: NC-1-k) of s gets phi(X_k)^T Y_k of chunk k alone, summed over the G groups.
 
     NC - 1 slots: the forward reads chunks 0..NC-2 (the last chunk's state is never read), the
@@ -310,8 +336,8 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
             rmask = rows < c_end
             xs = tl.zeros((BT, R), dtype=tl.float32)
             if SQUARE and COLS:
-                xs = _row_tile(x_ptr + xo, rows, rmask, sxn, sxr, r, R)
-            phi = _tile(t, xs, x_ptr + xo, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF)
+                xs = _row_tile(x_ptr + xo, rows, rmask, sxn, sxr, r, R, 0)
+            phi = _tile(t, xs, x_ptr + xo, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF, ACT)
             y = tl.load(y_ptr + yo + rows[:, None] * syn + es[None, :] * sye,
                         mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
             if SQUARE and COLS:
@@ -343,7 +369,7 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
                 n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, son, soe,
                 INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                 TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, ACT: tl.constexpr):
     """out[rows, e tile] = phi(A_rows) P_k + (QUAD) sum over the chunk's exact pairs (a_i.b_j)^p c_j: j <= i
     (INCLUDE_DIAG) or block(j) < block(i) (``_exact_pair``; QUAD: the diagonal is included or chunks hold several
     blocks). ``TAIL``: the last e tile also writes column E from z and c's column E."""
@@ -357,7 +383,7 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
     emask = es < E
     ao = tl.load(a_off_ptr + hg)
     oo = tl.load(o_off_ptr + hg)
-    qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)  # square tiles' input and the diagonal's queries
+    qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R, ACT)  # square tiles' input and the diagonal's queries
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_z = tl.zeros((BQ,), dtype=tl.float32)
     if k > 0:  # P_0 = 0: the first chunk has no far part
@@ -365,7 +391,8 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
         z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
         for t in range(0, _num_tiles(r, F, SQUARE, COLS, BF)):
             fs, fmask = _tile_slots(t, r, F, SQUARE, COLS, BF)
-            phi = _tile(t, qa, a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF)
+            phi = _tile(t, qa, a_ptr + ao, rows, rmask, san, sar, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF,
+                        ACT)
             st = tl.load(s_base + fs[:, None] * SE + es[None, :], mask=fmask[:, None] & emask[None, :], other=0.0)
             acc += tl.dot(phi, st, input_precision=PREC)
             if TAIL:
@@ -377,7 +404,7 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
         for j0 in range(k * T, _exact_keys_end(q0, BLK, INCLUDE_DIAG, BQ), BQ):
             cols = j0 + tl.arange(0, BQ)
             cmask = cols < c_end
-            kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
+            kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R, ACT)
             s = tl.dot(qa, tl.trans(kb), input_precision=PREC)
             if SQUARE:
                 s = s * s
@@ -400,7 +427,7 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
                n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
                INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, ACT: tl.constexpr):
     """dA rows: far part through dphi(A) = dO P_k^T, the chunk's exact pairs from D_ij = dO_i . c_j."""
     pid_q = tl.program_id(0)
     hg = tl.program_id(1)
@@ -410,7 +437,7 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
     go = tl.load(g_off_ptr + hg)
     zs = tl.arange(0, R)
     zmask = zs < r
-    qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
+    qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R, 0)  # square tiles' input (ACT: identity features only)
     acc = tl.zeros((BQ, R), dtype=tl.float32)
     gz = tl.zeros((BQ,), dtype=tl.float32)
     if TAIL:  # dO's tail column, against z (far part) and c's tail column (diagonal chunk)
@@ -426,7 +453,7 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
         for j0 in range(k * T, _exact_keys_end(q0, BLK, INCLUDE_DIAG, BQ), BQ):
             cols = j0 + tl.arange(0, BQ)
             cmask = cols < c_end
-            kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
+            kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R, ACT)
             cz = tl.zeros((BQ,), dtype=tl.float32)
             if TAIL:
                 cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
@@ -436,6 +463,8 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
             if SQUARE:  # d (a.b)^2 / da = 2 (a.b) b
                 d = d * 2.0 * tl.dot(qa, tl.trans(kb), input_precision=PREC)
             acc += tl.dot(d, kb, input_precision=PREC)
+    if ACT != 0:
+        acc = _act_grad(acc, qa, ACT)
     dao = tl.load(da_off_ptr + hg)
     tl.store(da_ptr + dao + rows[:, None] * sdn + zs[None, :] * sdr, acc, mask=rmask[:, None] & zmask[None, :])
 
@@ -446,7 +475,7 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
                n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
                INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, ACT: tl.constexpr):
     """dB rows of one kv head: far part through dphi(B) = C U_k^T, the chunk's exact pairs summed over the G groups."""
     pid_k = tl.program_id(0)
     h = tl.program_id(1)
@@ -455,7 +484,7 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
     co = tl.load(c_off_ptr + h)
     zs = tl.arange(0, R)
     zmask = zs < r
-    kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
+    kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R, 0)  # square tiles' input (ACT: identity features only)
     acc = tl.zeros((BQ, R), dtype=tl.float32)
     cz = tl.zeros((BQ,), dtype=tl.float32)
     if TAIL:  # c's tail column, against uz (far part) and dO's tail column (diagonal chunk)
@@ -472,7 +501,7 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
             for q_start in range(_exact_queries_start(k0, BLK, INCLUDE_DIAG), c_end, BQ):
                 rows = q_start + tl.arange(0, BQ)
                 rmask = rows < c_end
-                qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
+                qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R, ACT)
                 gz = tl.zeros((BQ,), dtype=tl.float32)
                 if TAIL:
                     gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
@@ -482,6 +511,8 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
                 if SQUARE:
                     dt = dt * 2.0 * tl.dot(kb, tl.trans(qa), input_precision=PREC)
                 acc += tl.dot(dt, qa, input_precision=PREC)
+    if ACT != 0:
+        acc = _act_grad(acc, kb, ACT)
     dbo = tl.load(db_off_ptr + h)
     tl.store(db_ptr + dbo + cols[:, None] * sdn + zs[None, :] * sdr, acc, mask=cmask[:, None] & zmask[None, :])
 
@@ -492,7 +523,7 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
                n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, sgn, sge, sdn, sde,
                INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, ACT: tl.constexpr):
     """dC rows of one kv head: phi(B) U_k + the chunk's exact pairs (a_i.b_j)^p dO_i summed over the G groups
     (``TAIL``: the last e tile also writes column E from uz and dO's column E)."""
     pid_k = tl.program_id(0)
@@ -503,7 +534,7 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
     es = pid_e * BE + tl.arange(0, BE)
     emask = es < E
     bo = tl.load(b_off_ptr + h)
-    kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R)
+    kb = _row_tile(b_ptr + bo, cols, cmask, sbn, sbr, r, R, ACT)
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_z = tl.zeros((BQ,), dtype=tl.float32)
     if k < NC - 1:
@@ -511,7 +542,8 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
         uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
         for t in range(0, _num_tiles(r, F, SQUARE, COLS, BF)):
             fs, fmask = _tile_slots(t, r, F, SQUARE, COLS, BF)
-            phi = _tile(t, kb, b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF)
+            phi = _tile(t, kb, b_ptr + bo, cols, cmask, sbn, sbr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF,
+                        ACT)
             ut = tl.load(u_base + fs[:, None] * SE + es[None, :], mask=fmask[:, None] & emask[None, :], other=0.0)
             acc += tl.dot(phi, ut, input_precision=PREC)
             if TAIL:
@@ -524,7 +556,7 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
             for q_start in range(_exact_queries_start(k0, BLK, INCLUDE_DIAG), c_end, BQ):
                 rows = q_start + tl.arange(0, BQ)
                 rmask = rows < c_end
-                qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R)
+                qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R, ACT)
                 st = tl.dot(kb, tl.trans(qa), input_precision=PREC)
                 if SQUARE:
                     st = st * st

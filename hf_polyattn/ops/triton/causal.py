@@ -90,9 +90,17 @@ def _is_interpreted() -> bool:
     return type(K._out_kernel).__name__ == "InterpretedFunction"
 
 
-def _check(a, b, c, block_size, include_diag, square, tf32) -> None:
+# activation name -> the kernels' ACT code (``_kernels._act``); names are the feature maps' (ops/feature_maps.py)
+ACTIVATIONS = {None: 0, "elu": 1, "relu": 2}
+
+
+def _check(a, b, c, block_size, include_diag, square, tf32, activation=None) -> None:
     if tf32 is not None and not isinstance(tf32, bool):
         raise ValueError(f"tf32 must be None, True or False, got {tf32!r}")
+    if not isinstance(activation, (str, type(None))) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if activation is not None and square:
+        raise ValueError(f"activation={activation!r} is for identity features: square must be False")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     for name, x in (("a", a), ("b", b), ("c", c)):
@@ -147,8 +155,9 @@ class _Plan:
     through x's own strides (stride 0 where x is broadcast: no copies).
     """
 
-    def __init__(self, a, b, c, block_size, include_diag, square, tf32=None):
+    def __init__(self, a, b, c, block_size, include_diag, square, tf32=None, activation=None):
         self.n, self.r, self.e = a.shape[-2], a.shape[-1], c.shape[-1]
+        self.act = ACTIVATIONS[activation]
         self.square, self.include_diag = square, include_diag
         self.lead = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2]))
         nd = len(self.lead)
@@ -238,7 +247,7 @@ class _Plan:
             self.n, self.r, self.F, self.em, self.SE, groups, self.T, self.NC,
             x.stride(-2), x.stride(-1), y.stride(-2), y.stride(-1),
             REVERSE=reverse, SQUARE=self.square, COLS=self.cols, TAIL=self.tail, BT=self.BQ, BF=self.BF, BE=self.BE,
-            R=self.R, PREC=self.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            R=self.R, PREC=self.prec, ACT=self.act, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
         return s.cumsum_(1), (z.cumsum_(1) if self.tail else z)
 
@@ -279,7 +288,7 @@ def _forward(p: _Plan, a, b, c) -> torch.Tensor:
         a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2), c.stride(-1),
         out.stride(-2), out.stride(-1),
         INCLUDE_DIAG=p.include_diag, QUAD=p.quad, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ, BF=p.BF,
-        BE=p.BE, R=p.R, PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        BE=p.BE, R=p.R, PREC=p.prec, ACT=p.act, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out
 
@@ -289,7 +298,7 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
     strides = (a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1))
     consts = dict(INCLUDE_DIAG=p.include_diag, QUAD=p.quad, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ,
-                  BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+                  BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec, ACT=p.act, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     grad_consts = dict(consts, num_warps=_NUM_WARPS_GRAD_DIAG) if p.square and p.quad else consts
     da = db = dc = None
     if need_a:
@@ -326,10 +335,10 @@ def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
 
 class _LTMultiplyTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, c, block_size: int, include_diag: bool, square: bool, tf32):  # noqa: D102
+    def forward(ctx, a, b, c, block_size: int, include_diag: bool, square: bool, tf32, activation):  # noqa: D102
         ctx.save_for_backward(a, b, c)
-        ctx.args = (block_size, include_diag, square, tf32)
-        p = _Plan(a, b, c, block_size, include_diag, square, tf32)
+        ctx.args = (block_size, include_diag, square, tf32, activation)
+        p = _Plan(a, b, c, block_size, include_diag, square, tf32, activation)
         if p.n == 0 or p.H * p.G == 0 or p.e == 0:
             return torch.zeros(*p.lead, p.n, p.e, dtype=torch.float32, device=a.device)
         return _forward(p, a, b, c)
@@ -342,9 +351,9 @@ class _LTMultiplyTriton(torch.autograd.Function):
         p = _Plan(a, b, c, *ctx.args)
         if p.n == 0 or p.H * p.G == 0 or p.e == 0 or p.r == 0:
             zeros = [torch.zeros_like(x) if need else None for x, need in zip((a, b, c), (need_a, need_b, need_c))]
-            return (*zeros, None, None, None, None)
+            return (*zeros, None, None, None, None, None)
         da, db, dc = _backward(p, a, b, c, grad_out.float(), need_a, need_b, need_c)
-        return da, db, dc, None, None, None, None
+        return da, db, dc, None, None, None, None, None
 
 
 def lt_multiply_triton(
@@ -355,6 +364,7 @@ def lt_multiply_triton(
     include_diag: bool = True,
     square: bool = False,
     tf32: bool | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """lt(phi(A) phi(B)^T) C with Triton kernels; same semantics and checks as ``ops.causal.lt_multiply``.
 
@@ -364,7 +374,9 @@ def lt_multiply_triton(
     fp32 / bf16 / fp16 inputs, fp32 output and fp32 accumulation. Differentiable in a, b, c.
     ``tf32``: the dots' operand precision (see ``_precision``): None follows the inputs' dtypes,
     True rounds operands to tf32 (what a half-precision model asks for; ~2^-10 relative per
-    term), False keeps fp32 accuracy.
+    term), False keeps fp32 accuracy. ``activation`` ('elu': elu(x) + 1, 'relu'; identity features only):
+    phi = that map of a and b, applied on chip as the kernels load them, the gradients taken through it: the
+    same as passing act(a), act(b) without those n x r tensors (and their gradients) in memory.
     """
-    _check(a, b, c, block_size, include_diag, square, tf32)
-    return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square), tf32)
+    _check(a, b, c, block_size, include_diag, square, tf32, activation)
+    return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square), tf32, activation)
