@@ -6,7 +6,8 @@
 #   bash recipes/gpu_checks.sh tests     # the Triton kernels and the bf16 model contract compiled for CUDA
 #   bash recipes/gpu_checks.sh kernels   # SDPA, the causal product and the local part alone (with their before/after
 #                                        # switches), a profile of the product
-#   bash recipes/gpu_checks.sh layers    # whole PolyAttention layers per backend, and a layer profile at 32k
+#   bash recipes/gpu_checks.sh layers    # whole PolyAttention layers per backend, a layer profile at 32k, and
+#                                        # each bf16 layer's peak memory against SDPA's (memory_layers.py)
 #   bash recipes/gpu_checks.sh bench     # the official table against SDPA: hf-polyattn bench --device cuda
 #   bash recipes/gpu_checks.sh e2e       # GPT-2-small-shaped training step and decoding, SDPA vs the kinds
 #
@@ -38,8 +39,11 @@ case "${1:-}" in
     timeout 540 python recipes/profile_gpu_kernels.py sdpa_rows lt_rows local_rows profile_lt --out "$OUT" \
       2>&1 | tee "$OUT/kernels.log" | grep -v '^{' | tail -60 ;;
   layers)
-    timeout 540 python recipes/profile_gpu_kernels.py layer_rows profile_layer --out "$OUT" \
-      2>&1 | tee "$OUT/layers.log" | grep -v '^{' | tail -60 ;;
+    timeout 440 python recipes/profile_gpu_kernels.py layer_rows profile_layer --out "$OUT" \
+      2>&1 | tee "$OUT/layers.log" | grep -v '^{' | tail -60
+    # counted storages and the allocator's peak of each bf16 layer against SDPA's (seconds per row on a GPU)
+    timeout 100 python recipes/memory_layers.py --device cuda --heads 16 --lengths 8192 32768 --out "$OUT/memory_layers" \
+      2>&1 | tail -20 ;;
   bench)
     timeout 560 python recipes/benchmark_attention.py --device cuda --kinds sdpa polysketch-local polysketch \
       linear-elu performer polysketch-window128 --lengths 2048 8192 32768 65536 --repeats 3 --timeout 60 \

@@ -8,9 +8,10 @@ the same on every device. Without a GPU the Triton kernels run in Triton's inter
 here before triton is imported): slow (minutes per layer at n = 2048) but the same tensors. SDPA
 (``scaled_dot_product_attention``, is_causal=True, same inputs) is counted in the same run.
 
-The unit is one bf16 tensor shaped like the query (B H n d 2 bytes). The Triton causal product's chunk states
-are (n / 256 - 1) x F x 64 fp32 a head (F = 528 at r = 32): 4.125 (1 - 256/n) units, so their share grows with
-n (3.09 units at n = 1024, 4.1 at 32k): run two lengths to see how the units move.
+The unit is one bf16 tensor shaped like the query (B H n d 2 bytes). The Triton causal product keeps one F x 64
+fp32 state per chunk of T >= F rows (``ops/triton/causal.STATE_CHUNK_RULE``; F = 528 at r = 32, T = 1024 with
+block 256, F rounded up to a power of two with the diagonal): 2 F / T, about 1 unit, at most n / T - 1 of them, so
+their share is about the same at every n; run two lengths to see how the units move.
 
     python recipes/memory_layers.py                                   # n = 1024 2048, every layer
     python recipes/memory_layers.py --lengths 1024 --layers sdpa polysketch --top 20
