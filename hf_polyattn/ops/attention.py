@@ -324,16 +324,19 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         off = self.config.denominator_offset if offset is None else offset
         return _safe_divide(num[..., :d], num[..., d:] + off)
 
-    def _side_features(self, x, scale, is_query, map_input=False):
+    def _side_features(self, x, scale, is_query, map_input=False, act=None):
         """(features, FAVOR+'s query log scale or None) of one side (queries or keys) for the kernel part.
 
         polysketch: the r-dim sketches (the block algorithm squares them itself, block by block:
         r(r+1)/2 features never stored); other maps hand over their features. Always computed in the working
         dtype (half-precision inputs of the Triton path upcast here, inside the recomputed part).
-        ``map_input``: x is the model's own q or k, ``kernel_input`` is applied here first.
+        ``map_input``: x is the model's own q or k, ``kernel_input`` is applied here first. ``act``: the kernels
+        apply the map (``_product_activation``): the side is its input.
         """
         if map_input:
             x = self.kernel_input(x, is_query)
+        if act is not None:
+            return x, None
         (x,) = to_work(x)
         x = self._feature_inputs(x, scale)
         if self.feature_map.squares:
@@ -367,19 +370,15 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         for x, is_query in ((q5, True), (k5, False)):
             if act is not None and not map_input:  # the kernels form the features from q, k themselves
                 sides.append((x, None))
-            elif act is not None:  # ... from the mapped q, k (recomputed in backward, as the features below)
-                grad = torch.is_grad_enabled() and (x.requires_grad or params)
-                y = checkpoint(self.kernel_input, x, is_query, use_reentrant=False) if grad else self.kernel_input(
-                    x, is_query)
-                sides.append((y, None))
             elif torch.is_grad_enabled() and (x.requires_grad or params):
                 # Recomputed in backward, each side on its own: the feature maps' intermediates were the
                 # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'
                 # activations were 7 of the 18.4 (n x H x d fp32)-sized tensors alive after a polysketch +
                 # local exact forward; the features are a few thin matmuls (~3% of the layer's flops).
-                sides.append(checkpoint(self._side_features, x, scale, is_query, map_input, use_reentrant=False))
+                sides.append(checkpoint(self._side_features, x, scale, is_query, map_input, act,
+                                        use_reentrant=False))
             else:
-                sides.append(self._side_features(x, scale, is_query, map_input))
+                sides.append(self._side_features(x, scale, is_query, map_input, act))
         (fq, q_log_scale), (fk, _) = sides
 
         def full(x):
@@ -428,6 +427,5 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 far = torch.matmul(fqb, kv.unsqueeze(3) - own).flatten(3, 4)[..., :lq, :]
                 loc, far_scale = self._local_exact(q5, k5, vext, mask, False, scale, local, q_log_scale, tf32)
         out = normalised_sum(far, loc, far_scale, self.config.denominator_offset, vext.dtype)
-        if act is not None:  # fk is the map's input: the state after these keys (_next_state) maps it first
-            return out, (fk, square, lambda x: self.feature_map(x, False)), vext
-        return out, (fk, square), vext
+        # with act, fk is the map's input: the state after these keys (_next_state) maps it first
+        return out, (fk, square, act is not None), vext

@@ -38,10 +38,10 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.nn import functional as F
 
 from ..config import BACKENDS
 from .causal import lt_multiply, lt_multiply_batched
+from .common import ACTIVATIONS, to_work
 
 __all__ = ["BACKENDS", "ENV_VAR", "FLA_VERSION", "fla_available", "lt_multiply_fla", "lt_product",
            "product_backend", "resolve_backend", "triton_available"]
@@ -159,10 +159,6 @@ def product_backend(requested: str, device: torch.device, dtype: torch.dtype, fe
     return which
 
 
-# phi of ``lt_product(activation=...)``, named as the feature maps of ops/feature_maps.py
-ACTIVATIONS = {"elu": lambda x: F.elu(x) + 1.0, "relu": F.relu}
-
-
 def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: int, include_diag: bool,
                square: bool, backend: str = "auto", tf32: bool | None = None,
                activation: str | None = None) -> torch.Tensor:
@@ -181,8 +177,7 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
             raise ValueError(f"activation={activation!r} is for identity features: square must be False")
     which = product_backend(backend, a.device, a.dtype, a.shape[-1])
     if activation is not None and which != "triton":
-        a, b = (ACTIVATIONS[activation](x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
-                for x in (a, b))
+        a, b = (ACTIVATIONS[activation](x) for x in to_work(a, b))
     if which in ("loop", "batched") and c.dtype != a.dtype:
         c = c.to(torch.promote_types(a.dtype, c.dtype))  # half values: the PyTorch backends compute in fp32
     if which == "fla":

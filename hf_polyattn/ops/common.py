@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
-__all__ = ["_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "to_work", "work_dtype"]
+__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "to_work", "work_dtype"]
 
 HALF = (torch.bfloat16, torch.float16)
+
+# the elementwise feature maps (ops/feature_maps.py's 'elu' and 'relu'), by the name lt_product's ``activation``
+# takes: the Triton kernels apply the same functions on chip (ops/triton/_kernels.py ``_act``)
+ACTIVATIONS = {"elu": lambda x: F.elu(x) + 1.0, "relu": F.relu}
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .common import ACTIVATIONS
 from .sketches import PolynomialSketch, project, symmetric_power, symmetric_square
 
 __all__ = [
@@ -93,7 +94,7 @@ class EluFeatureMap(FeatureMap):
         self.num_features = dim
 
     def forward(self, x, is_query):
-        return F.elu(x) + 1.0
+        return ACTIVATIONS["elu"](x)
 
 
 @register_feature_map("relu")
@@ -107,7 +108,7 @@ class ReluFeatureMap(FeatureMap):
         self.num_features = dim
 
     def forward(self, x, is_query):
-        return F.relu(x)
+        return ACTIVATIONS["relu"](x)
 
 
 @register_feature_map("taylor")

@@ -103,8 +103,8 @@ class RecurrentMixin:
         kv = state.kv
         if fold > 0:
             feats = fk[0][..., :fold, :]
-            if len(fk) > 2:  # the kernels applied the feature map on load: fk[0] is its input (_linear)
-                feats = fk[2](feats)
+            if len(fk) > 2 and fk[2]:  # the kernels applied the feature map on load: fk[0] is its input (_linear)
+                feats = self.feature_map(feats, False)
             feats = symmetric_square(feats) if fk[1] else feats
             add = torch.matmul(feats.transpose(-1, -2), vext[..., :fold, :])
             kv = add if kv is None else kv + add

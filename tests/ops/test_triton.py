@@ -59,7 +59,7 @@ def _check_against_references(a, b, c, block, diag, square, grad_tol, tf32=None,
     """Output and gradients against both references: fp32 tolerances (inputs are exact in fp32)
     unless the dots run in tf32 (half inputs on a GPU, or tf32=True): then the tf32 bounds above.
     ``activation``: the references take that map of a and b (in float64, gradients through it)."""
-    from hf_polyattn.ops.backend import ACTIVATIONS
+    from hf_polyattn.ops.common import ACTIVATIONS
 
     out = lt_multiply_triton(a, b, c, block, diag, square, tf32, activation)
     assert out.dtype == torch.float32

@@ -91,14 +91,14 @@ def _is_interpreted() -> bool:
 
 
 # activation name -> the kernels' ACT code (``_kernels._act``); names are the feature maps' (ops/feature_maps.py)
-ACTIVATIONS = {None: 0, "elu": 1, "relu": 2}
+ACT_CODES = {None: 0, "elu": 1, "relu": 2}
 
 
 def _check(a, b, c, block_size, include_diag, square, tf32, activation=None) -> None:
     if tf32 is not None and not isinstance(tf32, bool):
         raise ValueError(f"tf32 must be None, True or False, got {tf32!r}")
-    if not isinstance(activation, (str, type(None))) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if not isinstance(activation, (str, type(None))) or activation not in ACT_CODES:
+        raise ValueError(f"activation must be one of {list(ACT_CODES)}, got {activation!r}")
     if activation is not None and square:
         raise ValueError(f"activation={activation!r} is for identity features: square must be False")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -157,7 +157,7 @@ class _Plan:
 
     def __init__(self, a, b, c, block_size, include_diag, square, tf32=None, activation=None):
         self.n, self.r, self.e = a.shape[-2], a.shape[-1], c.shape[-1]
-        self.act = ACTIVATIONS[activation]
+        self.act = ACT_CODES[activation]
         self.square, self.include_diag = square, include_diag
         self.lead = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2]))
         nd = len(self.lead)
