@@ -17,7 +17,8 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
 * ``layer_rows``: whole PolyAttention layers (bf16 module, as in a bf16 model) per backend (``fla`` too
   for linear and performer when fla-core is installed), with peak memory; ``linear-elu`` on ``triton`` also
   as before its map moved into the kernels (backend ``triton-mapped``: ``attention.KERNEL_ACTIVATIONS = False``,
-  elu + 1 applied in PyTorch to fp32 copies of q, k);
+  elu + 1 applied in PyTorch to fp32 copies of q, k), and ``polysketch-local`` also with its recomputed
+  features in one chunk of rows (backend ``triton-1chunk``: ``attention.FEATURE_CHUNKS = 1``, as before);
 * ``fla_rows``: fla-core's ``chunk_linear_attn`` with elu+1 features, when fla-core is installed
   (its autotuning takes minutes on the first call of each shape).
 
@@ -179,14 +180,17 @@ def layer_rows():
     from hf_polyattn.ops import attention
     from hf_polyattn.ops.backend import fla_available
 
+    chunks = attention.FEATURE_CHUNKS
     for label, opts in LAYER.items():
         # backend='fla' (fla-core's chunk kernel) serves identity features with the diagonal: linear, performer
         fla = ("fla",) if fla_available() and opts["kind"] in ("linear", "performer") else ()
-        mapped = ("triton-mapped",) if label == "linear-elu" else ()
-        for row in ("triton", *mapped, "batched", *fla):
+        # the same layer as before a change, in the same run (module switches)
+        before = {"linear-elu": ("triton-mapped",), "polysketch-local": ("triton-1chunk",)}.get(label, ())
+        for row in ("triton", *before, "batched", *fla):
             backend = row.split("-")[0]
             pa = PolyAttention(PolyAttnConfig(backend=backend, **opts), H, 64).to(dev).to(torch.bfloat16)
             attention.KERNEL_ACTIVATIONS = row != "triton-mapped"
+            attention.FEATURE_CHUNKS = 1 if row == "triton-1chunk" else chunks
             for n in (2048, 8192, 32768, 65536):
                 if backend == "batched" and n > 32768:
                     continue
@@ -201,7 +205,7 @@ def layer_rows():
                     rec(what="layer", kind=label, backend=row, n=n, error=repr(err)[:300])
                 del q, k, v
                 torch.cuda.empty_cache()
-            attention.KERNEL_ACTIVATIONS = True
+            attention.KERNEL_ACTIVATIONS, attention.FEATURE_CHUNKS = True, chunks
 
 
 def profile_layer():

@@ -19,11 +19,11 @@ part is the linear-time kernel product phi(Q) phi(K)^T [V 1] (block algorithm of
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..config import PolyAttnConfig
 from .backend import lt_product, product_backend, resolve_backend
@@ -35,6 +35,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     _safe_divide,
     _with_normaliser,
     normalised_sum,
+    rowwise_recompute,
     to_work,
     work_dtype,
 )
@@ -51,6 +52,16 @@ __all__ = ["HeadLayerNorm", "HeadProjection", "PolyAttention", "RecurrentState",
 # maps fp32 copies in PyTorch and hands the kernels feature tensors, as before (recipes/profile_gpu_kernels.py
 # layer_rows times both: ``triton`` and ``triton-mapped``)
 KERNEL_ACTIVATIONS = True
+
+# the recomputed feature maps of a training forward + backward (``_linear``) run in this many chunks of rows, of at
+# least FEATURE_CHUNK_ROWS rows each (shorter sequences in fewer; 1 = the whole side at once, as before)
+FEATURE_CHUNKS = 4
+FEATURE_CHUNK_ROWS = 256
+
+
+def feature_chunks(n: int) -> int:
+    """How many chunks of rows ``_linear`` recomputes the features of an n-row side in."""
+    return max(1, min(FEATURE_CHUNKS, n // FEATURE_CHUNK_ROWS))
 
 
 class HeadLayerNorm(nn.Module):
@@ -365,7 +376,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         # forward left kernel_inputs to the features (_maps_with_features): q5, k5 are still the model's own
         map_input = self._maps_inputs and q5 is raw[0]
         act = self._product_activation(causal, kv0, q5)
-        params = any(p.requires_grad for p in (self.parameters() if map_input else self.feature_map.parameters()))
+        params = [p for p in (self.parameters() if map_input else self.feature_map.parameters()) if p.requires_grad]
         sides = []
         for x, is_query in ((q5, True), (k5, False)):
             if act is not None and not map_input:  # the kernels form the features from q, k themselves
@@ -375,8 +386,11 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'
                 # activations were 7 of the 18.4 (n x H x d fp32)-sized tensors alive after a polysketch +
                 # local exact forward; the features are a few thin matmuls (~3% of the layer's flops).
-                sides.append(checkpoint(self._side_features, x, scale, is_query, map_input, act,
-                                        use_reentrant=False))
+                # In chunks of rows (every feature map is row-wise: recurrent decoding forms them a token at a
+                # time), so the recomputation's intermediates are a chunk's (``feature_chunks``).
+                sides.append(rowwise_recompute(partial(self._side_features, scale=scale, is_query=is_query,
+                                                       map_input=map_input, act=act),
+                                               x, params, feature_chunks(x.shape[-2])))
             else:
                 sides.append(self._side_features(x, scale, is_query, map_input, act))
         (fq, q_log_scale), (fk, _) = sides

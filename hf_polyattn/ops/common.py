@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "to_work", "work_dtype"]
+__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "rowwise_recompute",
+           "to_work", "work_dtype"]
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -54,6 +55,18 @@ def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
+def _numerator(far, loc, far_scale, cols: slice) -> tuple[torch.Tensor, bool]:
+    """loc + far_scale * far over the columns ``cols``, and whether that is a new tensor (not a view of far)."""
+    t = far[..., cols]
+    if far_scale is not None:
+        t = t * far_scale
+    if loc is not None:
+        part = loc[..., cols]
+        in_place = far_scale is not None and torch.broadcast_shapes(t.shape, part.shape) == t.shape
+        t = t.add_(part) if in_place else part + t  # the same sum either way (addition commutes exactly)
+    return t, far_scale is not None or loc is not None
+
+
 class _NormalisedSum(torch.autograd.Function):
     """y = num[..., :d] / (num[..., d] + offset), num = loc + far_scale * far, 0 where the denominator is <= 0.
 
@@ -73,13 +86,15 @@ class _NormalisedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, far, loc, far_scale, offset, out_dtype):  # noqa: D102
-        num = far if far_scale is None else far * far_scale
-        if loc is not None:
-            num = loc + num
-        d = num.shape[-1] - 1
-        den = num[..., d:] + offset
+        d = far.shape[-1] - 1
+        den = _numerator(far, loc, far_scale, slice(d, None))[0] + offset
         ok = den > 0
-        y = torch.where(ok, num[..., :d] / torch.where(ok, den, torch.ones_like(den)), 0.0)
+        # y formed in the numerator's own columns: the n x (d + 1) sum and a second n x d tensor for the zeroing
+        # were 4.03 of a bf16 polysketch-local layer's 13.16 units at its peak, in this forward (n = 1024, H = 4,
+        # counted storages, recipes/memory_layers.py); without them it peaks in backward at 11.09
+        num, owned = _numerator(far, loc, far_scale, slice(None, d))
+        den1 = torch.where(ok, den, 1.0)
+        y = (num.div_(den1) if owned else torch.div(num, den1)).masked_fill_(~ok, 0.0)
         del num
         ctx.has_loc = loc is not None
         ctx.shapes = (far.shape, None if loc is None else loc.shape, None if far_scale is None else far_scale.shape)
@@ -101,9 +116,13 @@ class _NormalisedSum(torch.autograd.Function):
         dnum = torch.empty(*g.shape[:-1], d + 1, dtype=den.dtype, device=den.device)
         torch.div(g, den, out=dnum[..., :d])
         dnum[..., :d].masked_fill_(~ok, 0.0)
-        t = (y / den).mul_(g)
-        dnum[..., d:] = torch.where(ok, -t.sum(-1, keepdim=True), 0.0)
-        del t, g
+        # the row sums a quarter of the rows at a time: their n x d temporary was 2 of a bf16 polysketch layer's
+        # 9.18 units at its peak (n = 1024, H = 4, counted storages); each row's sum is the same either way
+        for sl in _row_slices(y.shape[-2], 4):
+            t = (y[..., sl, :] / den[..., sl, :]).mul_(g[..., sl, :])
+            dnum[..., sl, d:] = torch.where(ok[..., sl, :], -t.sum(-1, keepdim=True), 0.0)
+            del t
+        del g
         far_shape, loc_shape, scale_shape = ctx.shapes
         dloc = dnum.sum_to_size(loc_shape) if ctx.has_loc and ctx.needs_input_grad[1] else None
         dscale = (dnum * far).sum_to_size(scale_shape) if far is not None else None
@@ -124,3 +143,73 @@ def normalised_sum(far: torch.Tensor, loc: torch.Tensor | None = None, far_scale
     if isinstance(offset, torch.Tensor):
         raise ValueError("normalised_sum takes a number as offset; a per-row tensor needs _safe_divide")
     return _NormalisedSum.apply(far, loc, far_scale, float(offset), out_dtype or far.dtype)
+
+
+class _RowwiseRecompute(torch.autograd.Function):
+    """outputs = fn(x) for a row-wise ``fn`` (each row along dim -2 of its outputs depends on that row of x alone),
+    formed chunk by chunk of rows and recomputed so in backward; nothing of ``fn`` is kept but x.
+
+    ``torch.utils.checkpoint`` recomputes the whole of ``fn`` before its backward: every intermediate of every row
+    lives at once. A learned polysketch's side (r = 32, d = 64) held 11 bf16 query units of them where the bf16
+    polysketch-local layer peaked (15.34 units, n = 1024, H = 4, counted storages, recipes/memory_layers.py); chunk
+    by chunk they are a chunk's share (in 4 chunks that layer's peak moved to its forward, 13.16 units).
+    ``params``: the parameters ``fn`` reads that need gradients, summed over the chunks in float32 (half-precision
+    parameters get their sum rounded once)."""
+
+    @staticmethod
+    def forward(ctx, fn, chunks, x, *params):  # noqa: D102
+        ctx.fn, ctx.chunks = fn, chunks
+        ctx.save_for_backward(x, *params)
+        outs = None
+        for sl in _row_slices(x.shape[-2], chunks):
+            parts = fn(x[..., sl, :])
+            if outs is None:
+                outs = [p.new_empty(*p.shape[:-2], x.shape[-2], p.shape[-1]) for p in parts]
+            for o, p in zip(outs, parts):
+                o[..., sl, :] = p
+            del parts
+        ctx.mark_non_differentiable(*outs[1:])
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, *_):  # noqa: D102
+        x, *params = ctx.saved_tensors
+        want_x = ctx.needs_input_grad[2]
+        want = [p for p, w in zip(params, ctx.needs_input_grad[3:]) if w]
+        dx = torch.empty_like(x) if want_x else None
+        sums: list[torch.Tensor | None] = [None] * len(want)
+        for sl in _row_slices(x.shape[-2], ctx.chunks):
+            with torch.enable_grad():
+                xc = x[..., sl, :].detach().requires_grad_(want_x)
+                out = ctx.fn(xc)[0]
+                grads = torch.autograd.grad(out, ([xc] if want_x else []) + want, g[..., sl, :], allow_unused=True)
+            del out
+            if want_x:
+                dx[..., sl, :] = 0.0 if grads[0] is None else grads[0]
+            for i, gp in enumerate(grads[int(want_x):]):
+                if gp is not None:
+                    sums[i] = gp.to(work_dtype(gp.dtype)) if sums[i] is None else sums[i].add_(gp)
+        it = iter(None if s is None else s.to(p.dtype) for s, p in zip(sums, want))
+        return (None, None, dx, *(next(it) if w else None for w in ctx.needs_input_grad[3:]))
+
+
+def _row_slices(n: int, chunks: int) -> list[slice]:
+    step = -(-n // max(1, chunks))
+    return [slice(i, min(n, i + step)) for i in range(0, n, step)] or [slice(0, n)]
+
+
+def rowwise_recompute(fn, x: torch.Tensor, params, chunks: int) -> tuple[torch.Tensor, ...]:
+    """``fn(x)`` (a tuple of tensors, the first differentiable, rows along dim -2; ``None`` entries pass through),
+    computed in ``chunks`` chunks of rows and recomputed chunk by chunk in backward (``_RowwiseRecompute``).
+    ``params``: every parameter ``fn`` reads (those without ``requires_grad`` are left out)."""
+    shape = []
+
+    def tensors(xc):
+        parts = fn(xc)
+        if not shape:
+            shape.extend(p is not None for p in parts)
+        return tuple(p for p in parts if p is not None)
+
+    outs = iter(_RowwiseRecompute.apply(tensors, chunks, x, *(p for p in params if p.requires_grad)))
+    return tuple(next(outs) if present else None for present in shape)

@@ -38,6 +38,9 @@ __all__ = [
 class FeatureMap(nn.Module):
     """Base class: ``num_features`` and ``forward(x, is_query)``.
 
+    Every map is row-wise: a token's features depend on that token's input alone (recurrent decoding forms them a
+    token at a time, and a training forward + backward recomputes them in chunks of rows, ``attention.FEATURE_CHUNKS``).
+
     Class flags read by ``PolyAttention`` (instead of the kind's name):
     ``scaled_inputs``: the map receives sqrt(s) q, sqrt(s) k (polynomial / exp targets, s = the
     attention scaling) instead of the raw q, k (linear attention, Katharopoulos et al.);
