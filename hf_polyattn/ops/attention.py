@@ -35,6 +35,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     _safe_divide,
     _with_normaliser,
     normalised_sum,
+    row_chunks,
     rowwise_recompute,
     to_work,
     work_dtype,
@@ -61,7 +62,7 @@ FEATURE_CHUNK_ROWS = 256
 
 def feature_chunks(n: int) -> int:
     """How many chunks of rows ``_linear`` recomputes the features of an n-row side in."""
-    return max(1, min(FEATURE_CHUNKS, n // FEATURE_CHUNK_ROWS))
+    return row_chunks(n, FEATURE_CHUNKS, FEATURE_CHUNK_ROWS)
 
 
 class HeadLayerNorm(nn.Module):

@@ -116,9 +116,10 @@ class _NormalisedSum(torch.autograd.Function):
         dnum = torch.empty(*g.shape[:-1], d + 1, dtype=den.dtype, device=den.device)
         torch.div(g, den, out=dnum[..., :d])
         dnum[..., :d].masked_fill_(~ok, 0.0)
-        # the row sums a quarter of the rows at a time: their n x d temporary was 2 of a bf16 polysketch layer's
-        # 9.18 units at its peak (n = 1024, H = 4, counted storages); each row's sum is the same either way
-        for sl in _row_slices(y.shape[-2], 4):
+        # the row sums a quarter of the rows at a time (from 1024 rows, ``row_chunks``): their n x d temporary was
+        # 2 of a bf16 polysketch layer's 9.18 units at its peak (n = 1024, H = 4, counted storages); each row's
+        # sum is the same either way
+        for sl in _row_slices(y.shape[-2], row_chunks(y.shape[-2])):
             t = (y[..., sl, :] / den[..., sl, :]).mul_(g[..., sl, :])
             dnum[..., sl, d:] = torch.where(ok[..., sl, :], -t.sum(-1, keepdim=True), 0.0)
             del t
@@ -160,6 +161,11 @@ class _RowwiseRecompute(torch.autograd.Function):
     def forward(ctx, fn, chunks, x, *params):  # noqa: D102
         ctx.fn, ctx.chunks = fn, chunks
         ctx.save_for_backward(x, *params)
+        if chunks == 1:  # no copies into whole-size buffers (the demo's n = 256 layers)
+            base = x.untyped_storage().data_ptr()
+            outs = [o.clone() if o.untyped_storage().data_ptr() == base else o for o in fn(x)]  # never x itself
+            ctx.mark_non_differentiable(*outs[1:])
+            return tuple(outs)
         outs = None
         for sl in _row_slices(x.shape[-2], chunks):
             parts = fn(x[..., sl, :])
@@ -177,7 +183,7 @@ class _RowwiseRecompute(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         want_x = ctx.needs_input_grad[2]
         want = [p for p, w in zip(params, ctx.needs_input_grad[3:]) if w]
-        dx = torch.empty_like(x) if want_x else None
+        dx = torch.empty_like(x) if want_x and ctx.chunks > 1 else None
         sums: list[torch.Tensor | None] = [None] * len(want)
         for sl in _row_slices(x.shape[-2], ctx.chunks):
             with torch.enable_grad():
@@ -185,6 +191,10 @@ class _RowwiseRecompute(torch.autograd.Function):
                 out = ctx.fn(xc)[0]
                 grads = torch.autograd.grad(out, ([xc] if want_x else []) + want, g[..., sl, :], allow_unused=True)
             del out
+            if ctx.chunks == 1:  # the gradients as they are (nothing to sum)
+                dx = (torch.zeros_like(x) if grads[0] is None else grads[0]) if want_x else None
+                sums = list(grads[int(want_x):])
+                break
             if want_x:
                 dx[..., sl, :] = 0.0 if grads[0] is None else grads[0]
             for i, gp in enumerate(grads[int(want_x):]):
@@ -192,6 +202,12 @@ class _RowwiseRecompute(torch.autograd.Function):
                     sums[i] = gp.to(work_dtype(gp.dtype)) if sums[i] is None else sums[i].add_(gp)
         it = iter(None if s is None else s.to(p.dtype) for s, p in zip(sums, want))
         return (None, None, dx, *(next(it) if w else None for w in ctx.needs_input_grad[3:]))
+
+
+def row_chunks(n: int, chunks: int = 4, min_rows: int = 256) -> int:
+    """How many chunks n rows are processed in to bound a temporary: ``chunks``, fewer so that each holds at least
+    ``min_rows`` rows, 1 below 2 * min_rows (short sequences skip the per-chunk launches and copies)."""
+    return max(1, min(chunks, n // min_rows))
 
 
 def _row_slices(n: int, chunks: int) -> list[slice]:

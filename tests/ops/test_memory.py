@@ -236,6 +236,17 @@ def test_rowwise_recompute_parameters_only_and_half_parameters():
     assert not rowwise_recompute(fn, x, frozen, 4)[0].requires_grad
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_rowwise_recompute_of_the_identity(chunks):
+    """A map that returns its input (one chunk hands fn's outputs over as they are): a new tensor, never x itself,
+    with x's values and an identity gradient."""
+    x = torch.randn(2, 6, 3, requires_grad=True)
+    (y,) = rowwise_recompute(lambda t: (t,), x, [], chunks)
+    assert torch.equal(y, x) and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    g = torch.randn(2, 6, 3)
+    assert torch.equal(torch.autograd.grad(y, x, g)[0], g)
+
+
 def test_rowwise_recompute_holds_a_chunk_of_intermediates():
     """Forward + backward of a learned sketch side (n = 4096, r = d = 64, fp32): in 4 chunks its peak is under 0.6x
     the one-chunk peak (torch.utils.checkpoint's: every row's intermediates at once)."""

@@ -20,7 +20,7 @@ RESULTS = RECIPES / "results"
 # every recipe with a command line; those with a --data default must point at an existing file
 RECIPES_WITH_DATA = ["retrofit", "transfer", "finetune", "evaluate", "train_gpt2_scratch", "demo", "paper_tables"]
 RECIPES_WITHOUT_DATA = ["thesis_reversal", "sketch_accuracy", "benchmark_decode", "benchmark_backends",
-                        "benchmark_attention", "inspect_triton_sm90", "memory_layers"]
+                        "benchmark_attention", "inspect_triton_sm90", "memory_layers", "time_transfer_step"]
 # recipes whose --out default is their folder under recipes/results/ (e2e_speed picks it per device, tested apart)
 RESULTS_WRITERS = ["benchmark_attention", "benchmark_decode", "benchmark_backends", "paper_tables", "thesis_reversal",
                    "sketch_accuracy", "inspect_triton_sm90", "memory_layers"]
