@@ -10,6 +10,7 @@
 #                                        # each bf16 layer's peak memory against SDPA's (memory_layers.py)
 #   bash recipes/gpu_checks.sh bench     # the official table against SDPA: hf-polyattn bench --device cuda
 #   bash recipes/gpu_checks.sh e2e       # GPT-2-small-shaped training step and decoding, SDPA vs the kinds
+#   bash recipes/gpu_checks.sh fla       # linear elu+1 against fla-core's chunk_linear_attn (its wheel in .whl/)
 #
 # Runs from the repository root with the machine's own torch / triton / transformers (the lent machines have no
 # package index: the repository goes on PYTHONPATH, nothing is installed). Each stage stops itself before the
@@ -18,14 +19,22 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 case "${1:-}" in
-  tests|kernels|layers|bench|e2e) ;;
-  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e" >&2; exit 2 ;;
+  tests|kernels|layers|bench|e2e|fla) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla" >&2; exit 2 ;;
 esac
+# fla-core (the rows against fla's chunk_linear_attn): the lent machines reach no package index, so its wheel travels
+# in .whl/ (git-ignored; made here with `pip download --no-deps --only-binary=:all: -d .whl fla-core==0.6.0` and named
+# in the device tool's carry); it needs einops, which those machines have
+if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla_site .whl/fla_core-*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/fla_site"
+fi
 OUT="${OUT:-recipes/results/gpu_run}"
 mkdir -p "$OUT"
 python - <<'EOF' | tee "$OUT/machine.txt"
-import torch, triton, transformers
+import importlib.util, torch, triton, transformers
 print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__,
+      "fla", "yes" if importlib.util.find_spec("fla") else "no",
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
 EOF
 
@@ -50,4 +59,8 @@ case "${1:-}" in
       --out "$OUT" 2>&1 | tail -40 ;;
   e2e)
     timeout 560 python recipes/e2e_speed.py --device cuda --dtype bfloat16 --out "$OUT" 2>&1 | tail -40 ;;
+  fla)
+    # fla's autotuning takes minutes per shape on a first run: its own stage, a longer timeout per cell
+    timeout 560 python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu fla-linear-elu \
+      --lengths 8192 32768 65536 --repeats 3 --timeout 240 --out "$OUT" 2>&1 | tail -40 ;;
 esac
