@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "rowwise_recompute",
-           "to_work", "work_dtype"]
+__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "row_chunks",
+           "rowwise_recompute", "to_work", "work_dtype"]
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -159,21 +159,20 @@ class _RowwiseRecompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, chunks, x, *params):  # noqa: D102
-        ctx.fn, ctx.chunks = fn, chunks
+        ctx.fn, ctx.slices = fn, _row_slices(x.shape[-2], chunks)
         ctx.save_for_backward(x, *params)
-        if chunks == 1:  # no copies into whole-size buffers (the demo's n = 256 layers)
+        if len(ctx.slices) == 1:  # no copies into whole-size buffers (the demo's n = 256 layers)
             base = x.untyped_storage().data_ptr()
             outs = [o.clone() if o.untyped_storage().data_ptr() == base else o for o in fn(x)]  # never x itself
-            ctx.mark_non_differentiable(*outs[1:])
-            return tuple(outs)
-        outs = None
-        for sl in _row_slices(x.shape[-2], chunks):
-            parts = fn(x[..., sl, :])
-            if outs is None:
-                outs = [p.new_empty(*p.shape[:-2], x.shape[-2], p.shape[-1]) for p in parts]
-            for o, p in zip(outs, parts):
-                o[..., sl, :] = p
-            del parts
+        else:
+            outs = None
+            for sl in ctx.slices:
+                parts = fn(x[..., sl, :])
+                if outs is None:
+                    outs = [p.new_empty(*p.shape[:-2], x.shape[-2], p.shape[-1]) for p in parts]
+                for o, p in zip(outs, parts):
+                    o[..., sl, :] = p
+                del parts
         ctx.mark_non_differentiable(*outs[1:])
         return tuple(outs)
 
@@ -183,23 +182,26 @@ class _RowwiseRecompute(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         want_x = ctx.needs_input_grad[2]
         want = [p for p, w in zip(params, ctx.needs_input_grad[3:]) if w]
-        dx = torch.empty_like(x) if want_x and ctx.chunks > 1 else None
-        sums: list[torch.Tensor | None] = [None] * len(want)
-        for sl in _row_slices(x.shape[-2], ctx.chunks):
+
+        def chunk_grads(sl):  # fn recomputed on rows sl; gradients of x's rows (or None) and of ``want``
             with torch.enable_grad():
                 xc = x[..., sl, :].detach().requires_grad_(want_x)
-                out = ctx.fn(xc)[0]
-                grads = torch.autograd.grad(out, ([xc] if want_x else []) + want, g[..., sl, :], allow_unused=True)
-            del out
-            if ctx.chunks == 1:  # the gradients as they are (nothing to sum)
-                dx = (torch.zeros_like(x) if grads[0] is None else grads[0]) if want_x else None
-                sums = list(grads[int(want_x):])
-                break
-            if want_x:
-                dx[..., sl, :] = 0.0 if grads[0] is None else grads[0]
-            for i, gp in enumerate(grads[int(want_x):]):
-                if gp is not None:
-                    sums[i] = gp.to(work_dtype(gp.dtype)) if sums[i] is None else sums[i].add_(gp)
+                grads = torch.autograd.grad(ctx.fn(xc)[0], ([xc] if want_x else []) + want, g[..., sl, :],
+                                            allow_unused=True)
+            return (grads[0] if want_x else None), grads[int(want_x):]
+
+        if len(ctx.slices) == 1:  # the gradients as they are: nothing to gather or sum
+            dx, sums = chunk_grads(ctx.slices[0])
+        else:
+            dx = torch.empty_like(x) if want_x else None
+            sums: list[torch.Tensor | None] = [None] * len(want)
+            for sl in ctx.slices:
+                gx, gps = chunk_grads(sl)
+                if want_x:
+                    dx[..., sl, :] = 0.0 if gx is None else gx
+                for i, gp in enumerate(gps):
+                    if gp is not None:
+                        sums[i] = gp.to(work_dtype(gp.dtype)) if sums[i] is None else sums[i].add_(gp)
         it = iter(None if s is None else s.to(p.dtype) for s, p in zip(sums, want))
         return (None, None, dx, *(next(it) if w else None for w in ctx.needs_input_grad[3:]))
 
