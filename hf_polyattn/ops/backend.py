@@ -40,7 +40,7 @@ import os
 import torch
 
 from ..config import BACKENDS
-from .causal import lt_multiply, lt_multiply_batched
+from .causal import check_decay, lt_multiply, lt_multiply_batched
 from .common import ACTIVATIONS, to_work
 
 __all__ = ["BACKENDS", "ENV_VAR", "FLA_VERSION", "fla_available", "lt_multiply_fla", "lt_product",
@@ -161,7 +161,8 @@ def product_backend(requested: str, device: torch.device, dtype: torch.dtype, fe
 
 def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: int, include_diag: bool,
                square: bool, backend: str = "auto", tf32: bool | None = None,
-               activation: str | None = None) -> torch.Tensor:
+               activation: str | None = None,
+               decay: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """lt(phi(A) phi(B)^T) C by the chosen backend (see the module doc).
 
     ``tf32``: operand precision of the Triton kernels' dots (``ops.triton.causal._precision``);
@@ -169,13 +170,25 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     torch's own float32 matmul setting. ``activation`` ('elu': elu(x) + 1, 'relu'; identity features only):
     phi(x) = that map of a and b; the Triton kernels apply it as they load a and b (no n x r feature tensors
     or their gradients in memory), the other backends to a float32 (float64 stays) copy first.
+    ``decay=(qlog, klog)``: term (i, j) weighted by exp(qlog_i - klog_j), cumulative log-decays per row, qlog
+    broadcasting like a's leading dims and klog like b's and c's; contract: klog non-increasing, qlog_i <= klog_i
+    (``causal``'s module doc). None is the undecayed product, by the same code as without the argument. The
+    PyTorch backends compute a decayed product of half inputs in float32; 'fla' refuses it.
     """
     if activation is not None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be None or one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if square:
             raise ValueError(f"activation={activation!r} is for identity features: square must be False")
+    if decay is not None and "fla" in (backend, os.environ.get(ENV_VAR, "").strip() if backend == "auto" else None):
+        raise ValueError("backend='fla' (fla-core's chunk_linear_attn) has no decay: a decayed product (decay "
+                         "'scalar' or 'gate') needs backend='triton', 'batched' or 'loop' (or 'auto')")
     which = product_backend(backend, a.device, a.dtype, a.shape[-1])
+    if decay is not None:
+        decay = check_decay(a, b, c, decay)
+        if which != "triton":
+            a, b, c, *decay = to_work(a, b, c, *decay)  # half inputs: the decays and sums in float32
+            decay = tuple(decay)
     if activation is not None and which != "triton":
         a, b = (ACTIVATIONS[activation](x) for x in to_work(a, b))
     if which in ("loop", "batched") and c.dtype != a.dtype:
@@ -190,6 +203,6 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     if which == "triton":
         from .triton import lt_multiply_triton
 
-        return lt_multiply_triton(a, b, c, block_size, include_diag, square, tf32, activation)
+        return lt_multiply_triton(a, b, c, block_size, include_diag, square, tf32, activation, decay)
     fn = lt_multiply if which == "loop" else lt_multiply_batched
-    return fn(a, b, c, block_size, include_diag, square)
+    return fn(a, b, c, block_size, include_diag, square, decay)

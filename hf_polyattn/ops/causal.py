@@ -33,6 +33,21 @@ comparison and as a second reference.
 
 Shapes: A (..., n, fa), B (..., n, fb), C (..., n, e), broadcastable in the leading dims
 (grouped-query attention passes B, C with a size-1 group axis that A expands).
+
+Decay (``decay=(qlog, klog)``, cumulative log-decays per row; RetNet / GLA): the product becomes
+
+    out_i = sum_{j <= i} exp(qlog_i - klog_j) (phi(a_i) . phi(b_j)) c_j
+
+with qlog (..., n) broadcasting like A's leading dims and klog (..., n) like B's and C's (one decay per key of a
+kv head). Contract, the caller's duty: klog non-increasing along n and qlog_i <= klog_i, so that every exponent
+used below is <= 0 (nothing overflows, however strong the decay). Gates g_t in (0, 1] give qlog = klog = cumsum(log
+g); a window's shifted product passes qlog = G[w:], klog = G[:n-w] (``window.shifted_lt``). The block algorithm
+keeps the state referenced at the last key of its block, P_m = sum_{j < t_m} exp(klog_{t_m - 1} - klog_j)
+phi(B_j)^T C_j, so a block's queries read it times exp(qlog_i - klog_{s_m - 1}) and the state moves on by
+exp(klog_{t_m - 1} - klog_{s_m - 1}): each factor is a decay over a stretch of the sequence, in (0, 1]. The
+gradients of the log-decays need no recurrence of their own: every term of out_i carries exp(qlog_i) and every
+term with key j carries exp(-klog_j), so d qlog_i = <dOut_i, out_i> = <phi(a_i), dphi(a_i)> and d klog_j =
+-<c_j, dC_j>.
 """
 
 from __future__ import annotations
@@ -42,7 +57,7 @@ from torch.nn import functional as F
 
 from .sketches import symmetric_power_indices, symmetric_square
 
-__all__ = ["lt_multiply", "lt_multiply_batched", "lt_multiply_cumsum"]
+__all__ = ["check_decay", "decay_matrix", "lt_multiply", "lt_multiply_batched", "lt_multiply_cumsum"]
 
 
 def _check_block(block_size: int) -> None:
@@ -98,6 +113,43 @@ def check_lt_arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_
         raise ValueError(f"a and b need the same feature size, got {a.shape[-1]} and {b.shape[-1]}")
 
 
+def check_decay(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, decay) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qlog, klog) of ``decay`` after the checks every implementation makes (ValueError naming the argument):
+    two float tensors of length n, qlog's leading dims broadcasting to the product's (A's, B's, C's together),
+    klog's to B's and C's (a key's decay is shared by the query groups of its kv head)."""
+    if not (isinstance(decay, (tuple, list)) and len(decay) == 2
+            and all(isinstance(x, torch.Tensor) for x in decay)):
+        raise ValueError(f"decay must be None or a pair (qlog, klog) of tensors, got {type(decay).__name__}")
+    qlog, klog = decay
+    n = a.shape[-2]
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
+    kv_lead = torch.broadcast_shapes(b.shape[:-2], c.shape[:-2])
+    for name, x, target, like in (("qlog", qlog, lead, "a, b, c"), ("klog", klog, kv_lead, "b and c")):
+        if not x.is_floating_point():
+            raise ValueError(f"decay's {name} must be a float tensor, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != n:
+            raise ValueError(f"decay's {name} must have shape (..., n) with n = {n}, got {tuple(x.shape)}")
+        try:
+            ok = torch.broadcast_shapes(x.shape[:-1], target) == target
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"decay's {name} leading dims {tuple(x.shape[:-1])} must broadcast to those of "
+                             f"{like} {tuple(target)}")
+        if x.device != a.device:
+            raise ValueError(f"decay's {name} is on {x.device} but a is on {a.device}")
+    return qlog, klog
+
+
+def decay_matrix(qlog: torch.Tensor, klog: torch.Tensor) -> torch.Tensor:
+    """(..., m, m) exp(qlog_i - klog_j) for j <= i and 0 above the diagonal, masked before the exp: under the
+    contract (module doc) no exponent taken is positive, whatever qlog_i - klog_j is for j > i."""
+    x = qlog.unsqueeze(-1) - klog.unsqueeze(-2)
+    m = x.shape[-1]
+    keep = torch.ones(m, m, dtype=torch.bool, device=x.device).tril()
+    return torch.exp(x.masked_fill(~keep, float("-inf")))
+
+
 def _blocks(n: int, block: int):
     for s in range(0, n, block):
         yield s, min(s + block, n)
@@ -109,9 +161,10 @@ def _tril_(x: torch.Tensor) -> torch.Tensor:
 
 class _LTMultiply(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, c, block: int, include_diag: bool, square: bool):  # noqa: D102
-        ctx.save_for_backward(a, b, c)
+    def forward(ctx, a, b, c, block: int, include_diag: bool, square: bool, qlog=None, klog=None):  # noqa: D102
+        ctx.save_for_backward(a, b, c, qlog, klog)
         ctx.block, ctx.include_diag, ctx.square = block, include_diag, square
+        decay = qlog is not None
         phi = _Features(a.shape[-1], square, a.device, a.dtype)
         n, e = a.shape[-2], c.shape[-1]
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
@@ -120,46 +173,72 @@ class _LTMultiply(torch.autograd.Function):
         for s, t in _blocks(n, block):
             fa, fb, cj = phi(a[..., s:t, :]), phi(b[..., s:t, :]), c[..., s:t, :]
             oj = torch.matmul(fa.transpose(-1, -2), state)
+            if decay and s:  # the state is referenced at key s - 1
+                oj = oj * _query_decay(qlog, klog, s, t)
             if include_diag:
-                oj = oj + torch.matmul(_tril_(torch.matmul(fa.transpose(-1, -2), fb)), cj)
+                scores = torch.matmul(fa.transpose(-1, -2), fb)
+                scores = scores * decay_matrix(qlog[..., s:t], klog[..., s:t]) if decay else _tril_(scores)
+                oj = oj + torch.matmul(scores, cj)
             out[..., s:t, :] = oj
-            state = state + torch.matmul(fb, cj)
+            state = _next_state(state, fb, cj, klog, s, t)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
-        a, b, c = ctx.saved_tensors
+        a, b, c, qlog, klog = ctx.saved_tensors
         block, diag = ctx.block, ctx.include_diag
+        decay = qlog is not None
         phi = _Features(a.shape[-1], ctx.square, a.device, a.dtype)
         need_a, need_b, need_c = ctx.needs_input_grad[:3]
+        need_q, need_k = ctx.needs_input_grad[6:8] if decay else (False, False)
         n, e = a.shape[-2], c.shape[-1]
         da = torch.zeros_like(a) if need_a else None
         db = torch.zeros_like(b) if need_b else None
         dc = torch.zeros_like(c) if need_c else None
-        if need_a:
+        dq = torch.zeros_like(qlog) if need_q else None
+        dk = torch.zeros_like(klog) if need_k else None
+        if need_a or need_q:
             # forward order: dA_j = dY_j P_{j-1}^T (+ tril(dY_j C_j^T) phi(B_j)), feature-major
             state = a.new_zeros(*torch.broadcast_shapes(b.shape[:-2], c.shape[:-2]), phi.num_features, e)
             for s, t in _blocks(n, block):
                 aj, cj, gj = a[..., s:t, :], c[..., s:t, :], grad_out[..., s:t, :]
                 fb = phi(b[..., s:t, :])
-                dfa = torch.matmul(state, gj.transpose(-1, -2))
+                gq = gj * _query_decay(qlog, klog, s, t) if decay and s else gj
+                dfa = torch.matmul(state, gq.transpose(-1, -2))
                 if diag:
-                    dfa = dfa + torch.matmul(fb, _tril_(torch.matmul(gj, cj.transpose(-1, -2))).transpose(-1, -2))
-                state = state + torch.matmul(fb, cj)
-                da[..., s:t, :] = phi.backward(aj, dfa).sum_to_size(aj.shape)
-        if need_b or need_c:
+                    dd = torch.matmul(gj, cj.transpose(-1, -2))
+                    dd = dd * decay_matrix(qlog[..., s:t], klog[..., s:t]) if decay else _tril_(dd)
+                    dfa = dfa + torch.matmul(fb, dd.transpose(-1, -2))
+                state = _next_state(state, fb, cj, klog, s, t)
+                dxa = phi.backward(aj, dfa)
+                if need_a:
+                    da[..., s:t, :] = dxa.sum_to_size(aj.shape)
+                if need_q:  # <phi(a_i), dphi(a_i)> = a_i . dA_i / p for features homogeneous of degree p = 1, 2
+                    dq[..., s:t] = ((aj * dxa).sum(-1) / (2.0 if ctx.square else 1.0)).sum_to_size(dq[..., s:t].shape)
+        if need_b or need_c or need_k:
             # reverse order: R_j = sum_{i>j} phi(A_i)^T dY_i;  dB_j = C_j R_j^T, dC_j = phi(B_j) R_j
+            # (decay: R_j referenced at the block's last key t - 1, each key scaled by exp(klog_{t-1} - klog_j))
             suffix = None
             for s, t in reversed(list(_blocks(n, block))):
                 bj, cj, gj = b[..., s:t, :], c[..., s:t, :], grad_out[..., s:t, :]
                 fa, fb = phi(a[..., s:t, :]), phi(bj)
                 dfb = dcj = None
+                kf = torch.exp(klog[..., t - 1 : t] - klog[..., s:t]) if decay else None
                 if diag:
-                    dfb = torch.matmul(fa, _tril_(torch.matmul(gj, cj.transpose(-1, -2))))
-                    dcj = torch.matmul(_tril_(torch.matmul(fa.transpose(-1, -2), fb)).transpose(-1, -2), gj)
+                    dd = torch.matmul(gj, cj.transpose(-1, -2))
+                    sc = torch.matmul(fa.transpose(-1, -2), fb)
+                    if decay:
+                        w = decay_matrix(qlog[..., s:t], klog[..., s:t])
+                        dd, sc = dd * w, sc * w
+                    else:
+                        dd, sc = _tril_(dd), _tril_(sc)
+                    dfb = torch.matmul(fa, dd)
+                    dcj = torch.matmul(sc.transpose(-1, -2), gj)
                 if suffix is not None:
                     far_b = torch.matmul(suffix, cj.transpose(-1, -2))
                     far_c = torch.matmul(fb.transpose(-1, -2), suffix)
+                    if decay:
+                        far_b, far_c = far_b * kf.unsqueeze(-2), far_c * kf.unsqueeze(-1)
                     dfb = far_b if dfb is None else dfb + far_b
                     dcj = far_c if dcj is None else dcj + far_c
                 if dfb is not None:
@@ -167,9 +246,41 @@ class _LTMultiply(torch.autograd.Function):
                         db[..., s:t, :] = phi.backward(bj, dfb).sum_to_size(bj.shape)
                     if need_c:
                         dc[..., s:t, :] = dcj.sum_to_size(cj.shape)
-                add = torch.matmul(fa, gj)
-                suffix = add if suffix is None else suffix + add
-        return da, db, dc, None, None, None
+                    if need_k:
+                        dk[..., s:t] = (-(cj * dcj).sum(-1)).sum_to_size(dk[..., s:t].shape)
+                if decay:
+                    if not s:
+                        break  # nothing before the first block reads the suffix
+                    # move the reference from key t - 1 to key s - 1, the last key of the block before
+                    gq = gj * _query_decay(qlog, klog, s, t)
+                    add = torch.matmul(fa, gq)
+                    suffix = add if suffix is None else add + suffix * _log_ratio(klog, t - 1, s - 1)
+                else:
+                    add = torch.matmul(fa, gj)
+                    suffix = add if suffix is None else suffix + add
+        return da, db, dc, None, None, None, dq, dk
+
+
+def _query_decay(qlog: torch.Tensor, klog: torch.Tensor, s: int, t: int) -> torch.Tensor:
+    """exp(qlog_i - klog_{s-1}) of the queries of block [s, t) (s > 0) as a (..., t - s, 1) factor: from the state's
+    reference, the last key of the block before, to each query."""
+    return torch.exp(qlog[..., s:t] - klog[..., s - 1 : s]).unsqueeze(-1)
+
+
+def _log_ratio(klog: torch.Tensor, i: int, j: int) -> torch.Tensor:
+    """exp(klog_i - klog_j) as a (..., 1, 1) factor of a state (i >= j: in (0, 1])."""
+    return torch.exp(klog[..., i : i + 1] - klog[..., j : j + 1]).unsqueeze(-1)
+
+
+def _next_state(state: torch.Tensor, fb: torch.Tensor, cj: torch.Tensor, klog: torch.Tensor | None, s: int,
+                t: int) -> torch.Tensor:
+    """The state after block [s, t) from the one before it (feature-major block features ``fb``); with decay
+    (``klog``) referenced at key t - 1, from the one referenced at key s - 1."""
+    if klog is None:
+        return state + torch.matmul(fb, cj)
+    kf = torch.exp(klog[..., t - 1 : t] - klog[..., s:t]).unsqueeze(-1)
+    add = torch.matmul(fb, cj * kf)
+    return add + state * _log_ratio(klog, t - 1, s - 1) if s else add + state
 
 
 def lt_multiply(
@@ -179,16 +290,26 @@ def lt_multiply(
     block_size: int = 256,
     include_diag: bool = True,
     square: bool = False,
+    decay: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Return lt(phi(A) phi(B)^T) C: row i is sum_{j<=i} (phi(a_i) . phi(b_j)) c_j.
 
     O(n F (b + e)) time for F features, any n. ``square=True`` takes phi = symmetric
     tensor square (features built per block, never stored); otherwise phi = identity.
     With ``include_diag=False`` the b x b diagonal blocks are left out (they are computed
-    exactly elsewhere: the ``local_exact`` option).
+    exactly elsewhere: the ``local_exact`` option). ``decay=(qlog, klog)`` weights term (i, j)
+    by exp(qlog_i - klog_j) (module doc: shapes and contract), computed in a's dtype.
     """
     check_lt_arguments(a, b, c, block_size)
-    return _LTMultiply.apply(a, b, c, block_size, include_diag, square)
+    if decay is None:
+        return _LTMultiply.apply(a, b, c, block_size, include_diag, square)
+    qlog, klog = (x.to(a.dtype) for x in check_decay(a, b, c, decay))
+    return _LTMultiply.apply(a, b, c, block_size, include_diag, square, qlog, klog)
+
+
+def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """x (..., n) with its last entry repeated ``pad`` more times (log-decays of padding rows: no new decay)."""
+    return torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1) if pad else x
 
 
 def lt_multiply_batched(
@@ -198,12 +319,17 @@ def lt_multiply_batched(
     block_size: int = 256,
     include_diag: bool = True,
     square: bool = False,
+    decay: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``lt_multiply`` without a loop over blocks: about ten kernels whatever n (see module doc).
 
-    Same arguments and result; memory O(n F + (n / b) F e) instead of O(b F + F e).
+    Same arguments and result; memory O(n F + (n / b) F e) instead of O(b F + F e). With ``decay``, each block's
+    state is referenced at its last key and the blocks' states are combined by one (n/b x n/b) matrix of decays
+    between block ends (masked before the exp, like the diagonal blocks' own b x b decays): nothing n x n.
     """
     check_lt_arguments(a, b, c, block_size)
+    if decay is not None:
+        qlog, klog = (x.to(a.dtype) for x in check_decay(a, b, c, decay))
     n = a.shape[-2]
     nb = -(-n // block_size)
     pad = nb * block_size - n
@@ -211,33 +337,62 @@ def lt_multiply_batched(
         a, b, c = (F.pad(t, (0, 0, 0, pad)) for t in (a, b, c))
     ab, bb, cb = (t.unflatten(-2, (nb, block_size)) for t in (a, b, c))  # (..., nb, b, .)
     fa, fb = (symmetric_square(ab), symmetric_square(bb)) if square else (ab, bb)
-    states = torch.matmul(fb.transpose(-1, -2), cb)  # (..., nb, F, e): every block's phi(B_j)^T C_j
-    # exclusive prefix P_{j-1} = sum_{i<j} states_i (shifted cumsum: no cancellation from cumsum - states)
-    prefix = torch.cumsum(F.pad(states, (0, 0, 0, 0, 1, 0))[..., :-1, :, :], dim=-3)
-    out = torch.matmul(fa, prefix)
+    if decay is not None:
+        qb, kb = (_pad_rows(x, pad).unflatten(-1, (nb, block_size)) for x in (qlog, klog))  # (..., nb, b)
+        ends = kb[..., -1]  # (..., nb): each block's last key, its state's reference
+        before = torch.cat([kb[..., :1, 0], ends[..., :-1]], dim=-1)  # the block before's (block 0: unused)
+    # values scaled by their decay to their block's last key (decay), the b x b diagonal blocks read them unscaled
+    cs = cb if decay is None else cb * torch.exp(ends.unsqueeze(-1) - kb).unsqueeze(-1)
+    states = torch.matmul(fb.transpose(-1, -2), cs)  # (..., nb, F, e): every block's phi(B_j)^T C_j
+    if decay is None:
+        # exclusive prefix P_{j-1} = sum_{i<j} states_i (shifted cumsum: no cancellation from cumsum - states)
+        prefix = torch.cumsum(F.pad(states, (0, 0, 0, 0, 1, 0))[..., :-1, :, :], dim=-3)
+        out = torch.matmul(fa, prefix)
+    else:
+        # P_{m-1} = sum_{l<m} exp(end_{m-1} - end_l) states_l: the (nb x nb) decays, strictly lower (l < m)
+        x = (before.unsqueeze(-1) - ends.unsqueeze(-2)).masked_fill(
+            ~torch.ones(nb, nb, dtype=torch.bool, device=a.device).tril(-1), float("-inf"))
+        prefix = torch.matmul(torch.exp(x), states.flatten(-2)).unflatten(-1, states.shape[-2:])
+        out = torch.matmul(fa, prefix) * torch.exp(qb - before.unsqueeze(-1)).unsqueeze(-1)
     if include_diag:
         # phi(a).phi(b) = (a.b)^2 for the symmetric square: the b x b block from r-dim dot products
         scores = torch.matmul(ab, bb.transpose(-1, -2))
         if square:
             scores = scores * scores
-        out = out + torch.matmul(scores.tril(), cb)
+        scores = scores.tril() if decay is None else scores * decay_matrix(qb, kb)
+        out = out + torch.matmul(scores, cb)
     return out.flatten(-3, -2)[..., :n, :]
 
 
-def lt_multiply_cumsum(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+def lt_multiply_cumsum(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, chunk: int = 64,
+                       decay: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Performer's per-token cumulative sum: S_i = sum_{j<=i} b_j^T c_j, out_i = a_i S_i.
 
     Materialises one (f x e) state per token of a chunk: O(chunk f e) memory forward and
     O(n f e) for autograd's backward, which is why the block algorithm replaces it.
+    ``decay=(qlog, klog)`` (module doc): S_i is referenced at key i, S_i = sum_{j<=i} exp(klog_i - klog_j)
+    b_j^T c_j (within a chunk by a (chunk x chunk) matrix of decays), and out_i = exp(qlog_i - klog_i) a_i S_i.
     """
     _check_block(chunk)
+    if decay is not None:
+        qlog, klog = (x.to(a.dtype) for x in check_decay(a, b, c, decay))
     n = a.shape[-2]
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
     state = a.new_zeros(*torch.broadcast_shapes(b.shape[:-2], c.shape[:-2]), b.shape[-1], c.shape[-1])
     outs = []
     for s in range(0, n, chunk):
         bt, ct, at = b[..., s : s + chunk, :], c[..., s : s + chunk, :], a[..., s : s + chunk, :]
-        prefix = state.unsqueeze(-3) + torch.cumsum(bt.unsqueeze(-1) * ct.unsqueeze(-2), dim=-3)
-        outs.append(torch.matmul(at.unsqueeze(-2), prefix).squeeze(-2).expand(*lead, at.shape[-2], c.shape[-1]))
+        if decay is None:
+            prefix = state.unsqueeze(-3) + torch.cumsum(bt.unsqueeze(-1) * ct.unsqueeze(-2), dim=-3)
+        else:
+            kt = klog[..., s : s + chunk]
+            outer = (bt.unsqueeze(-1) * ct.unsqueeze(-2)).flatten(-2)  # (..., t, f e)
+            prefix = torch.matmul(decay_matrix(kt, kt), outer).unflatten(-1, state.shape[-2:])
+            if s:
+                prefix = prefix + torch.exp(kt - klog[..., s - 1 : s])[..., None, None] * state.unsqueeze(-3)
+        o = torch.matmul(at.unsqueeze(-2), prefix).squeeze(-2)
+        if decay is not None:
+            o = o * torch.exp(qlog[..., s : s + chunk] - klog[..., s : s + chunk]).unsqueeze(-1)
+        outs.append(o.expand(*lead, at.shape[-2], c.shape[-1]))
         state = prefix[..., -1, :, :]
     return torch.cat(outs, dim=-2)

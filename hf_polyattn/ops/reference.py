@@ -15,8 +15,27 @@ import math
 import torch
 
 from .attention import PolyAttention
+from .sketches import symmetric_square
 
-__all__ = ["reference_attention", "reference_weights"]
+__all__ = ["reference_attention", "reference_lt_product", "reference_weights"]
+
+
+def reference_lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: int, include_diag: bool,
+                         square: bool, decay: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The causal product of ``backend.lt_product`` from its definition, with the full (..., n, n) weight matrix:
+    row i = sum_j W_ij (phi(a_i) . phi(b_j)) c_j, W_ij = [j <= i] (and [block(j) != block(i)] without the diagonal
+    blocks) times exp(qlog_i - klog_j) with ``decay=(qlog, klog)``; the exponent is masked before the exp."""
+    fa, fb = (symmetric_square(a), symmetric_square(b)) if square else (a, b)
+    n = a.shape[-2]
+    i = torch.arange(n, device=a.device)
+    keep = i[None, :] <= i[:, None]
+    if not include_diag:
+        keep = keep & ((i[None, :] // block_size) != (i[:, None] // block_size))
+    w = torch.where(keep, fa @ fb.transpose(-1, -2), torch.zeros((), dtype=fa.dtype, device=a.device))
+    if decay is not None:
+        qlog, klog = decay
+        w = w * torch.exp((qlog.unsqueeze(-1) - klog.unsqueeze(-2)).masked_fill(~keep, float("-inf")))
+    return w @ c
 
 
 def _kernel_inputs(module: PolyAttention, q: torch.Tensor, k: torch.Tensor):

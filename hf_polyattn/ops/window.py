@@ -35,8 +35,10 @@ __all__ = ["shifted_lt", "window_scores", "window_tiles"]
 
 
 def shifted_lt(fq: torch.Tensor, fk: torch.Tensor, vext: torch.Tensor, shift: int, block: int, square: bool,
-               backend: str = "auto", tf32: bool | None = None) -> torch.Tensor:
-    """Row i = sum_{j <= i - shift} phi(q_i).phi(k_j) vext_j (zero for i < shift).
+               backend: str = "auto", tf32: bool | None = None, decay: torch.Tensor | None = None) -> torch.Tensor:
+    """Row i = sum_{j <= i - shift} phi(q_i).phi(k_j) vext_j (zero for i < shift), times exp(G_i - G_j) with
+    ``decay`` = G (..., n), the cumulative log-decays of the keys (non-increasing; leading dims broadcasting like
+    fk's and vext's): the product's qlog = G[shift:], klog = G[:n - shift] (``backend.lt_product``).
 
     fq (..., n, f), fk (..., n, f), vext (..., n, e), broadcastable leading dims.
     """
@@ -44,8 +46,9 @@ def shifted_lt(fq: torch.Tensor, fk: torch.Tensor, vext: torch.Tensor, shift: in
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], vext.shape[:-2])
     if shift >= n:
         return vext.new_zeros(*lead, n, vext.shape[-1])
+    logs = None if decay is None else (decay[..., shift:], decay[..., : n - shift])
     out = lt_product(fq[..., shift:, :], fk[..., : n - shift, :], vext[..., : n - shift, :], block, True, square,
-                     backend, tf32)
+                     backend, tf32, decay=logs)
     return F.pad(out, (0, 0, shift, 0))
 
 

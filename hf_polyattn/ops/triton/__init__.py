@@ -37,11 +37,12 @@ def lt_multiply_triton(
     square: bool = False,
     tf32: bool | None = None,
     activation: str | None = None,
+    decay: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``hf_polyattn.ops.causal.lt_multiply`` (fp32 output); see ``.causal``."""
     from .causal import lt_multiply_triton as impl
 
-    return impl(a, b, c, block_size, include_diag, square, tf32, activation)
+    return impl(a, b, c, block_size, include_diag, square, tf32, activation, decay)
 
 
 def local_blocks_triton(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -41,6 +41,16 @@ Activation (``ACT``, identity features only): phi(x) = act(x) elementwise, appli
 and B as it is loaded (1: elu(x) + 1, 2: relu(x)), and dA, dB multiplied by act'(x) as they are stored:
 linear attention's feature maps without an n x r feature tensor or its gradient in HBM.
 
+Decay (``DECAY``, ``causal``'s module doc): fp32 tables of cumulative log-decays, qlog (H, G, n) per query row
+and klog (H, n) per key, give every term (i, j) the factor exp(qlog_i - klog_j). A chunk's state slab is
+referenced at one key (the prefix at its chunk's last key, the suffix at the key before its chunk): its rows are
+scaled by exp(klog_ref - klog_j) (prefix) or exp(qlog_i - klog_ref) (suffix) as they are summed, the host decays
+the slabs into running sums, and a tile that reads a slab scales its rows by the decay from the slab's
+reference to the row. Exact pairs take exp(qlog_i - klog_j) directly. Every exponent is masked before the exp
+(``_masked_exp``) and <= 0 under the contract. The gradient of qlog comes out of ``_da_kernel`` as
+<phi(a_i), dphi(a_i)> (= a_i . dA_i / 2 for square features, whose phi is homogeneous of degree 2); that of klog,
+-<c_j, dC_j>, is a row sum the host forms from dC.
+
 All accumulation is fp32; features and states never exist in half precision (degree-4..8
 polynomial values overflow fp16's 65504). ``PREC`` is the fp32 dot precision: "tf32x3" keeps
 fp32 accuracy (~1e-6 relative) on tensor cores, "tf32" is ~5e-4 relative and 3x cheaper. Inputs in
@@ -59,6 +69,13 @@ def _if_last(mask, pid_e, ne):
     """``mask`` in the last e tile's program (the one that owns the tail column), else all False.
     Formed elementwise: Triton 3.9's interpreter mis-types a (block & scalar) mask."""
     return mask & ((mask.to(tl.int32) * 0 + pid_e) == ne - 1)
+
+
+@triton.jit
+def _masked_exp(x, ok):
+    """exp(x) where ``ok``, 0 elsewhere, the mask applied before the exp: padding rows and pairs outside the causal
+    part may hold any exponent, the decay contract bounds only the ones taken (by 0)."""
+    return tl.where(ok, tl.exp(tl.where(ok, x, 0.0)), 0.0)
 
 
 @triton.jit
@@ -228,6 +245,44 @@ def _exact_pair(qi, kj, BLK, INCLUDE_DIAG: tl.constexpr):
 
 
 @triton.jit
+def _exact_weights(x, rows, rmask, cols, cmask, ql, klog_ptr, BLK, INCLUDE_DIAG: tl.constexpr, DECAY: tl.constexpr,
+                   KEYS_FIRST: tl.constexpr):
+    """x (queries ``rows`` x keys ``cols``; ``KEYS_FIRST``: keys x queries) on the chunk's exact pairs
+    (``_exact_pair``), 0 elsewhere; ``DECAY``: times exp(qlog_i - klog_j) (``ql``: the rows' qlog, ``klog_ptr``:
+    the kv head's klog)."""
+    if KEYS_FIRST:
+        ok = _exact_pair(rows[None, :], cols[:, None], BLK, INCLUDE_DIAG)
+    else:
+        ok = _exact_pair(rows[:, None], cols[None, :], BLK, INCLUDE_DIAG)
+    if DECAY:
+        kl = tl.load(klog_ptr + cols, mask=cmask, other=0.0)
+        if KEYS_FIRST:
+            x = x * _masked_exp(ql[None, :] - kl[:, None], ok & cmask[:, None] & rmask[None, :])
+        else:
+            x = x * _masked_exp(ql[:, None] - kl[None, :], ok & rmask[:, None] & cmask[None, :])
+    else:
+        x = tl.where(ok, x, 0.0)
+    return x
+
+
+@triton.jit
+def _key_decay(klog_ptr, cols, cmask, c_end):
+    """exp(klog_{c_end - 1} - klog_j) of the keys ``cols``: from each key to its chunk's last key, the suffix
+    state's reference (0 for padding rows)."""
+    kl = tl.load(klog_ptr + cols, mask=cmask, other=0.0)
+    return _masked_exp(tl.load(klog_ptr + c_end - 1) - kl, cmask)
+
+
+@triton.jit
+def _query_logs(qlog_ptr, hg, n, rows, rmask, DECAY: tl.constexpr, BQ: tl.constexpr):
+    """qlog of the query ``rows`` of head x group ``hg`` (zeros without ``DECAY``: never read)."""
+    ql = tl.zeros((BQ,), dtype=tl.float32)
+    if DECAY:
+        ql = tl.load(qlog_ptr + hg.to(tl.int64) * n + rows, mask=rmask, other=0.0)
+    return ql
+
+
+@triton.jit
 def _exact_keys_end(q0, BLK, INCLUDE_DIAG: tl.constexpr, BQ: tl.constexpr):
     """End of the keys the query tile [q0, q0 + BQ) takes exactly (they start at its chunk's start)."""
     if INCLUDE_DIAG:
@@ -292,11 +347,11 @@ def _pair_dots(x_ptr, xrows, xmask, sxn, sxe, xz, y_ptr, yrows, ymask, syn, sye,
 
 
 @triton.jit
-def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr,
+def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_ptr, w_ptr, xlog_ptr, klog_ptr,
                   n, r, F, E, SE, G, T, NC, sxn, sxr, syn, sye,
                   REVERSE: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
                   BT: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr,
-                  ACT: tl.constexpr):
+                  ACT: tl.constexpr, DECAY: tl.constexpr):
     """Slot k (REVERSE: NC-1-k) of s gets phi(X_k)^T Y_k of chunk k alone, summed over the G groups.
 
     NC - 1 slots: the forward reads chunks 0..NC-2 (the last chunk's state is never read), the
@@ -304,7 +359,9 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
     the host turns the slots into running sums with one cumsum over the chunk axis. (A first
     version walked the chunks in order inside 144 programs at n = 32k, H = 16: latency-bound,
     5.2 ms of a 30 ms forward+backward on an H100.) ``TAIL``: the last e tile's program also
-    writes phi(X_k)^T y_k of Y's column E (the tail) into z.
+    writes phi(X_k)^T y_k of Y's column E (the tail) into z. ``DECAY``: Y's rows are scaled to the slot's
+    reference key, exp(klog_ref - xlog_j) for the prefix (X = B, xlog = klog, reference the chunk's last key) and
+    exp(xlog_i - klog_ref) for the suffix (X = A, xlog = qlog of each group, reference the key before the chunk).
     """
     if REVERSE:
         k = tl.program_id(0) + 1
@@ -328,6 +385,12 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
     c_start = k * T
     c_end = tl.minimum(c_start + T, n)
     fs, fmask = _tile_slots(t, r, F, SQUARE, COLS, BF)
+    ref = 0.0
+    if DECAY:
+        if REVERSE:
+            ref = tl.load(klog_ptr + h.to(tl.int64) * n + c_start - 1)
+        else:
+            ref = tl.load(klog_ptr + h.to(tl.int64) * n + c_end - 1)
     for g in range(0, G):
         xo = tl.load(x_off_ptr + h * G + g)
         yo = tl.load(y_off_ptr + h * G + g)
@@ -340,6 +403,14 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
             phi = _tile(t, xs, x_ptr + xo, rows, rmask, sxn, sxr, i0_ptr, i1_ptr, w_ptr, r, F, SQUARE, COLS, BF, ACT)
             y = tl.load(y_ptr + yo + rows[:, None] * syn + es[None, :] * sye,
                         mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+            f = tl.zeros((BT,), dtype=tl.float32)
+            if DECAY:
+                xl = tl.load(xlog_ptr + (h * G + g).to(tl.int64) * n + rows, mask=rmask, other=0.0)
+                if REVERSE:
+                    f = _masked_exp(xl - ref, rmask)
+                else:
+                    f = _masked_exp(ref - xl, rmask)
+                y = y * f[:, None]
             if SQUARE and COLS:
                 acc += tl.dot(tl.trans(y), phi, input_precision=PREC)
             else:
@@ -347,6 +418,8 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
             if TAIL:
                 yz = tl.load(y_ptr + yo + rows * syn + E * sye, mask=_if_last(rmask, pid_e, ne), other=0.0)
                 yz = yz.to(tl.float32)
+                if DECAY:
+                    yz = yz * f
                 acc_z += tl.sum(phi * yz[:, None], axis=0)
     if REVERSE:
         slot = NC - 1 - k
@@ -365,14 +438,15 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
 
 @triton.jit
 def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, c_off_ptr, o_off_ptr,
-                i0_ptr, i1_ptr, w_ptr,
+                i0_ptr, i1_ptr, w_ptr, qlog_ptr, klog_ptr,
                 n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, son, soe,
                 INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                 TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-                PREC: tl.constexpr, ACT: tl.constexpr):
+                PREC: tl.constexpr, ACT: tl.constexpr, DECAY: tl.constexpr):
     """out[rows, e tile] = phi(A_rows) P_k + (QUAD) sum over the chunk's exact pairs (a_i.b_j)^p c_j: j <= i
     (INCLUDE_DIAG) or block(j) < block(i) (``_exact_pair``; QUAD: the diagonal is included or chunks hold several
-    blocks). ``TAIL``: the last e tile also writes column E from z and c's column E."""
+    blocks). ``TAIL``: the last e tile also writes column E from z and c's column E. ``DECAY``: the far part times
+    exp(qlog_i - klog_{kT-1}) (P_k's reference), each exact pair times exp(qlog_i - klog_j)."""
     pid_q = tl.program_id(0)
     hg = tl.program_id(1)
     pid_e = tl.program_id(2)
@@ -386,6 +460,7 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
     qa = _row_tile(a_ptr + ao, rows, rmask, san, sar, r, R, ACT)  # square tiles' input and the diagonal's queries
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_z = tl.zeros((BQ,), dtype=tl.float32)
+    ql = _query_logs(qlog_ptr, hg, n, rows, rmask, DECAY, BQ)
     if k > 0:  # P_0 = 0: the first chunk has no far part
         s_base = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (k - 1).to(tl.int64) * F * SE
         z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
@@ -398,6 +473,10 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
             if TAIL:
                 zt = tl.load(z_base + fs, mask=_if_last(fmask, pid_e, ne), other=0.0)
                 acc_z += tl.sum(phi * zt[None, :], axis=1)
+        if DECAY:
+            f = _masked_exp(ql - tl.load(klog_ptr + h.to(tl.int64) * n + k * T - 1), rmask)
+            acc = acc * f[:, None]
+            acc_z = acc_z * f
     if QUAD:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
@@ -408,7 +487,8 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
             s = tl.dot(qa, tl.trans(kb), input_precision=PREC)
             if SQUARE:
                 s = s * s
-            s = tl.where(_exact_pair(rows[:, None], cols[None, :], BLK, INCLUDE_DIAG), s, 0.0)
+            s = _exact_weights(s, rows, rmask, cols, cmask, ql, klog_ptr + h.to(tl.int64) * n, BLK, INCLUDE_DIAG,
+                               DECAY, False)
             cv = tl.load(c_ptr + co + cols[:, None] * scn + es[None, :] * sce,
                          mask=cmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
             acc += tl.dot(s, cv, input_precision=PREC)
@@ -423,12 +503,13 @@ def _out_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, o_ptr, a_off_ptr, b_off_ptr, 
 
 @triton.jit
 def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
-               da_off_ptr, i0_ptr, i1_ptr, w_ptr,
+               da_off_ptr, i0_ptr, i1_ptr, w_ptr, qlog_ptr, klog_ptr, dq_ptr,
                n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
                INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr, ACT: tl.constexpr):
-    """dA rows: far part through dphi(A) = dO P_k^T, the chunk's exact pairs from D_ij = dO_i . c_j."""
+               PREC: tl.constexpr, ACT: tl.constexpr, DECAY: tl.constexpr):
+    """dA rows: far part through dphi(A) = dO P_k^T, the chunk's exact pairs from D_ij = dO_i . c_j. ``DECAY``: the
+    decays of ``_out_kernel``, and dq (H, G, n) gets d qlog_i = <phi(a_i), dphi(a_i)>."""
     pid_q = tl.program_id(0)
     hg = tl.program_id(1)
     h = hg // G
@@ -442,11 +523,15 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
     gz = tl.zeros((BQ,), dtype=tl.float32)
     if TAIL:  # dO's tail column, against z (far part) and c's tail column (diagonal chunk)
         gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
+    ql = _query_logs(qlog_ptr, hg, n, rows, rmask, DECAY, BQ)
     if k > 0:
         s_base = s_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (k - 1).to(tl.int64) * F * SE
         z_base = z_ptr + h.to(tl.int64) * (NC - 1) * F + (k - 1).to(tl.int64) * F
-        acc += _far_input_grad(g_ptr + go, rows, rmask, sgn, sge, gz, s_base, z_base, a_ptr + ao, qa, san, sar,
-                               i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
+        far = _far_input_grad(g_ptr + go, rows, rmask, sgn, sge, gz, s_base, z_base, a_ptr + ao, qa, san, sar,
+                              i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
+        if DECAY:
+            far = far * _masked_exp(ql - tl.load(klog_ptr + h.to(tl.int64) * n + k * T - 1), rmask)[:, None]
+        acc += far
     if QUAD:
         bo = tl.load(b_off_ptr + h)
         co = tl.load(c_off_ptr + h)
@@ -459,10 +544,19 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
                 cz = tl.load(c_ptr + co + cols * scn + E * sce, mask=cmask, other=0.0).to(tl.float32)
             d = _pair_dots(g_ptr + go, rows, rmask, sgn, sge, gz, c_ptr + co, cols, cmask, scn, sce, cz, E,
                            TAIL, BQ, BE, PREC)
-            d = tl.where(_exact_pair(rows[:, None], cols[None, :], BLK, INCLUDE_DIAG), d, 0.0)
+            d = _exact_weights(d, rows, rmask, cols, cmask, ql, klog_ptr + h.to(tl.int64) * n, BLK, INCLUDE_DIAG,
+                               DECAY, False)
             if SQUARE:  # d (a.b)^2 / da = 2 (a.b) b
                 d = d * 2.0 * tl.dot(qa, tl.trans(kb), input_precision=PREC)
             acc += tl.dot(d, kb, input_precision=PREC)
+    if DECAY:  # <phi(a), dphi(a)>: a . dA / 2 for the square (homogeneous of degree 2), act(a) . dphi with ACT
+        if SQUARE:
+            dql = 0.5 * tl.sum(qa * acc, axis=1)
+        elif ACT != 0:
+            dql = tl.sum(_row_tile(a_ptr + ao, rows, rmask, san, sar, r, R, ACT) * acc, axis=1)
+        else:
+            dql = tl.sum(qa * acc, axis=1)
+        tl.store(dq_ptr + hg.to(tl.int64) * n + rows, dql, mask=rmask)
     if ACT != 0:
         acc = _act_grad(acc, qa, ACT)
     dao = tl.load(da_off_ptr + hg)
@@ -471,12 +565,14 @@ def _da_kernel(a_ptr, b_ptr, c_ptr, g_ptr, s_ptr, z_ptr, da_ptr, a_off_ptr, b_of
 
 @triton.jit
 def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_off_ptr, c_off_ptr, g_off_ptr,
-               db_off_ptr, i0_ptr, i1_ptr, w_ptr,
+               db_off_ptr, i0_ptr, i1_ptr, w_ptr, qlog_ptr, klog_ptr,
                n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, scn, sce, sgn, sge, sdn, sdr,
                INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr, ACT: tl.constexpr):
-    """dB rows of one kv head: far part through dphi(B) = C U_k^T, the chunk's exact pairs summed over the G groups."""
+               PREC: tl.constexpr, ACT: tl.constexpr, DECAY: tl.constexpr):
+    """dB rows of one kv head: far part through dphi(B) = C U_k^T, the chunk's exact pairs summed over the G groups.
+    ``DECAY``: the far part times exp(klog_ref - klog_j) (U_k's reference: the chunk's last key), each exact pair
+    times exp(qlog_i - klog_j)."""
     pid_k = tl.program_id(0)
     h = tl.program_id(1)
     k, k0, c_end, cols, cmask = _chunk_tile(pid_k, n, T, QPC, BQ)
@@ -492,8 +588,11 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
     if k < NC - 1:  # U_{NC-1} = 0: the last chunk has no later chunks
         u_base = u_ptr + h.to(tl.int64) * (NC - 1) * F * SE + (NC - 2 - k).to(tl.int64) * F * SE
         uz_base = uz_ptr + h.to(tl.int64) * (NC - 1) * F + (NC - 2 - k).to(tl.int64) * F
-        acc += _far_input_grad(c_ptr + co, cols, cmask, scn, sce, cz, u_base, uz_base, b_ptr + bo, kb, sbn, sbr,
-                               i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
+        far = _far_input_grad(c_ptr + co, cols, cmask, scn, sce, cz, u_base, uz_base, b_ptr + bo, kb, sbn, sbr,
+                              i0_ptr, i1_ptr, w_ptr, r, F, E, SE, SQUARE, COLS, TAIL, BQ, BF, BE, R, PREC)
+        if DECAY:
+            far = far * _key_decay(klog_ptr + h.to(tl.int64) * n, cols, cmask, c_end)[:, None]
+        acc += far
     if QUAD:
         for g in range(0, G):
             ao = tl.load(a_off_ptr + h * G + g)
@@ -507,7 +606,8 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
                     gz = tl.load(g_ptr + go + rows * sgn + E * sge, mask=rmask, other=0.0).to(tl.float32)
                 dt = _pair_dots(c_ptr + co, cols, cmask, scn, sce, cz, g_ptr + go, rows, rmask, sgn, sge, gz, E,
                                 TAIL, BQ, BE, PREC)
-                dt = tl.where(_exact_pair(rows[None, :], cols[:, None], BLK, INCLUDE_DIAG), dt, 0.0)
+                dt = _exact_weights(dt, rows, rmask, cols, cmask, _query_logs(qlog_ptr, h * G + g, n, rows, rmask,
+                                    DECAY, BQ), klog_ptr + h.to(tl.int64) * n, BLK, INCLUDE_DIAG, DECAY, True)
                 if SQUARE:
                     dt = dt * 2.0 * tl.dot(kb, tl.trans(qa), input_precision=PREC)
                 acc += tl.dot(dt, qa, input_precision=PREC)
@@ -519,13 +619,13 @@ def _db_kernel(a_ptr, b_ptr, c_ptr, g_ptr, u_ptr, uz_ptr, db_ptr, a_off_ptr, b_o
 
 @triton.jit
 def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr, g_off_ptr, dc_off_ptr,
-               i0_ptr, i1_ptr, w_ptr,
+               i0_ptr, i1_ptr, w_ptr, qlog_ptr, klog_ptr,
                n, r, F, E, SE, G, T, NC, QPC, BLK, san, sar, sbn, sbr, sgn, sge, sdn, sde,
                INCLUDE_DIAG: tl.constexpr, QUAD: tl.constexpr, SQUARE: tl.constexpr, COLS: tl.constexpr,
                TAIL: tl.constexpr, BQ: tl.constexpr, BF: tl.constexpr, BE: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr, ACT: tl.constexpr):
+               PREC: tl.constexpr, ACT: tl.constexpr, DECAY: tl.constexpr):
     """dC rows of one kv head: phi(B) U_k + the chunk's exact pairs (a_i.b_j)^p dO_i summed over the G groups
-    (``TAIL``: the last e tile also writes column E from uz and dO's column E)."""
+    (``TAIL``: the last e tile also writes column E from uz and dO's column E). ``DECAY``: as ``_db_kernel``."""
     pid_k = tl.program_id(0)
     h = tl.program_id(1)
     pid_e = tl.program_id(2)
@@ -549,6 +649,10 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
             if TAIL:
                 uz = tl.load(uz_base + fs, mask=_if_last(fmask, pid_e, ne), other=0.0)
                 acc_z += tl.sum(phi * uz[None, :], axis=1)
+        if DECAY:
+            f = _key_decay(klog_ptr + h.to(tl.int64) * n, cols, cmask, c_end)
+            acc = acc * f[:, None]
+            acc_z = acc_z * f
     if QUAD:
         for g in range(0, G):
             ao = tl.load(a_off_ptr + h * G + g)
@@ -560,7 +664,8 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
                 st = tl.dot(kb, tl.trans(qa), input_precision=PREC)
                 if SQUARE:
                     st = st * st
-                st = tl.where(_exact_pair(rows[None, :], cols[:, None], BLK, INCLUDE_DIAG), st, 0.0)
+                st = _exact_weights(st, rows, rmask, cols, cmask, _query_logs(qlog_ptr, h * G + g, n, rows, rmask,
+                                    DECAY, BQ), klog_ptr + h.to(tl.int64) * n, BLK, INCLUDE_DIAG, DECAY, True)
                 gt = tl.load(g_ptr + go + rows[:, None] * sgn + es[None, :] * sge,
                              mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
                 acc += tl.dot(st, gt, input_precision=PREC)

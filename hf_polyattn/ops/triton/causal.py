@@ -37,6 +37,13 @@ Memory and launches (the design constraints of this module):
   other tensor of a layer's backward; at T = 1024, 1.0. The price is the exact part of the chunk:
   at b = 256, T = 1024 a query row reads on average 384 more keys exactly, (r + e) = 97
   multiply-adds each, about what its state read costs.
+* Decay (``decay=(qlog, klog)``, ``ops.causal``'s module doc): the log-decays go to the kernels as fp32 tables in
+  head order, (H, G, n) for qlog and (H, n) for klog (n floats a head: a column of q). Each chunk's slab is
+  referenced at one key and scaled to it in the state kernel; the running sums over chunks are then decayed sums,
+  slot t = sum_{t' <= t} exp(-|ref_t - ref_t'|) slab_t', one (NC-1 x NC-1) matrix a head times the slabs
+  (``_decayed_sums``: NC^2 F e multiply-adds, against the chunks' n F e; a sequential scan would be NC launches).
+  The gradient of qlog is one more per-row sum in the dA kernel, that of klog a row sum of c dC on the host (dC
+  then kept in fp32 until it is formed). Not tuned on a GPU yet: correctness and the structure the GPU path needs.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import math
 
 import torch
 
+from ..causal import check_decay, decay_matrix
 from ..sketches import symmetric_power_indices
 from . import _kernels as K
 
@@ -131,6 +139,14 @@ def _check(a, b, c, block_size, include_diag, square, tf32, activation=None) -> 
 _TABLES: dict = {}
 _OFFSETS: dict = {}
 _OFFSETS_MAX = 256  # distinct layouts kept (a model has a handful: one per shape of q, k, v, grad)
+
+
+def _no_table(device) -> torch.Tensor:
+    """A 1-element fp32 stand-in for the decay tables of an undecayed call (never read: DECAY is False)."""
+    key = ("none", str(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _TABLES[key]
 
 
 def _feature_tables(r: int, square: bool, device):
@@ -232,24 +248,54 @@ class _Plan:
     def kv_offsets(self, x: torch.Tensor) -> torch.Tensor:
         return self.offsets(x, kv=True)
 
-    def states(self, x, y, x_off, y_off, groups: int, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_tables(self, qlog: torch.Tensor, klog: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qlog as an (H, G, n) and klog as an (H, n) fp32 contiguous table in the plan's head order."""
+        order = (*self.perm, len(self.lead))
+        q = qlog.float().expand(*self.lead, self.n).permute(order).reshape(self.H, self.G, self.n)
+        k = klog.float().expand(*self.kv_lead, self.n).permute(order).reshape(self.H, self.n)
+        return q.contiguous(), k.contiguous()
+
+    def from_table(self, x: torch.Tensor, shape) -> torch.Tensor:
+        """An (H, G, n) table in the leading dims' own order, summed to ``shape`` (``log_tables`` undone)."""
+        nd = len(self.lead)
+        inverse = sorted(range(nd), key=self.perm.__getitem__)
+        x = x.reshape(*(self.lead[d] for d in self.perm), self.n).permute(*inverse, nd)
+        return x.sum_to_size(shape)
+
+    def states(self, x, y, x_off, y_off, groups: int, reverse: bool, logs=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(H, NC-1, F, SE) fp32 running sums of phi(X_m)^T Y_m over chunks: slot k holds chunks 0..k
         (reverse: slot k holds chunks NC-1-k..NC-1), summed over ``groups`` query groups; and the
-        (H, NC-1, F) sums for Y's tail column (a 1-element dummy without a tail)."""
+        (H, NC-1, F) sums for Y's tail column (a 1-element dummy without a tail). ``logs``: (X's row log-decays
+        as an (H, groups, n) table, the klog table) of a decayed product: slot k is referenced at the last key of
+        chunk k (reverse: the key before chunk NC-1-k), its running sum decayed to it (``_decayed_sums``)."""
         s = torch.empty(self.H, self.NC - 1, self.F, self.SE, dtype=torch.float32, device=self.device)
         z = torch.empty((self.H, self.NC - 1, self.F) if self.tail else (1,), dtype=torch.float32,
                         device=self.device)
         if self.NC == 1:
             return s, z  # one chunk: everything is diagonal, no state is read
+        xlog, klog = (_no_table(self.device),) * 2 if logs is None else logs
         grid = (self.NC - 1, self.NT, self.H * _cdiv(self.em, self.BE))
         K._state_kernel[grid](
-            x, y, s, z, x_off, y_off, self.i0, self.i1, self.w,
+            x, y, s, z, x_off, y_off, self.i0, self.i1, self.w, xlog, klog,
             self.n, self.r, self.F, self.em, self.SE, groups, self.T, self.NC,
             x.stride(-2), x.stride(-1), y.stride(-2), y.stride(-1),
             REVERSE=reverse, SQUARE=self.square, COLS=self.cols, TAIL=self.tail, BT=self.BQ, BF=self.BF, BE=self.BE,
-            R=self.R, PREC=self.prec, ACT=self.act, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            R=self.R, PREC=self.prec, ACT=self.act, DECAY=logs is not None, num_warps=_NUM_WARPS,
+            num_stages=_NUM_STAGES,
         )
-        return s.cumsum_(1), (z.cumsum_(1) if self.tail else z)
+        if logs is None:
+            return s.cumsum_(1), (z.cumsum_(1) if self.tail else z)
+        ref = klog[:, self.T - 1 :: self.T][:, : self.NC - 1]  # the last keys of chunks 0..NC-2
+        ref = ref.flip(-1) if reverse else ref
+        return _decayed_sums(s, ref, reverse), (_decayed_sums(z, ref, reverse) if self.tail else z)
+
+
+def _decayed_sums(s: torch.Tensor, ref: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """Running sums over the slot axis of s (H, S, ...) with decays between the slots' reference keys ``ref``
+    (H, S): slot t gets sum_{t' <= t} exp(ref_t - ref_t') s_t' (reverse: exp(ref_t' - ref_t)), the sign that keeps
+    every exponent <= 0 (prefix references move forward, where klog falls; suffix references backward)."""
+    d = decay_matrix(-ref, -ref) if reverse else decay_matrix(ref, ref)
+    return torch.matmul(d, s.flatten(2)).view_as(s)
 
 
 def _precision(tf32, dtypes) -> str:
@@ -265,11 +311,12 @@ def _precision(tf32, dtypes) -> str:
     return "tf32" if tf32 else "tf32x3"
 
 
-def _grad_buffer(shape: tuple, x: torch.Tensor) -> torch.Tensor:
+def _grad_buffer(shape: tuple, x: torch.Tensor, fp32: bool = False) -> torch.Tensor:
     """Where a kernel writes the gradient of input ``x``: a tensor of x's own dtype when it has x's shape (the
     kernel rounds its fp32 sums once on the store, as ``.to`` would), else fp32 to be summed to x's shape first.
-    A bf16 input's fp32 buffer and its bf16 copy were 3 bf16 x-sized tensors for one."""
-    direct = tuple(x.shape) == tuple(shape)
+    A bf16 input's fp32 buffer and its bf16 copy were 3 bf16 x-sized tensors for one. ``fp32``: fp32 in any case
+    (dC read again by the klog gradient)."""
+    direct = tuple(x.shape) == tuple(shape) and not fp32
     return torch.empty(shape, dtype=x.dtype if direct else torch.float32, device=x.device)
 
 
@@ -277,83 +324,105 @@ def _cdiv(x: int, y: int) -> int:
     return -(-x // y)
 
 
-def _forward(p: _Plan, a, b, c) -> torch.Tensor:
+def _forward(p: _Plan, a, b, c, logs=None) -> torch.Tensor:
+    """The product; ``logs``: the (qlog, klog) tables of a decayed one (``_Plan.log_tables``)."""
     out = torch.empty(*p.lead, p.n, p.e, dtype=torch.float32, device=p.device)
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
-    s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
+    qt, kt = (_no_table(p.device),) * 2 if logs is None else logs
+    s, z = p.states(b, c, b_off, c_off, 1, reverse=False, logs=None if logs is None else (kt, kt))
     grid = (p.tiles, p.H * p.G, _cdiv(p.em, p.BE))
     K._out_kernel[grid](
-        a, b, c, s, z, out, p.offsets(a), b_off, c_off, p.offsets(out), p.i0, p.i1, p.w,
+        a, b, c, s, z, out, p.offsets(a), b_off, c_off, p.offsets(out), p.i0, p.i1, p.w, qt, kt,
         p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK,
         a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2), c.stride(-1),
         out.stride(-2), out.stride(-1),
         INCLUDE_DIAG=p.include_diag, QUAD=p.quad, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ, BF=p.BF,
-        BE=p.BE, R=p.R, PREC=p.prec, ACT=p.act, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        BE=p.BE, R=p.R, PREC=p.prec, ACT=p.act, DECAY=logs is not None, num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
     return out
 
 
-def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool):
+def _backward(p: _Plan, a, b, c, g, need_a: bool, need_b: bool, need_c: bool, logs=None, need_q: bool = False,
+              need_k: bool = False, log_shapes=None):
+    """(dA, dB, dC, d qlog, d klog), None where not needed; ``logs``: the (qlog, klog) tables of a decayed product,
+    ``log_shapes``: qlog's and klog's own shapes."""
     a_off, g_off = p.offsets(a), p.offsets(g)
     b_off, c_off = p.kv_offsets(b), p.kv_offsets(c)
     strides = (a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1))
+    decay = logs is not None
+    qt, kt = (_no_table(p.device),) * 2 if logs is None else logs
     consts = dict(INCLUDE_DIAG=p.include_diag, QUAD=p.quad, SQUARE=p.square, COLS=p.cols, TAIL=p.tail, BQ=p.BQ,
-                  BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec, ACT=p.act, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+                  BF=p.BF, BE=p.BE, R=p.R, PREC=p.prec, ACT=p.act, DECAY=decay, num_warps=_NUM_WARPS,
+                  num_stages=_NUM_STAGES)
     grad_consts = dict(consts, num_warps=_NUM_WARPS_GRAD_DIAG) if p.square and p.quad else consts
-    da = db = dc = None
-    if need_a:
-        s, z = p.states(b, c, b_off, c_off, 1, reverse=False)
+    da = db = dc = dq = dk = None
+    if need_a or need_q:
+        s, z = p.states(b, c, b_off, c_off, 1, reverse=False, logs=(kt, kt) if decay else None)
         buf = _grad_buffer((*p.lead, p.n, p.r), a)
+        dq_buf = torch.empty(p.H, p.G, p.n, dtype=torch.float32, device=p.device) if decay else qt
         K._da_kernel[(p.tiles, p.H * p.G)](
-            a, b, c, g, s, z, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w,
+            a, b, c, g, s, z, buf, a_off, b_off, c_off, g_off, p.offsets(buf), p.i0, p.i1, p.w, qt, kt, dq_buf,
             p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides, c.stride(-2), c.stride(-1),
             g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **grad_consts,
         )
         del s, z
-        da = buf.sum_to_size(a.shape).to(a.dtype)
-    if need_b or need_c:
+        da = buf.sum_to_size(a.shape).to(a.dtype) if need_a else None
+        dq = p.from_table(dq_buf, log_shapes[0]) if need_q else None
+    if need_b or need_c or need_k:
         # suffix states summed over the G query groups of each kv head (the reduction dB, dC need)
-        u, uz = p.states(a, g, a_off, g_off, p.G, reverse=True)
+        u, uz = p.states(a, g, a_off, g_off, p.G, reverse=True, logs=(qt, kt) if decay else None)
         if need_b:
             buf = _grad_buffer((*p.kv_lead, p.n, p.r), b)
             K._db_kernel[(p.tiles, p.H)](
-                a, b, c, g, u, uz, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
+                a, b, c, g, u, uz, buf, a_off, b_off, c_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w, qt, kt,
                 p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides, c.stride(-2), c.stride(-1),
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **grad_consts,
             )
             db = buf.sum_to_size(b.shape).to(b.dtype)
-        if need_c:
-            buf = _grad_buffer((*p.kv_lead, p.n, p.e), c)
+        if need_c or need_k:
+            buf = _grad_buffer((*p.kv_lead, p.n, p.e), c, fp32=need_k)
             K._dc_kernel[(p.tiles, p.H, _cdiv(p.em, p.BE))](
-                a, b, g, u, uz, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w,
+                a, b, g, u, uz, buf, a_off, b_off, g_off, p.kv_offsets(buf), p.i0, p.i1, p.w, qt, kt,
                 p.n, p.r, p.F, p.em, p.SE, p.G, p.T, p.NC, p.QPC, p.BLK, *strides,
                 g.stride(-2), g.stride(-1), buf.stride(-2), buf.stride(-1), **consts,
             )
-            dc = buf.sum_to_size(c.shape).to(c.dtype)
-    return da, db, dc
+            if need_k:  # d klog_j = -<c_j, dC_j> (dC summed over the query groups, where klog is shared)
+                dk = (-(c.float() * buf).sum(-1)).sum_to_size(log_shapes[1])
+            dc = buf.sum_to_size(c.shape).to(c.dtype) if need_c else None
+    return da, db, dc, dq, dk
 
 
 class _LTMultiplyTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, c, block_size: int, include_diag: bool, square: bool, tf32, activation):  # noqa: D102
-        ctx.save_for_backward(a, b, c)
+    def forward(ctx, a, b, c, block_size: int, include_diag: bool, square: bool, tf32, activation, qlog=None,
+                klog=None):  # noqa: D102
+        ctx.save_for_backward(a, b, c, qlog, klog)
         ctx.args = (block_size, include_diag, square, tf32, activation)
         p = _Plan(a, b, c, block_size, include_diag, square, tf32, activation)
         if p.n == 0 or p.H * p.G == 0 or p.e == 0:
             return torch.zeros(*p.lead, p.n, p.e, dtype=torch.float32, device=a.device)
-        return _forward(p, a, b, c)
+        return _forward(p, a, b, c, None if qlog is None else p.log_tables(qlog, klog))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
-        a, b, c = ctx.saved_tensors
+        a, b, c, qlog, klog = ctx.saved_tensors
         need_a, need_b, need_c = ctx.needs_input_grad[:3]
+        need_q, need_k = ctx.needs_input_grad[8:10] if qlog is not None else (False, False)
         p = _Plan(a, b, c, *ctx.args)
         if p.n == 0 or p.H * p.G == 0 or p.e == 0 or p.r == 0:
-            zeros = [torch.zeros_like(x) if need else None for x, need in zip((a, b, c), (need_a, need_b, need_c))]
-            return (*zeros, None, None, None, None, None)
-        da, db, dc = _backward(p, a, b, c, grad_out.float(), need_a, need_b, need_c)
-        return da, db, dc, None, None, None, None, None
+            zeros = [torch.zeros_like(x) if need else None
+                     for x, need in zip((a, b, c, qlog, klog), (need_a, need_b, need_c, need_q, need_k))]
+            return (*zeros[:3], None, None, None, None, None, *zeros[3:])
+        logs = None if qlog is None else p.log_tables(qlog, klog)
+        da, db, dc, dq, dk = _backward(p, a, b, c, grad_out.float(), need_a, need_b, need_c, logs, need_q, need_k,
+                                       None if qlog is None else (qlog.shape, klog.shape))
+        if dq is not None:
+            dq = dq.to(qlog.dtype)
+        if dk is not None:
+            dk = dk.to(klog.dtype)
+        return da, db, dc, None, None, None, None, None, dq, dk
 
 
 def lt_multiply_triton(
@@ -365,6 +434,7 @@ def lt_multiply_triton(
     square: bool = False,
     tf32: bool | None = None,
     activation: str | None = None,
+    decay: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """lt(phi(A) phi(B)^T) C with Triton kernels; same semantics and checks as ``ops.causal.lt_multiply``.
 
@@ -377,6 +447,12 @@ def lt_multiply_triton(
     term), False keeps fp32 accuracy. ``activation`` ('elu': elu(x) + 1, 'relu'; identity features only):
     phi = that map of a and b, applied on chip as the kernels load them, the gradients taken through it: the
     same as passing act(a), act(b) without those n x r tensors (and their gradients) in memory.
+    ``decay=(qlog, klog)``: term (i, j) times exp(qlog_i - klog_j) (``ops.causal``'s module doc: shapes and
+    contract); the log-decays are read in fp32 and their gradients returned in their own dtype.
     """
     _check(a, b, c, block_size, include_diag, square, tf32, activation)
-    return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square), tf32, activation)
+    if decay is None:
+        return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square), tf32, activation)
+    qlog, klog = check_decay(a, b, c, decay)
+    return _LTMultiplyTriton.apply(a, b, c, block_size, bool(include_diag), bool(square), tf32, activation, qlog,
+                                   klog)
