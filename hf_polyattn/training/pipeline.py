@@ -107,6 +107,17 @@ class RetrofitArgs:
     eval_stride: int = field(default=256, metadata={"help": "causal_lm: perplexity window stride"})
     eval_batch_size: int = field(default=8, metadata={"help": "evaluation batch size"})
     eval_before: bool = field(default=True, metadata={"help": "also evaluate right after the swap, before training"})
+    eval_contexts: str | None = field(default=None, metadata={
+        "help": "causal_lm: long-context evaluation after the last stage: perplexity at these comma-separated "
+                "contexts on the same held-out tokens (e.g. 256,1024,2048,4096), beside the baseline rows "
+                "(training.long_context); writes output_dir/long_context.{json,md,png}"})
+    passkey_lengths: str | None = field(default=None, metadata={
+        "help": "causal_lm: passkey retrieval at these comma-separated prompt lengths after the last stage"})
+    passkey_depths: int = field(default=10, metadata={"help": "needle depths per passkey length"})
+    long_eval_tokens: int = field(default=12288, metadata={"help": "held-out tokens of the long-context evaluation"})
+    long_eval_baselines: str = field(default="softmax,streaming", metadata={
+        "help": "baseline rows of the long-context evaluation: a comma-separated subset of softmax,streaming, or "
+                "none"})
     mixed_precision: str = field(default="no", metadata={"help": "'no' (fp32) or 'bf16'"})
     output_dir: str = field(default="runs/retrofit", metadata={"help": "where checkpoints, metrics, model/ go"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end and on "
@@ -147,10 +158,36 @@ class RetrofitArgs:
                                  f"(ops.reference_weights); attention={self.attention!r} has none: leave it 0")
         if self.attention == "softmax" and self.transfer_steps:
             raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
+        if (self.eval_contexts or self.passkey_lengths) and self.task != "causal_lm":
+            raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
+        self.long_context_settings()  # bad lists fail here, before anything loads
         for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
             v = getattr(self, name)
             if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
                 raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
+
+
+    def long_context_settings(self):
+        """The ``LongContextSettings`` of the long-context evaluation, or None when it is off."""
+        if not (self.eval_contexts or self.passkey_lengths):
+            return None
+        from .long_context import LongContextSettings
+
+        def ints(name: str) -> tuple[int, ...]:
+            text = getattr(self, name) or ""
+            try:
+                return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+            except ValueError:
+                raise ValueError(f"{name} must be comma-separated ints, got {text!r}") from None
+
+        baselines = [b for b in self.long_eval_baselines.replace(" ", "").split(",") if b]
+        if baselines == ["none"]:
+            baselines = []
+        if self.attention == "softmax":  # the run's own row is the softmax row
+            baselines = [b for b in baselines if b != "softmax"]
+        kw = {"contexts": ints("eval_contexts")} if self.eval_contexts else {"contexts": (self.eval_context,)}
+        return LongContextSettings(**kw, passkey_lengths=ints("passkey_lengths"), passkey_depths=self.passkey_depths,
+                                   max_tokens=self.long_eval_tokens, baselines=tuple(baselines), passkey_seed=self.seed)
 
 
 # The measured best per task (recipes/results/SECTION_retrofit_window.md, one budget for every row): SmolLM2 at
@@ -353,6 +390,36 @@ class Retrofit:
         self.log(f"[eval {tag}] {main} = {r[main]:.4f}")
         return r
 
+    def evaluate_long_context(self) -> dict[str, Any]:
+        """Perplexity at every context and passkey retrieval of the final model beside the baseline rows
+        (``training.long_context``); written to output_dir/long_context.{json,md,png} and into results.json."""
+        from transformers import AutoModelForCausalLM
+
+        from .compare import attention_label
+        from .long_context import evaluate_rows, long_context_markdown, write_long_context
+
+        a = self.args
+        settings = a.long_context_settings()
+        if self.data.eval_ids.numel() < settings.max_tokens:
+            # load_text_data capped the stream at max_eval_tokens: read the held-out tail again, longer
+            self.long_ids = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
+                                           text_column=a.text_column, max_eval_tokens=settings.max_tokens).eval_ids
+        else:
+            self.long_ids = self.data.eval_ids
+        model = self.acc.unwrap_model(self.model)
+        label = attention_label(a.attention, self.pcfg.to_dict() if self.pcfg else None)
+
+        def load_base():
+            return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.acc.device)
+
+        result = evaluate_rows(model, self.tokenizer, self.long_ids, settings, label=label, load_base=load_base,
+                               progress=a.progress and self.acc.is_main_process, log=self.log)
+        if self.acc.is_main_process:
+            write_long_context(result, self.out)
+            self.log(long_context_markdown(result))
+        self.results["long_context"] = result
+        return result
+
     # ------------------------------------------------------------------ stages
     def _batch_fn(self, batch_size: int):
         a = self.args
@@ -481,6 +548,8 @@ def run(args: RetrofitArgs) -> dict[str, Any]:
     if args.finetune_steps:
         r.finetune()
         r.evaluate("after_finetune")
+    if args.long_context_settings() is not None:
+        r.evaluate_long_context()
     r.save()
     # tear the process group down before exit: left to the interpreter's exit, gloo's threads aborted a
     # finished 2-process run now and then ("terminate called without an active exception", exit -6)
