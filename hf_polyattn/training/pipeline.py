@@ -102,6 +102,12 @@ class RetrofitArgs:
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     context: int = field(default=256, metadata={"help": "causal_lm: training window length (tokens)"})
+    transfer_schedule: str | None = field(default=None, metadata={
+        "help": "causal_lm: a length curriculum for attention transfer, 'LEN:STEPS[:BATCH],...' run in order, e.g. "
+                "'256:20:4,1024:40:1' (their steps must add up to transfer_steps; BATCH defaults to "
+                "transfer_batch_size); default: every step at --context"})
+    finetune_schedule: str | None = field(default=None, metadata={
+        "help": "causal_lm: the same for fine-tuning (steps add up to finetune_steps, BATCH defaults to batch_size)"})
     max_length: int = field(default=128, metadata={"help": "classification: max tokens per example"})
     eval_context: int = field(default=256, metadata={"help": "causal_lm: perplexity window length"})
     eval_stride: int = field(default=256, metadata={"help": "causal_lm: perplexity window stride"})
@@ -161,11 +167,38 @@ class RetrofitArgs:
         if (self.eval_contexts or self.passkey_lengths) and self.task != "causal_lm":
             raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
         self.long_context_settings()  # bad lists fail here, before anything loads
+        for stage in ("transfer", "finetune"):
+            self.schedule(stage)
         for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
             v = getattr(self, name)
             if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
                 raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
 
+
+    def schedule(self, stage: str) -> list[tuple[int, int, int]]:
+        """(context, steps, batch size) phases of a stage ('transfer' / 'finetune'), in order."""
+        steps = getattr(self, f"{stage}_steps")
+        batch = self.transfer_batch_size if stage == "transfer" else self.batch_size
+        text = getattr(self, f"{stage}_schedule")
+        if not text:
+            return [(self.context, steps, batch)]
+        if self.task != "causal_lm":
+            raise ValueError(f"{stage}_schedule is a length curriculum for causal_lm; task is {self.task!r}")
+        phases = []
+        for part in text.replace(" ", "").split(","):
+            bits = part.split(":")
+            try:
+                nums = [int(b) for b in bits]
+            except ValueError:
+                nums = []
+            if len(nums) not in (2, 3) or min(nums) < 1 or nums[0] < 2:
+                raise ValueError(f"{stage}_schedule must be 'LEN:STEPS[:BATCH],...' with LEN >= 2 and STEPS, BATCH "
+                                 f">= 1, got {part!r} in {text!r}")
+            phases.append((nums[0], nums[1], nums[2] if len(nums) == 3 else batch))
+        if sum(p[1] for p in phases) != steps:
+            raise ValueError(f"{stage}_schedule {text!r} has {sum(p[1] for p in phases)} steps, {stage}_steps is "
+                             f"{steps}: they must agree")
+        return phases
 
     def long_context_settings(self):
         """The ``LongContextSettings`` of the long-context evaluation, or None when it is off."""
@@ -260,6 +293,7 @@ def _settings(a: RetrofitArgs) -> dict[str, Any]:
         "seed": a.seed, "context": a.context, "max_length": a.max_length, "lora": a.lora, "lora_r": a.lora_r,
         "transfer_lr": a.transfer_lr, "transfer_batch_size": a.transfer_batch_size, "finetune_lr": a.finetune_lr,
         "batch_size": a.batch_size, "grad_accum": a.grad_accum, "attn_ce_weight": a.attn_ce_weight,
+        "transfer_schedule": a.transfer_schedule, "finetune_schedule": a.finetune_schedule,
     }
 
 
@@ -301,8 +335,9 @@ class Retrofit:
         if a.task == "causal_lm":
             self.data = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
                                        text_column=a.text_column, max_eval_tokens=a.max_eval_tokens)
-            if self.data.train_ids.numel() <= a.context:
-                raise DataError(f"{a.data!r} has {self.data.train_ids.numel()} training tokens, need > {a.context}")
+            longest = max(p[0] for stage in ("transfer", "finetune") for p in a.schedule(stage))
+            if self.data.train_ids.numel() <= longest:
+                raise DataError(f"{a.data!r} has {self.data.train_ids.numel()} training tokens, need > {longest}")
         else:
             self.data = load_classification_data(a.data, text_column=a.text_column, label_column=a.label_column,
                                                   num_eval=a.num_eval, seed=a.seed)
@@ -421,12 +456,25 @@ class Retrofit:
         return result
 
     # ------------------------------------------------------------------ stages
-    def _batch_fn(self, batch_size: int):
+    def _batch_fn(self, stage: str):
         a = self.args
+        phases = a.schedule(stage)
         if a.task == "causal_lm":
             ids = self.data.train_ids
-            return lambda step, micro, rank: lm_batch(ids, batch_size=batch_size, context=a.context, seed=a.seed,
-                                                      step=step, micro=micro, rank=rank)
+
+            def lm(step, micro, rank):
+                # the phase of this step (a pure function of the step, so a resumed run draws the same batches)
+                end, phase = 0, phases[-1]
+                for p in phases:
+                    end += p[1]
+                    if step < end:
+                        phase = p
+                        break
+                return lm_batch(ids, batch_size=phase[2], context=phase[0], seed=a.seed, step=step, micro=micro,
+                                rank=rank)
+
+            return lm
+        batch_size = phases[0][2]
         return lambda step, micro, rank: classification_batch(
             self.data, self.tokenizer, batch_size=batch_size, max_length=a.max_length, seed=a.seed, step=step,
             micro=micro, rank=rank)
@@ -441,7 +489,7 @@ class Retrofit:
                              warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=1,
                              save_every=a.save_every, resume=a.resume, desc="transfer", progress=a.progress)
             fp = fingerprint_of(params, stage="transfer", **{k: v for k, v in self.settings.items()})
-            summary = train_loop(self.acc, base, params, self._batch_fn(a.transfer_batch_size),
+            summary = train_loop(self.acc, base, params, self._batch_fn("transfer"),
                                  lambda m, b: transfer_loss(m, b, coll), cfg, fp)
         self.results["stages"]["transfer"] = {k: v for k, v in summary.items() if k != "history"}
         return summary
@@ -470,7 +518,7 @@ class Retrofit:
                          save_every=a.save_every, resume=a.resume, desc="finetune", progress=a.progress)
         fp = fingerprint_of(params, stage="finetune", **self.settings)
         wrapped = self.acc.prepare(model)
-        summary = train_loop(self.acc, wrapped, params, self._batch_fn(a.batch_size),
+        summary = train_loop(self.acc, wrapped, params, self._batch_fn("finetune"),
                              lambda m, b: m(**b).loss, cfg, fp,
                              param_groups=_groups(rest, poly, a.finetune_lr, a.polyattn_lr))
         if a.lora:
