@@ -3,6 +3,8 @@
     hf-polyattn kinds                                            # every attention kind and its options
     hf-polyattn convert MODEL --kind polysketch --out DIR        # swap the attention of a checkpoint, save it
     hf-polyattn eval MODEL --data FILE                           # held-out perplexity of a causal LM
+    hf-polyattn eval MODEL --data FILE --contexts 256,1024,4096 --passkey 1024,2048 --out DIR
+                                                                 # long context: curve, passkey, baselines
     hf-polyattn bench [--device cuda]                            # attention speed / memory against SDPA
 
 `hf-polyattn COMMAND --help` documents each command. Bad input (an unknown command, kind or option, a missing
@@ -360,9 +362,10 @@ def cmd_eval(args, argv) -> int:
     if tokenizer is None:
         raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): it has no "
                          "tokenizer files, only special tokens")
+    max_tokens = args.max_eval_tokens or (LONG_CONTEXT_TOKENS if _long_context_mode(args) else 8192)
     try:
         data = load_text_data(args.data, tokenizer, eval_fraction=args.eval_fraction,
-                              max_eval_tokens=args.max_eval_tokens, text_column=args.text_column)
+                              max_eval_tokens=max_tokens, text_column=args.text_column)
     except DataError as err:
         raise UsageError(f"--data: {err}") from None
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -370,7 +373,7 @@ def cmd_eval(args, argv) -> int:
         raise UsageError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     model = _load(cls, path, dtype=_torch_dtype(args.dtype))
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    if limit and args.context > limit:
+    if limit and args.context > limit and not _long_context_mode(args):  # the long mode checks its own contexts
         raise UsageError(f"--context {args.context} is longer than the model's {limit} positions")
     vocab = model.get_input_embeddings().num_embeddings
     if data.eval_ids.numel() and int(data.eval_ids.max()) >= vocab:
@@ -391,6 +394,8 @@ def cmd_eval(args, argv) -> int:
     else:
         attention = f"softmax ({model.config._attn_implementation}), the checkpoint's"
     model.to(device)
+    if _long_context_mode(args):
+        return _eval_long_context(args, model, cls, path, tokenizer, data, attention, stored, device)
     try:
         res = perplexity(model, data.eval_ids, context=args.context, stride=stride, batch_size=args.batch_size)
     except ValueError as err:  # e.g. fewer than 2 held-out tokens
@@ -406,6 +411,94 @@ def cmd_eval(args, argv) -> int:
           f"perplexity: {res['perplexity']:.4f}  (mean NLL {res['mean_nll']:.4f} nats/token; context {res['context']}, "
           f"stride {res['stride']}, {res['windows']} windows)")
     return 0
+
+
+LONG_CONTEXT_TOKENS = 12288  # eval's default held-out tokens with --contexts / --passkey: 1.5 windows of 8k
+
+
+def _long_context_mode(args) -> bool:
+    return bool(args.contexts or args.passkey)
+
+
+def _eval_long_context(args, model, cls, path, tokenizer, data, attention, stored, device) -> int:
+    """``eval --contexts / --passkey``: perplexity at every context and passkey retrieval, beside the baselines."""
+    from .training.long_context import (
+        DEFAULT_CONTEXTS,
+        LongContextSettings,
+        evaluate_rows,
+        long_context_markdown,
+        write_long_context,
+    )
+
+    baselines = () if args.baselines == ["none"] else tuple(args.baselines)
+    try:
+        settings = LongContextSettings(
+            contexts=tuple(args.contexts or DEFAULT_CONTEXTS), max_tokens=int(data.eval_ids.numel()),
+            passkey_lengths=tuple(args.passkey or ()), passkey_depths=args.passkey_depths,
+            passkey_seed=args.passkey_seed, baselines=baselines, streaming_sinks=args.streaming_sinks,
+            streaming_window=args.streaming_window)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    base = _baseline_checkpoint(args, path, stored) if baselines else None
+
+    def load_base():
+        return _load(cls, base, dtype=_torch_dtype(args.dtype)).to(device)
+
+    label = f"{args.model}: {attention}"
+    try:
+        result = evaluate_rows(model, tokenizer, data.eval_ids, settings, label=label, load_base=load_base,
+                               progress=not args.json, log=(lambda m: None) if args.json else print)
+    except ValueError as err:  # a context longer than the stream or the model's positions
+        raise UsageError(str(err)) from None
+    result.update(model=args.model, base=base, data=data.describe())
+    if args.out:
+        paths = write_long_context(result, args.out)
+        if not args.json:
+            print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print(json.dumps(result, indent=1) if args.json else long_context_markdown(result))
+    return 0
+
+
+def _baseline_checkpoint(args, path: str, stored) -> str:
+    """The softmax checkpoint of the baseline rows: --base, else MODEL itself when it is softmax, else the base
+    model its config records (``polyattn_base_model``)."""
+    if args.base:
+        return resolve_model(args.base)
+    if stored is None:
+        return path
+    from transformers import AutoConfig
+
+    from .integration.settings import BASE_MODEL_KEY
+
+    recorded = getattr(AutoConfig.from_pretrained(path), BASE_MODEL_KEY, None)
+    if not recorded:
+        raise UsageError(f"{args.model!r} records no base model: pass --base (the softmax checkpoint of the baseline "
+                         "rows) or --baselines none")
+    return resolve_model(recorded)
+
+
+def _int_list(minimum: int):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected comma-separated ints >= {minimum}, got {text!r}")
+        return values
+
+    return parse
+
+
+def _baseline_list(text: str) -> list[str]:
+    from .training.long_context import BASELINES
+
+    values = [x for x in text.replace(" ", "").split(",") if x]
+    allowed = [*BASELINES, "none"]
+    if not values or any(v not in allowed for v in values) or ("none" in values and len(values) > 1):
+        raise argparse.ArgumentTypeError(f"expected 'none' or a comma-separated subset of {list(BASELINES)}, got "
+                                         f"{text!r}")
+    return values
 
 
 # ----------------------------------------------------------------------------------------------- parser
@@ -483,7 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int_at_least(1), default=8, help="windows per forward pass")
     p.add_argument("--eval-fraction", type=_fraction, default=0.1,
                    help="held-out tail of the file's lines that is evaluated")
-    p.add_argument("--max-eval-tokens", type=int_at_least(2), default=8192, help="cap on the held-out tokens")
+    p.add_argument("--max-eval-tokens", type=int_at_least(2), default=None,
+                   help=f"cap on the held-out tokens (default: 8192, {LONG_CONTEXT_TOKENS} with --contexts/--passkey)")
     p.add_argument("--text-column", default="text", help="column of a Hub dataset that holds the text")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer to use (default: MODEL's)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -491,6 +585,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype")
     p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    g = p.add_argument_group("long context", _wrap(
+        "--contexts or --passkey switch to the long-context evaluation (hf_polyattn.training.long_context): "
+        "perplexity at every context on the same held-out tokens, passkey retrieval by greedy decoding, beside a "
+        "softmax and a StreamingLLM row on the same tokens and prompts; --out writes JSON, Markdown and a plot."))
+    g.add_argument("--contexts", type=_int_list(2), metavar="N,N,...",
+                   help="perplexity contexts, e.g. 256,1024,2048,4096,8192")
+    g.add_argument("--passkey", type=_int_list(64), metavar="N,N,...", help="passkey prompt lengths, e.g. 1024,2048")
+    g.add_argument("--passkey-depths", type=int_at_least(1), default=10, help="needle depths per length")
+    g.add_argument("--passkey-seed", type=int, default=0, help="seed of the keys")
+    g.add_argument("--baselines", type=_baseline_list, default=["softmax", "streaming"], metavar="LIST",
+                   help="baseline rows: a comma-separated subset of softmax,streaming, or none")
+    g.add_argument("--base", metavar="MODEL", help="the softmax checkpoint of the baselines (default: MODEL when it is "
+                                                   "softmax, else the base model its config records)")
+    g.add_argument("--streaming-sinks", type=int_at_least(0), default=4, help="StreamingLLM row: sink tokens")
+    g.add_argument("--streaming-window", type=int_at_least(1), default=128, help="StreamingLLM row: window")
+    g.add_argument("--out", metavar="DIR", help="write long_context.json / .md / .png there")
     p.set_defaults(func=cmd_eval, _parser=p)
 
     p = sub.add_parser("bench", help="causal attention speed and memory of every kind against SDPA",

@@ -74,7 +74,9 @@ OPTIONS = {
     "kinds": ["--json"],
     "convert": ["MODEL", "--kind", "--set", "--out", "--task", "--dtype", "--overwrite"],
     "eval": ["MODEL", "--data", "--kind", "--set", "--context", "--stride", "--batch-size", "--eval-fraction",
-             "--max-eval-tokens", "--text-column", "--tokenizer", "--device", "--dtype", "--threads", "--json"],
+             "--max-eval-tokens", "--text-column", "--tokenizer", "--device", "--dtype", "--threads", "--json",
+             "--contexts", "--passkey", "--passkey-depths", "--passkey-seed", "--baselines", "--base",
+             "--streaming-sinks", "--streaming-window", "--out"],
     "bench": ["--device", "--lengths", "--kinds", "--heads", "--head-dim", "--dtype", "--repeats", "--threads",
               "--timeout", "--out", "--quick"],
 }
@@ -248,6 +250,31 @@ def test_eval_prints_perplexity_and_attention(tiny, converted, capsys):
     code, out, _ = run(["eval", tiny["model"], "--data", tiny["text"], "--context", 32, "--kind", "linear",
                         "--set", "block_size=16"], capsys)
     assert code == 0 and "attention:  linear (block_size=16), converted for this evaluation" in out
+
+
+def test_eval_long_context_rows_table_and_plot(tiny, converted, capsys, tmp_path):
+    """--contexts switches eval to the long-context evaluation: the model's row beside the baselines, on the base
+    checkpoint given by --base (a local converted folder records no Hub base model)."""
+    out = tmp_path / "lc"
+    argv = ["eval", converted, "--data", tiny["text"], "--contexts", "16,64", "--max-eval-tokens", "200",
+            "--baselines", "softmax,streaming", "--streaming-window", "8", "--out", out]
+    code, _, err = run(argv, capsys)
+    assert code == 2 and "records no base model: pass --base" in err
+    code, text, _ = run([*argv, "--base", tiny["model"], "--json"], capsys)
+    assert code == 0
+    res = json.loads(text)
+    assert [r.get("baseline") for r in res["rows"]] == ["softmax", "streaming", None]
+    assert [p["context"] for p in res["rows"][2]["perplexity"]] == [16, 64] and res["tokens"] == 200
+    assert res["rows"][1]["attention"]["window"] == 8 and res["rows"][2]["attention"]["kind"] == "polysketch"
+    assert {p.name for p in out.iterdir()} == {"long_context.json", "long_context.md", "long_context.png"}
+    code, _, err = run(["eval", tiny["model"], "--data", tiny["text"], "--contexts", "16", "--passkey", "4096",
+                        "--baselines", "none"], capsys)
+    assert code == 2 and "positions" in err
+    code, _, err = run(["eval", tiny["model"], "--data", tiny["text"], "--contexts", "16,x"], capsys)
+    assert code == 2 and "comma-separated ints" in err
+    code, _, err = run(["eval", tiny["model"], "--data", tiny["text"], "--passkey", "128", "--baselines", "window"],
+                       capsys)
+    assert code == 2 and "softmax" in err
 
 
 # ----------------------------------------------------------------------------------------------- bad input

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["eval_results_for_card", "results_markdown", "write_card"]
+__all__ = ["eval_results_for_card", "long_context_section", "results_markdown", "write_card"]
 
 
 def results_markdown(results: dict[str, Any]) -> str:
@@ -45,6 +45,8 @@ def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str) 
         body.append("- accuracy on a seeded validation split carved from the training file")
     body += ["", results_markdown(results), "", f"Machine: {results.get('machine', '?')}; total wall time "
              f"{results.get('total_wall_s', '?')} s, CPU time {results.get('total_cpu_s', '?')} s.", ""]
+    if results.get("long_context"):
+        body += long_context_section(results["long_context"], folder)
     text = "\n".join(body)
     readme = folder / "README.md"
     if readme.exists():  # the library's card (hf_polyattn.write_model_card via save_pretrained): append
@@ -55,6 +57,17 @@ def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str) 
         readme.write_text(old.rstrip() + "\n" + text)
         return readme
     return _plain_card(folder, results, text)
+
+
+def long_context_section(result: dict[str, Any], folder: Path) -> list[str]:
+    """The card's long-context section: the table and, when matplotlib is installed, the plot (written beside)."""
+    from .long_context import long_context_markdown, plot_long_context
+
+    lines = ["### Long context: perplexity at every context and passkey retrieval", "",
+             long_context_markdown(result)]
+    if plot_long_context(result, folder / "long_context.png") is not None:
+        lines += ["![perplexity vs context and passkey heatmaps](long_context.png)", ""]
+    return lines
 
 
 def eval_results_for_card(results: dict[str, Any]) -> list[dict[str, Any]]:

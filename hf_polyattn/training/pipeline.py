@@ -102,11 +102,28 @@ class RetrofitArgs:
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     context: int = field(default=256, metadata={"help": "causal_lm: training window length (tokens)"})
+    transfer_schedule: str | None = field(default=None, metadata={
+        "help": "causal_lm: a length curriculum for attention transfer, 'LEN:STEPS[:BATCH],...' run in order, e.g. "
+                "'256:20:4,1024:40:1' (their steps must add up to transfer_steps; BATCH defaults to "
+                "transfer_batch_size); default: every step at --context"})
+    finetune_schedule: str | None = field(default=None, metadata={
+        "help": "causal_lm: the same for fine-tuning (steps add up to finetune_steps, BATCH defaults to batch_size)"})
     max_length: int = field(default=128, metadata={"help": "classification: max tokens per example"})
     eval_context: int = field(default=256, metadata={"help": "causal_lm: perplexity window length"})
     eval_stride: int = field(default=256, metadata={"help": "causal_lm: perplexity window stride"})
     eval_batch_size: int = field(default=8, metadata={"help": "evaluation batch size"})
     eval_before: bool = field(default=True, metadata={"help": "also evaluate right after the swap, before training"})
+    eval_contexts: str | None = field(default=None, metadata={
+        "help": "causal_lm: long-context evaluation after the last stage: perplexity at these comma-separated "
+                "contexts on the same held-out tokens (e.g. 256,1024,2048,4096), beside the baseline rows "
+                "(training.long_context); writes output_dir/long_context.{json,md,png}"})
+    passkey_lengths: str | None = field(default=None, metadata={
+        "help": "causal_lm: passkey retrieval at these comma-separated prompt lengths after the last stage"})
+    passkey_depths: int = field(default=10, metadata={"help": "needle depths per passkey length"})
+    long_eval_tokens: int = field(default=12288, metadata={"help": "held-out tokens of the long-context evaluation"})
+    long_eval_baselines: str = field(default="softmax,streaming", metadata={
+        "help": "baseline rows of the long-context evaluation: a comma-separated subset of softmax,streaming, or "
+                "none"})
     mixed_precision: str = field(default="no", metadata={"help": "'no' (fp32) or 'bf16'"})
     output_dir: str = field(default="runs/retrofit", metadata={"help": "where checkpoints, metrics, model/ go"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end and on "
@@ -147,10 +164,63 @@ class RetrofitArgs:
                                  f"(ops.reference_weights); attention={self.attention!r} has none: leave it 0")
         if self.attention == "softmax" and self.transfer_steps:
             raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
+        if (self.eval_contexts or self.passkey_lengths) and self.task != "causal_lm":
+            raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
+        self.long_context_settings()  # bad lists fail here, before anything loads
+        for stage in ("transfer", "finetune"):
+            self.schedule(stage)
         for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
             v = getattr(self, name)
             if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
                 raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
+
+
+    def schedule(self, stage: str) -> list[tuple[int, int, int]]:
+        """(context, steps, batch size) phases of a stage ('transfer' / 'finetune'), in order."""
+        steps = getattr(self, f"{stage}_steps")
+        batch = self.transfer_batch_size if stage == "transfer" else self.batch_size
+        text = getattr(self, f"{stage}_schedule")
+        if not text:
+            return [(self.context, steps, batch)]
+        if self.task != "causal_lm":
+            raise ValueError(f"{stage}_schedule is a length curriculum for causal_lm; task is {self.task!r}")
+        phases = []
+        for part in text.replace(" ", "").split(","):
+            bits = part.split(":")
+            try:
+                nums = [int(b) for b in bits]
+            except ValueError:
+                nums = []
+            if len(nums) not in (2, 3) or min(nums) < 1 or nums[0] < 2:
+                raise ValueError(f"{stage}_schedule must be 'LEN:STEPS[:BATCH],...' with LEN >= 2 and STEPS, BATCH "
+                                 f">= 1, got {part!r} in {text!r}")
+            phases.append((nums[0], nums[1], nums[2] if len(nums) == 3 else batch))
+        if sum(p[1] for p in phases) != steps:
+            raise ValueError(f"{stage}_schedule {text!r} has {sum(p[1] for p in phases)} steps, {stage}_steps is "
+                             f"{steps}: they must agree")
+        return phases
+
+    def long_context_settings(self):
+        """The ``LongContextSettings`` of the long-context evaluation, or None when it is off."""
+        if not (self.eval_contexts or self.passkey_lengths):
+            return None
+        from .long_context import LongContextSettings
+
+        def ints(name: str) -> tuple[int, ...]:
+            text = getattr(self, name) or ""
+            try:
+                return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+            except ValueError:
+                raise ValueError(f"{name} must be comma-separated ints, got {text!r}") from None
+
+        baselines = [b for b in self.long_eval_baselines.replace(" ", "").split(",") if b]
+        if baselines == ["none"]:
+            baselines = []
+        if self.attention == "softmax":  # the run's own row is the softmax row
+            baselines = [b for b in baselines if b != "softmax"]
+        kw = {"contexts": ints("eval_contexts")} if self.eval_contexts else {"contexts": (self.eval_context,)}
+        return LongContextSettings(**kw, passkey_lengths=ints("passkey_lengths"), passkey_depths=self.passkey_depths,
+                                   max_tokens=self.long_eval_tokens, baselines=tuple(baselines), passkey_seed=self.seed)
 
 
 # The measured best per task (recipes/results/SECTION_retrofit_window.md, one budget for every row): SmolLM2 at
@@ -223,6 +293,7 @@ def _settings(a: RetrofitArgs) -> dict[str, Any]:
         "seed": a.seed, "context": a.context, "max_length": a.max_length, "lora": a.lora, "lora_r": a.lora_r,
         "transfer_lr": a.transfer_lr, "transfer_batch_size": a.transfer_batch_size, "finetune_lr": a.finetune_lr,
         "batch_size": a.batch_size, "grad_accum": a.grad_accum, "attn_ce_weight": a.attn_ce_weight,
+        "transfer_schedule": a.transfer_schedule, "finetune_schedule": a.finetune_schedule,
     }
 
 
@@ -264,8 +335,9 @@ class Retrofit:
         if a.task == "causal_lm":
             self.data = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
                                        text_column=a.text_column, max_eval_tokens=a.max_eval_tokens)
-            if self.data.train_ids.numel() <= a.context:
-                raise DataError(f"{a.data!r} has {self.data.train_ids.numel()} training tokens, need > {a.context}")
+            longest = max(p[0] for stage in ("transfer", "finetune") for p in a.schedule(stage))
+            if self.data.train_ids.numel() <= longest:
+                raise DataError(f"{a.data!r} has {self.data.train_ids.numel()} training tokens, need > {longest}")
         else:
             self.data = load_classification_data(a.data, text_column=a.text_column, label_column=a.label_column,
                                                   num_eval=a.num_eval, seed=a.seed)
@@ -353,13 +425,56 @@ class Retrofit:
         self.log(f"[eval {tag}] {main} = {r[main]:.4f}")
         return r
 
-    # ------------------------------------------------------------------ stages
-    def _batch_fn(self, batch_size: int):
+    def evaluate_long_context(self) -> dict[str, Any]:
+        """Perplexity at every context and passkey retrieval of the final model beside the baseline rows
+        (``training.long_context``); written to output_dir/long_context.{json,md,png} and into results.json."""
+        from transformers import AutoModelForCausalLM
+
+        from .compare import attention_label
+        from .long_context import evaluate_rows, long_context_markdown, write_long_context
+
         a = self.args
+        settings = a.long_context_settings()
+        if self.data.eval_ids.numel() < settings.max_tokens:
+            # load_text_data capped the stream at max_eval_tokens: read the held-out tail again, longer
+            self.long_ids = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
+                                           text_column=a.text_column, max_eval_tokens=settings.max_tokens).eval_ids
+        else:
+            self.long_ids = self.data.eval_ids
+        model = self.acc.unwrap_model(self.model)
+        label = attention_label(a.attention, self.pcfg.to_dict() if self.pcfg else None)
+
+        def load_base():
+            return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.acc.device)
+
+        result = evaluate_rows(model, self.tokenizer, self.long_ids, settings, label=label, load_base=load_base,
+                               progress=a.progress and self.acc.is_main_process, log=self.log)
+        if self.acc.is_main_process:
+            write_long_context(result, self.out)
+            self.log(long_context_markdown(result))
+        self.results["long_context"] = result
+        return result
+
+    # ------------------------------------------------------------------ stages
+    def _batch_fn(self, stage: str):
+        a = self.args
+        phases = a.schedule(stage)
         if a.task == "causal_lm":
             ids = self.data.train_ids
-            return lambda step, micro, rank: lm_batch(ids, batch_size=batch_size, context=a.context, seed=a.seed,
-                                                      step=step, micro=micro, rank=rank)
+
+            def lm(step, micro, rank):
+                # the phase of this step (a pure function of the step, so a resumed run draws the same batches)
+                end, phase = 0, phases[-1]
+                for p in phases:
+                    end += p[1]
+                    if step < end:
+                        phase = p
+                        break
+                return lm_batch(ids, batch_size=phase[2], context=phase[0], seed=a.seed, step=step, micro=micro,
+                                rank=rank)
+
+            return lm
+        batch_size = phases[0][2]
         return lambda step, micro, rank: classification_batch(
             self.data, self.tokenizer, batch_size=batch_size, max_length=a.max_length, seed=a.seed, step=step,
             micro=micro, rank=rank)
@@ -374,7 +489,7 @@ class Retrofit:
                              warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=1,
                              save_every=a.save_every, resume=a.resume, desc="transfer", progress=a.progress)
             fp = fingerprint_of(params, stage="transfer", **{k: v for k, v in self.settings.items()})
-            summary = train_loop(self.acc, base, params, self._batch_fn(a.transfer_batch_size),
+            summary = train_loop(self.acc, base, params, self._batch_fn("transfer"),
                                  lambda m, b: transfer_loss(m, b, coll), cfg, fp)
         self.results["stages"]["transfer"] = {k: v for k, v in summary.items() if k != "history"}
         return summary
@@ -403,7 +518,7 @@ class Retrofit:
                          save_every=a.save_every, resume=a.resume, desc="finetune", progress=a.progress)
         fp = fingerprint_of(params, stage="finetune", **self.settings)
         wrapped = self.acc.prepare(model)
-        summary = train_loop(self.acc, wrapped, params, self._batch_fn(a.batch_size),
+        summary = train_loop(self.acc, wrapped, params, self._batch_fn("finetune"),
                              lambda m, b: m(**b).loss, cfg, fp,
                              param_groups=_groups(rest, poly, a.finetune_lr, a.polyattn_lr))
         if a.lora:
@@ -481,6 +596,8 @@ def run(args: RetrofitArgs) -> dict[str, Any]:
     if args.finetune_steps:
         r.finetune()
         r.evaluate("after_finetune")
+    if args.long_context_settings() is not None:
+        r.evaluate_long_context()
     r.save()
     # tear the process group down before exit: left to the interpreter's exit, gloo's threads aborted a
     # finished 2-process run now and then ("terminate called without an active exception", exit -6)

@@ -86,3 +86,24 @@ def test_defaults_are_the_measured_best_per_task(tiny_dirs):
     assert cfg.window == 0 and cfg.feature_proj == 0 and cfg.local_exact  # the blocks, as before
     with pytest.raises(ValueError, match="window must be None"):
         RetrofitArgs(model="x", data="y", window=-1)
+
+
+def test_length_curriculum_batches_and_checks(tiny_dirs, text_file, tmp_path):
+    """transfer_schedule / finetune_schedule: phases of (context, steps, batch) run in order, a pure function of the
+    step; their steps must add up to the stage's."""
+    from hf_polyattn.training.pipeline import Retrofit
+
+    args = RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="linear", window=8, feature_proj=0,
+                        transfer_steps=3, transfer_schedule="16:1:3,32:2", transfer_batch_size=2, finetune_steps=2,
+                        finetune_schedule="24:2", progress=False, output_dir=str(tmp_path / "run"))
+    assert args.schedule("transfer") == [(16, 1, 3), (32, 2, 2)]
+    assert args.schedule("finetune") == [(24, 2, args.batch_size)]
+    r = Retrofit(args).prepare()
+    shapes = [tuple(r._batch_fn("transfer")(step, 0, 0)["input_ids"].shape) for step in range(3)]
+    assert shapes == [(3, 16), (2, 32), (2, 32)]
+    assert torch.equal(r._batch_fn("transfer")(1, 0, 0)["input_ids"], r._batch_fn("transfer")(1, 0, 0)["input_ids"])
+    assert tuple(r._batch_fn("finetune")(1, 0, 0)["input_ids"].shape) == (args.batch_size, 24)
+    for bad, match in (("16:2", "has 2 steps, transfer_steps is 3"), ("16:x:1", "LEN:STEPS"), ("1:3", "LEN >= 2"),
+                       ("16:3:0", "BATCH")):
+        with pytest.raises(ValueError, match=match):
+            RetrofitArgs(model=tiny_dirs["llama"], data=text_file, transfer_steps=3, transfer_schedule=bad)

@@ -1,0 +1,393 @@
+"""Long-context evaluation: perplexity at a list of contexts and passkey retrieval, beside softmax and StreamingLLM.
+
+A linear-time attention is judged at contexts many times its exact window, where the kernel part carries what the
+window cannot see: a perplexity figure at 256 tokens with a 128-token window says little about it. This module
+evaluates a causal LM
+
+* by **perplexity at every context of a list** (256 ... 8,192) on the *same* held-out tokens: for each context the
+  stream is cut into non-overlapping windows of that length (``metrics.perplexity`` with stride = context): every
+  token but the first of each window is scored once per context, with 1 to ``context`` - 1 tokens before it;
+* by **passkey retrieval**: a 5-digit key hidden at evenly spread depths (cell centres) of a filler text of a
+  given length in tokens, then "What is the pass key? The pass key is"; the model answers by greedy decoding
+  through its own ``generate()`` (its own cache: a recurrent state for the linear-time kinds), and a hit is an
+  exact match of the first number it writes. Keys are drawn from a seeded generator, one per (length, depth) cell;
+* beside two **baselines** on the same tokens and prompts: the checkpoint's softmax attention, and StreamingLLM
+  (Xiao et al. 2023, arXiv:2309.17453: exact softmax on the first ``sinks`` tokens plus a recent window, everything
+  else dropped, no training), which is the library's ``sliding_window`` kind with ``sinks``.
+
+Nothing here builds an n x n tensor on the linear-time path: a model is run as it is (batch 1 at 8k fits a 2-core
+CPU's 24 GiB for SmolLM2-135M). ``write_long_context`` writes the results as JSON, a Markdown table and two plots
+(perplexity against context, a passkey heatmap per row).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .metrics import perplexity
+
+__all__ = [
+    "DEFAULT_CONTEXTS",
+    "DEFAULT_PASSKEY_LENGTHS",
+    "LongContextSettings",
+    "evaluate_model",
+    "evaluate_rows",
+    "long_context_markdown",
+    "passkey_prompt",
+    "passkey_retrieval",
+    "perplexity_curve",
+    "plot_long_context",
+    "streaming_config",
+    "write_long_context",
+]
+
+DEFAULT_CONTEXTS = (256, 1024, 2048, 4096, 8192)
+DEFAULT_PASSKEY_LENGTHS = (1024, 2048, 4096)
+
+# The passkey prompt of Mohtashami & Jaggi (2023, "Landmark Attention"), as used by LongLoRA, StreamingLLM and the
+# linearisation papers (LoLCATs, Lizard): a fixed filler sentence repeated around one needle.
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                 "I will quiz you about the important information there. ")
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+
+
+def _check_lengths(name: str, values: Iterable[int], minimum: int) -> tuple[int, ...]:
+    out = tuple(values)
+    if not out or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in out):
+        raise ValueError(f"{name} must be a non-empty list of ints >= {minimum}, got {list(out)!r}")
+    return out
+
+
+@dataclass
+class LongContextSettings:
+    """What ``evaluate_model`` measures (one object: the results record it)."""
+
+    contexts: tuple[int, ...] = field(default=DEFAULT_CONTEXTS, metadata={
+        "help": "perplexity contexts in tokens; each evaluates the same held-out tokens in windows of that length"})
+    max_tokens: int = field(default=12288, metadata={
+        "help": "held-out tokens evaluated at every context (the first ones of the stream)"})
+    tokens_per_batch: int = field(default=8192, metadata={
+        "help": "windows per forward pass = max(1, tokens_per_batch // context)"})
+    passkey_lengths: tuple[int, ...] = field(default=DEFAULT_PASSKEY_LENGTHS, metadata={
+        "help": "passkey prompt lengths in tokens (empty: no passkey)"})
+    passkey_depths: int = field(default=10, metadata={
+        "help": "needle depths per length, the centres of that many equal parts of the filler"})
+    passkey_seed: int = field(default=0, metadata={"help": "seed of the keys"})
+    baselines: tuple[str, ...] = field(default=("softmax", "streaming"), metadata={
+        "help": "baseline rows on the same tokens: 'softmax' (the checkpoint), 'streaming' (StreamingLLM)"})
+    streaming_sinks: int = field(default=4, metadata={"help": "StreamingLLM row: sink tokens"})
+    streaming_window: int = field(default=128, metadata={"help": "StreamingLLM row: window"})
+
+    def __post_init__(self) -> None:
+        self.contexts = _check_lengths("contexts", self.contexts, 2)
+        self.passkey_lengths = tuple(self.passkey_lengths)
+        if self.passkey_lengths:
+            self.passkey_lengths = _check_lengths("passkey_lengths", self.passkey_lengths, 64)
+        for name in ("max_tokens", "tokens_per_batch", "passkey_depths", "streaming_sinks", "streaming_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "streaming_sinks" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'streaming_sinks' else 1}, got {v!r}")
+        if isinstance(self.passkey_seed, bool) or not isinstance(self.passkey_seed, int):
+            raise ValueError(f"passkey_seed must be an int, got {self.passkey_seed!r}")
+        self.baselines = tuple(self.baselines)
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ValueError(f"baselines must be a subset of {list(BASELINES)}, got {list(self.baselines)!r}")
+
+
+# ----------------------------------------------------------------------------------------------- perplexity
+
+
+def perplexity_curve(model, ids: torch.Tensor, contexts: Sequence[int], *, tokens_per_batch: int = 8192,
+                     progress: bool = False) -> list[dict[str, Any]]:
+    """``metrics.perplexity`` of ``model`` on the 1-D stream ``ids`` at every context (stride = context).
+
+    A context longer than the stream or than the model's positions is refused (never silently shortened).
+    """
+    ids = ids.reshape(-1)
+    contexts = _check_lengths("contexts", contexts, 2)
+    limit = _max_positions(model)
+    for c in contexts:
+        if c > ids.numel():
+            raise ValueError(f"context {c} is longer than the evaluated stream ({ids.numel()} tokens): give more "
+                             "tokens (max_tokens) or drop the context")
+        if limit and c > limit:
+            raise ValueError(f"context {c} is longer than the model's {limit} positions")
+    out = []
+    for c in contexts:
+        t0 = time.time()
+        r = perplexity(model, ids, context=c, stride=c, batch_size=max(1, tokens_per_batch // c), progress=progress,
+                       desc=f"perplexity @ {c}")
+        r["wall_s"] = round(time.time() - t0, 1)
+        out.append(r)
+    return out
+
+
+def _max_positions(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
+# ----------------------------------------------------------------------------------------------- passkey
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(input ids (1, n) with n <= length, (start, end) token span of the needle sentence).
+
+    The filler is repeated as often as fits in ``length`` tokens around the needle; ``depth`` in [0, 1] is the
+    fraction of the filler placed before it. Pieces are tokenised separately and joined, so the needle's span is
+    exact (the filler and the needle end in a space, which keeps each piece's tokens as in the whole text for
+    byte-level BPE tokenisers).
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    intro, filler = _encode(tokenizer, PASSKEY_INTRO), _encode(tokenizer, PASSKEY_FILLER)
+    needle, question = _encode(tokenizer, PASSKEY_NEEDLE.format(key=key)), _encode(tokenizer, PASSKEY_QUESTION)
+    reps = (length - len(intro) - len(needle) - len(question)) // len(filler)
+    if reps < 1:
+        raise ValueError(f"passkey length {length} is too short for the prompt (needs at least "
+                         f"{len(intro) + len(needle) + len(question) + len(filler)} tokens with this tokenizer)")
+    before = int(round(reps * depth))
+    ids = intro + filler * before
+    span = (len(ids), len(ids) + len(needle))
+    ids = ids + needle + filler * (reps - before) + question
+    return torch.tensor([ids], dtype=torch.long), span
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+@torch.no_grad()
+def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10, *, seed: int = 0,
+                      max_new_tokens: int = 8, progress: bool = False) -> dict[str, Any]:
+    """Greedy passkey retrieval at every (length, depth); hits are exact matches of the first number answered."""
+    lengths = _check_lengths("lengths", lengths, 64)
+    if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
+        raise ValueError(f"depths must be an int >= 1, got {depths!r}")
+    limit = _max_positions(model)
+    if limit and max(lengths) + max_new_tokens > limit:
+        raise ValueError(f"passkey length {max(lengths)} (+{max_new_tokens} answer tokens) is longer than the "
+                         f"model's {limit} positions")
+    rng = random.Random(seed)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # cell centres (i + 0.5) / depths: a needle at depth 1.0 would sit right before the question, where even the
+    # softmax checkpoint answers by copying the question's own words ("the pass key. ...") instead of the key
+    grid = [(i + 0.5) / depths for i in range(depths)]
+    hits, answers, keys, seconds = [], [], [], []
+    cells = [(length, d) for length in lengths for d in grid]
+    it = cells
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(cells, desc="passkey", unit="prompt")
+    try:
+        for length, depth in it:
+            key = rng.randint(10000, 99999)
+            ids, _ = passkey_prompt(tokenizer, length, depth, key)
+            ids = ids.to(device)
+            t0 = time.time()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+            seconds.append(time.time() - t0)
+            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            found = _NUMBER.search(text)
+            hits.append(int(found is not None and found.group(0) == str(key)))
+            answers.append(text)
+            keys.append(key)
+    finally:
+        model.train(was_training)
+    nd = len(grid)
+
+    def rows(xs):
+        return [xs[i * nd:(i + 1) * nd] for i in range(len(lengths))]
+
+    return {"lengths": list(lengths), "depths": grid, "seed": seed, "hits": rows(hits), "keys": rows(keys),
+            "answers": rows(answers),
+            "accuracy": {str(length): sum(h) / nd for length, h in zip(lengths, rows(hits))},
+            "wall_s": round(sum(seconds), 1)}
+
+
+# ----------------------------------------------------------------------------------------------- rows
+
+
+def streaming_config(sinks: int = 4, window: int = 128):
+    """StreamingLLM as a library kind: exact softmax on ``sinks`` first tokens + a ``window``, nothing else."""
+    from ..config import PolyAttnConfig
+
+    return PolyAttnConfig.for_kind("sliding_window", window=window, sinks=sinks)
+
+
+BASELINES = {
+    "softmax": lambda s: "softmax (the checkpoint)",
+    "streaming": lambda s: f"StreamingLLM: softmax on {s.streaming_sinks} sink tokens + a {s.streaming_window}-token "
+                           "window (sliding_window kind, no training)",
+}
+
+
+def evaluate_model(label: str, model, tokenizer, ids: torch.Tensor, settings: LongContextSettings, *,
+                   progress: bool = False) -> dict[str, Any]:
+    """One row: the perplexity curve and passkey grid of ``model``."""
+    t0 = time.time()
+    ids = ids.reshape(-1)[: settings.max_tokens]
+    row: dict[str, Any] = {"label": label, "attention": _attention_of(model)}
+    row["perplexity"] = perplexity_curve(model, ids, settings.contexts, tokens_per_batch=settings.tokens_per_batch,
+                                         progress=progress)
+    if settings.passkey_lengths:
+        row["passkey"] = passkey_retrieval(model, tokenizer, settings.passkey_lengths, settings.passkey_depths,
+                                           seed=settings.passkey_seed, progress=progress)
+    row["wall_s"] = round(time.time() - t0, 1)
+    return row
+
+
+def _attention_of(model) -> dict[str, Any] | str:
+    from ..integration import get_polyattn_config
+
+    cfg = get_polyattn_config(model)
+    if cfg is None or getattr(model.config, "_attn_implementation", None) != cfg.kind:
+        return f"softmax ({getattr(model.config, '_attn_implementation', '?')})"
+    return cfg.to_dict()
+
+
+def evaluate_rows(model, tokenizer, ids: torch.Tensor, settings: LongContextSettings, *, label: str,
+                  load_base: Callable[[], Any] | None = None, progress: bool = False,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """``model``'s row and the baseline rows (``load_base()`` returns a fresh copy of the softmax checkpoint on the
+    model's device; needed when ``settings.baselines`` is not empty). Returns the full result record."""
+    import hf_polyattn
+
+    rows = []
+    for name in settings.baselines:
+        if load_base is None:
+            raise ValueError("baselines need load_base: a function returning the softmax checkpoint")
+        base = load_base()
+        if name == "streaming":
+            hf_polyattn.convert(base, streaming_config(settings.streaming_sinks, settings.streaming_window))
+        log(f"[long context] {name} row")
+        rows.append({**evaluate_model(BASELINES[name](settings), base, tokenizer, ids, settings,
+                                      progress=progress), "baseline": name})
+        del base
+    log(f"[long context] {label}")
+    rows.append(evaluate_model(label, model, tokenizer, ids, settings, progress=progress))
+    from .. import machine
+
+    return {"settings": _jsonable(asdict(settings)), "tokens": int(min(ids.numel(), settings.max_tokens)),
+            "rows": rows, "machine": machine.summary()}
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+
+def _softmax_row(result: dict[str, Any]) -> dict[str, Any] | None:
+    return next((r for r in result["rows"] if r.get("baseline") == "softmax"), None)
+
+
+def long_context_markdown(result: dict[str, Any]) -> str:
+    """Perplexity at every context (and its ratio to the softmax row) and passkey accuracy per length."""
+    rows = result["rows"]
+    contexts = result["settings"]["contexts"]
+    lengths = result["settings"]["passkey_lengths"]
+    soft = _softmax_row(result)
+    head = ["attention", *[f"ppl @ {c:,}" for c in contexts], *[f"passkey @ {n:,}" for n in lengths]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["label"]]
+        for i, p in enumerate(r["perplexity"]):
+            v = p["perplexity"]
+            ratio = ""
+            if soft is not None and r is not soft:
+                ratio = f" ({v / soft['perplexity'][i]['perplexity']:.2f}x)"
+            cells.append(f"{v:.2f}{ratio}")
+        pk = r.get("passkey")
+        for n in lengths:
+            if pk is None:
+                cells.append("–")
+            else:
+                hits = pk["hits"][pk["lengths"].index(n)]
+                cells.append(f"{sum(hits)}/{len(hits)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    s = result["settings"]
+    note = (f"\nPerplexity = exp(mean token NLL) over the first {result['tokens']:,} held-out tokens, non-overlapping "
+            f"windows of each context (every token but a window's first scored once); ratios to the softmax row. Passkey: "
+            f"{s['passkey_depths']} depths per length, seed {s['passkey_seed']}, greedy decoding through the "
+            f"model's own cache, exact match of the 5-digit key. Machine: {result.get('machine', '?')}.")
+    return "\n".join(lines) + "\n" + note + "\n"
+
+
+def plot_long_context(result: dict[str, Any], path: str | Path) -> Path | None:
+    """perplexity vs context (left) and a passkey heatmap per row (right); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["rows"]
+    with_pk = [r for r in rows if r.get("passkey")]
+    ncols = 1 + len(with_pk)
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 + 2.6 * len(with_pk), 4.2), squeeze=False,
+                             gridspec_kw={"width_ratios": [2.2] + [1] * len(with_pk)})
+    ax = axes[0][0]
+    for r in rows:
+        xs = [p["context"] for p in r["perplexity"]]
+        ys = [p["perplexity"] for p in r["perplexity"]]
+        ax.plot(xs, ys, marker="o", label=_short(r["label"]))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title("held-out perplexity vs context")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    for ax, r in zip(axes[0][1:], with_pk):
+        pk = r["passkey"]
+        ax.imshow(torch.tensor(pk["hits"], dtype=torch.float32).numpy(), vmin=0, vmax=1, cmap="RdYlGn",
+                  aspect="auto")
+        ax.set_yticks(range(len(pk["lengths"])), [f"{n:,}" for n in pk["lengths"]])
+        ax.set_xticks(range(len(pk["depths"])), [f"{d:.1f}" for d in pk["depths"]], fontsize=6)
+        ax.set_xlabel("needle depth")
+        ax.set_title(_short(r["label"]), fontsize=8)
+    axes[0][1 if with_pk else 0].set_ylabel("prompt length" if with_pk else "perplexity")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _short(label: str, width: int = 48) -> str:
+    return label if len(label) <= width else label[: width - 1] + "…"
+
+
+def write_long_context(result: dict[str, Any], out_dir: str | Path, name: str = "long_context") -> dict[str, Path]:
+    """``name``.json, ``name``.md and ``name``.png (when matplotlib is installed) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(json.dumps(result, indent=1))
+    paths["md"].write_text(long_context_markdown(result))
+    png = plot_long_context(result, out / f"{name}.png")
+    if png is not None:
+        paths["png"] = png
+    return paths
