@@ -57,7 +57,8 @@ from torch.nn import functional as F
 
 from .sketches import symmetric_power_indices, symmetric_square
 
-__all__ = ["check_decay", "decay_matrix", "lt_multiply", "lt_multiply_batched", "lt_multiply_cumsum"]
+__all__ = ["check_decay", "decay_matrix", "decayed_running_sums", "lt_multiply", "lt_multiply_batched",
+           "lt_multiply_cumsum"]
 
 
 def _check_block(block_size: int) -> None:
@@ -148,6 +149,31 @@ def decay_matrix(qlog: torch.Tensor, klog: torch.Tensor) -> torch.Tensor:
     m = x.shape[-1]
     keep = torch.ones(m, m, dtype=torch.bool, device=x.device).tril()
     return torch.exp(x.masked_fill(~keep, float("-inf")))
+
+
+# slots a level of ``decayed_running_sums`` combines with one (m x m) matrix of decays
+SCAN_GROUP = 64
+
+
+def decayed_running_sums(x: torch.Tensor, logs: torch.Tensor, group: int = SCAN_GROUP) -> torch.Tensor:
+    """y_t = sum_{t' <= t} exp(logs_t - logs_t') x_t' for x (..., S, X) and logs (..., S) non-increasing (leading
+    dims broadcasting): running sums over S slots, each referenced at its own slot's log. Groups of ``group`` slots
+    take one masked (m x m) decay matrix each; the groups' totals are combined the same way, recursively, and carried
+    into the next group by exp(logs_t - logs_{end of the group before}) <= 1: O(S m X) work and O(S m) decays,
+    where one (S x S) matrix was S^2 (2047^2 a head for the Triton chunks of n = 128k, T = 64)."""
+    s = logs.shape[-1]
+    if s <= group:
+        return torch.matmul(decay_matrix(logs, logs), x)
+    ng = -(-s // group)
+    pad = ng * group - s
+    lg = _pad_rows(logs, pad).unflatten(-1, (ng, group))  # (..., ng, m)
+    local = torch.matmul(decay_matrix(lg, lg), F.pad(x, (0, 0, 0, pad)).unflatten(-2, (ng, group)))
+    ends = lg[..., -1]  # each group's last slot: the reference of its total
+    carry = decayed_running_sums(local[..., -1, :], ends, group)  # (..., ng, X): everything up to group g's end
+    prev = F.pad(carry[..., :-1, :], (0, 0, 1, 0))  # what group g takes from before it (nothing for group 0)
+    before = torch.cat([lg[..., :1, 0], ends[..., :-1]], dim=-1)  # its reference (group 0: its first slot, unused)
+    out = local + torch.exp(lg - before.unsqueeze(-1)).unsqueeze(-1) * prev.unsqueeze(-2)
+    return out.flatten(-3, -2)[..., :s, :]
 
 
 def _blocks(n: int, block: int):
@@ -324,8 +350,8 @@ def lt_multiply_batched(
     """``lt_multiply`` without a loop over blocks: about ten kernels whatever n (see module doc).
 
     Same arguments and result; memory O(n F + (n / b) F e) instead of O(b F + F e). With ``decay``, each block's
-    state is referenced at its last key and the blocks' states are combined by one (n/b x n/b) matrix of decays
-    between block ends (masked before the exp, like the diagonal blocks' own b x b decays): nothing n x n.
+    state is referenced at its last key and the running sums over blocks are decayed ones (``decayed_running_sums``;
+    the diagonal blocks take their own b x b decays, masked before the exp): nothing n x n.
     """
     check_lt_arguments(a, b, c, block_size)
     if decay is not None:
@@ -349,10 +375,9 @@ def lt_multiply_batched(
         prefix = torch.cumsum(F.pad(states, (0, 0, 0, 0, 1, 0))[..., :-1, :, :], dim=-3)
         out = torch.matmul(fa, prefix)
     else:
-        # P_{m-1} = sum_{l<m} exp(end_{m-1} - end_l) states_l: the (nb x nb) decays, strictly lower (l < m)
-        x = (before.unsqueeze(-1) - ends.unsqueeze(-2)).masked_fill(
-            ~torch.ones(nb, nb, dtype=torch.bool, device=a.device).tril(-1), float("-inf"))
-        prefix = torch.matmul(torch.exp(x), states.flatten(-2)).unflatten(-1, states.shape[-2:])
+        # P_{m-1} = sum_{l<m} exp(end_{m-1} - end_l) states_l: the running sums shifted by one block
+        running = decayed_running_sums(states.flatten(-2), ends).unflatten(-1, states.shape[-2:])
+        prefix = F.pad(running, (0, 0, 0, 0, 1, 0))[..., :-1, :, :]
         out = torch.matmul(fa, prefix) * torch.exp(qb - before.unsqueeze(-1)).unsqueeze(-1)
     if include_diag:
         # phi(a).phi(b) = (a.b)^2 for the symmetric square: the b x b block from r-dim dot products

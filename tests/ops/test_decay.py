@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from hf_polyattn.ops.backend import lt_product
-from hf_polyattn.ops.causal import lt_multiply, lt_multiply_batched, lt_multiply_cumsum
+from hf_polyattn.ops.causal import (
+    decay_matrix,
+    decayed_running_sums,
+    lt_multiply,
+    lt_multiply_batched,
+    lt_multiply_cumsum,
+)
 from hf_polyattn.ops.reference import reference_lt_product
 from hf_polyattn.ops.sketches import symmetric_square
 from hf_polyattn.ops.window import shifted_lt
@@ -86,6 +92,8 @@ CASES = [
     ("b1", 9, 1, True, False, (2, 2), (2, 1)),
     ("b1-nodiag-square", 9, 1, False, True, (2, 2), (2, 1)),
     ("n1", 1, 4, True, True, (2,), (1,)),
+    # 69 blocks / Triton chunks: more than one group of the decayed scan over them (causal.SCAN_GROUP = 64)
+    ("n1100-b16-scan-groups", 1100, 16, True, False, (2,), (1,)),
 ]
 BACKENDS = ["loop", "batched", "cumsum", "triton"]
 
@@ -172,6 +180,22 @@ def test_zero_decay_is_the_undecayed_product(backend):
             decayed = lt_product(a, b, c, 8, True, False, backend, decay=(zero, zero))
     torch.testing.assert_close(decayed, plain, **tol)
     torch.testing.assert_close(plain.cpu().double(), reference_lt_product(*_as64((a, b, c)), 8, True, False), **tol)
+
+
+@pytest.mark.parametrize("slots,group", [(300, 4), (9, 4), (4, 4), (1, 4), (65, 64)])
+def test_decayed_running_sums(slots, group):
+    """The grouped scan (batched's blocks, the Triton chunks) equals the one (S x S) matrix of decays it replaces,
+    recursion levels and a last group shorter than the others included; strong decays stay finite."""
+    gen = torch.Generator().manual_seed(slots)
+    x = torch.randn(2, 1, slots, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    logs = (-3.0 * torch.rand(3, slots, generator=gen, dtype=torch.float64)).cumsum(-1).requires_grad_()
+    out = decayed_running_sums(x, logs, group)
+    ref = torch.matmul(decay_matrix(logs, logs), x)
+    assert out.shape == ref.shape == (2, 3, slots, 5) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    for u, v in zip(torch.autograd.grad(out, (x, logs), g), torch.autograd.grad(ref, (x, logs), g)):
+        torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-10)
 
 
 def test_bad_decay_arguments():

@@ -40,8 +40,9 @@ Memory and launches (the design constraints of this module):
 * Decay (``decay=(qlog, klog)``, ``ops.causal``'s module doc): the log-decays go to the kernels as fp32 tables in
   head order, (H, G, n) for qlog and (H, n) for klog (n floats a head: a column of q). Each chunk's slab is
   referenced at one key and scaled to it in the state kernel; the running sums over chunks are then decayed sums,
-  slot t = sum_{t' <= t} exp(-|ref_t - ref_t'|) slab_t', one (NC-1 x NC-1) matrix a head times the slabs
-  (``_decayed_sums``: NC^2 F e multiply-adds, against the chunks' n F e; a sequential scan would be NC launches).
+  slot t = sum_{t' <= t} exp(-|ref_t - ref_t'|) slab_t', by (64 x 64) matrices of decays over groups of slots
+  and their totals (``ops.causal.decayed_running_sums``: 64 F e multiply-adds a slot, a few launches; a
+  sequential scan would be NC launches, one (NC x NC) matrix NC^2 F e).
   The gradient of qlog is one more per-row sum in the dA kernel, that of klog a row sum of c dC on the host (dC
   then kept in fp32 until it is formed). Not tuned on a GPU yet: correctness and the structure the GPU path needs.
 """
@@ -52,7 +53,7 @@ import math
 
 import torch
 
-from ..causal import check_decay, decay_matrix
+from ..causal import check_decay, decayed_running_sums
 from ..sketches import symmetric_power_indices
 from . import _kernels as K
 
@@ -294,8 +295,7 @@ def _decayed_sums(s: torch.Tensor, ref: torch.Tensor, reverse: bool) -> torch.Te
     """Running sums over the slot axis of s (H, S, ...) with decays between the slots' reference keys ``ref``
     (H, S): slot t gets sum_{t' <= t} exp(ref_t - ref_t') s_t' (reverse: exp(ref_t' - ref_t)), the sign that keeps
     every exponent <= 0 (prefix references move forward, where klog falls; suffix references backward)."""
-    d = decay_matrix(-ref, -ref) if reverse else decay_matrix(ref, ref)
-    return torch.matmul(d, s.flatten(2)).view_as(s)
+    return decayed_running_sums(s.flatten(2), -ref if reverse else ref).view_as(s)
 
 
 def _precision(tf32, dtypes) -> str:
