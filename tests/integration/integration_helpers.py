@@ -168,6 +168,24 @@ def build(arch_name: str, kind: str | PolyAttnConfig | None = None, seed: int = 
     return model
 
 
+def check_left_padded_generation(model) -> None:
+    """Greedy generation of a left-padded batch (a 12-token prompt and an 8-token one padded by 4, a multiple of the
+    tests' block_size 4) gives each row what its prompt generates alone: tokens and logits."""
+    long, short = (torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(s))[0]
+                   for n, s in ((12, 1), (8, 2)))
+    ids = torch.zeros((2, 12), dtype=torch.long)
+    mask = torch.zeros((2, 12), dtype=torch.long)
+    ids[0], mask[0] = long, 1
+    ids[1, 4:], mask[1, 4:] = short, 1
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    batch = model.generate(ids, attention_mask=mask, **kw)
+    for row, prompt in enumerate([long, short]):
+        alone = model.generate(prompt[None], **kw)
+        assert torch.equal(batch.sequences[row, 12:], alone.sequences[0, len(prompt):])
+        for a, b in zip(batch.logits, alone.logits):
+            torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)
+
+
 def perturb_polyattn(model, seed: int = 1) -> None:
     """Move every polyattn tensor off its seed value, so reload tests can fail."""
     gen = torch.Generator().manual_seed(seed)

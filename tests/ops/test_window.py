@@ -37,6 +37,22 @@ SHAPES = [
 ]
 
 
+# chunked prefill shorter and longer than the windows and blocks of these tests, then token by token (26 tokens)
+CHUNKS = ((0, 2), (2, 11), (11, 12), (12, 13), (13, 20), *((i, i + 1) for i in range(20, 26)))
+
+
+def recurrent_outputs(module, q, k, v, chunks, mask=None, check=None):
+    """The outputs of ``module`` called on the (start, end) ``chunks`` of q, k, v in turn with a recurrent state,
+    concatenated; ``check(state, end)`` must hold after each call."""
+    state, outs = module.init_state(), []
+    for s, t in chunks:
+        o, state = module(q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], causal=True, state=state,
+                          key_padding_mask=None if mask is None else mask[:, s:t])
+        outs.append(o)
+        assert check is None or check(state, t)
+    return torch.cat(outs, dim=2)
+
+
 def _module(opts, heads, kv_heads):
     pa = PolyAttention(PolyAttnConfig(block_size=4, **opts), heads, D, kv_heads, layer_idx=1).double()
     with torch.no_grad():  # move learnable tensors off their initial values so gradients and mixing matter
@@ -94,12 +110,10 @@ def test_window_causal_and_recurrent(opts):
     v2[:, :, 15:] -= 2.0
     assert torch.equal(pa(q, k2, v2, causal=True)[:, :, :15], full[:, :, :15])
     # recurrent: chunks shorter and longer than the window, then token by token
-    state, outs = pa.init_state(), []
-    for s, t in ((0, 2), (2, 11), (11, 12), (12, 13), (13, 20), *((i, i + 1) for i in range(20, 26))):
-        o, state = pa(q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], causal=True, state=state)
-        outs.append(o)
-        assert state.k.shape[2] == min(pa.config.window, t)  # constant-size window buffer
-    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        recurrent_outputs(pa, q, k, v, CHUNKS,
+                          check=lambda state, t: state.k.shape[2] == min(pa.config.window, t)),  # constant size
+        full, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("opts", [dict(kind="linear", window=4), dict(kind="polysketch", sketch_size=8, window=5)],
