@@ -21,6 +21,8 @@ LOCAL_KERNELS = ("polynomial", "softmax")
 EXACT_PATHS = ("auto", "quadratic", "tensor")
 CAUSAL_ALGORITHMS = ("block", "cumsum")
 BACKENDS = ("auto", "loop", "batched", "triton", "fla")
+DECAYS = ("none", "scalar", "gate")
+DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
 
 # Allowed values of every str field and the minimum of every int field: __post_init__
 # validates each field by its annotation, so a new field without an entry here fails loudly.
@@ -30,10 +32,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "exact_path": EXACT_PATHS,
     "causal_algorithm": CAUSAL_ALGORITHMS,
     "backend": BACKENDS,
+    "decay": DECAYS,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "qk_norm", "feature_proj", "alpha", "beta",
-             "denominator_offset", "poly_coefficients", "learn_coefficients", "feature_map")
+             "denominator_offset", "poly_coefficients", "learn_coefficients", "feature_map", "decay", "decay_horizon")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
                 "window": 0, "feature_proj": 0}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
@@ -106,6 +109,22 @@ class PolyAttnConfig:
     window_mix: bool = field(
         default=False, metadata={"help": "learnable per-head factor on the kernel part of a window (init 1)"}
     )
+    decay: str = field(
+        default="none",
+        metadata={
+            "help": "decay of the kernel part, causal only (the exact local part is never decayed): 'none'; "
+            "'scalar' (RetNet, simple GLA: key j weighs gamma^(i-j) for query i, one learnable gamma per kv head); "
+            "'gate' (GLA-style: prod_{t=j+1..i} g_t with g_t = sigmoid(v_t . w + b) per kv head, read from the "
+            "token's value, which RoPE leaves unrotated)"
+        },
+    )
+    decay_horizon: float = field(
+        default=DECAY_HORIZON,
+        metadata={
+            "help": "initial horizon of the decay in tokens (> 1): 'scalar' starts at log gamma = -1/horizon, "
+            "'gate' at the constant gate 1 - 1/horizon (w = 0, b = log(horizon - 1))"
+        },
+    )
     block_size: int = field(default=256, metadata={"help": "block size b of the causal LT multiplication"})
     qk_norm: bool = field(default=False, metadata={"help": "learnable per-head LayerNorm on q and k"})
     feature_proj: int = field(
@@ -169,6 +188,15 @@ class PolyAttnConfig:
                                  "block-diagonal): set one of them")
             if self.causal_algorithm == "cumsum":
                 raise ValueError("window needs causal_algorithm='block'")
+        if self.decay == "none" and self.decay_horizon != DECAY_HORIZON:
+            raise ValueError(f"decay_horizon={self.decay_horizon} needs decay='scalar' or 'gate' (it is the "
+                             "initial horizon of the decay)")
+        if not self.decay_horizon > 1.0:
+            raise ValueError(f"decay_horizon must be a real number > 1 (tokens: the initial 1/(1 - gamma)), got "
+                             f"{self.decay_horizon}")
+        if self.decay != "none" and self.backend == "fla":
+            raise ValueError(f"decay={self.decay!r} needs backend='auto', 'loop', 'batched' or 'triton': fla-core's "
+                             "chunk_linear_attn (backend='fla') has no decay")
         if self.window_mix and not self.window:
             raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
         if self.local_kernel is not None and not (self.local_exact or self.window):

@@ -224,6 +224,9 @@ def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str) -
     if not causal and not spec.bidirectional:
         raise ValueError(f"kind={cfg.kind!r} is causal only and {where} is bidirectional attention (an encoder): "
                          f"pick a kind that serves bidirectional attention, e.g. {_serving('bidirectional')}")
+    if not causal and cfg.decay != "none":
+        raise ValueError(f"decay={cfg.decay!r} is defined for causal attention only and {where} is bidirectional "
+                         "attention (an encoder or cross-attention): use decay='none' there")
     if cross_blocker(cfg) and getattr(module, "is_cross_attention", False) is True:
         raise ValueError(_local_exact_cross_message(f"{owner} ({cls.__name__} is a cross-attention module)",
                                                     cross_blocker(cfg)))

@@ -7,6 +7,8 @@ from __future__ import annotations
 KERNEL_FIELDS = ("qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "causal_algorithm")
+# Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
+DECAY_FIELDS = ("decay", "decay_horizon")
 
 
 def local_label(config) -> list[str]:
@@ -17,6 +19,10 @@ def local_label(config) -> list[str]:
     if config.window:
         parts.append(f"exact {config.resolved_local_kernel} {config.window}-token sliding window"
                      + (" (mixed)" if config.window_mix else ""))
+    if config.decay == "scalar":
+        parts.append(f"scalar decay (horizon {config.decay_horizon:g})")
+    elif config.decay == "gate":
+        parts.append("gated decay")
     if config.feature_proj:
         parts.append(f"learnable projection to {config.feature_proj}")
     if config.qk_norm:

@@ -8,7 +8,7 @@ from ..ops.attention import PolyAttention
 from ..ops.feature_maps import FEATURE_MAPS, FeatureMap
 from ..ops.reference import reference_attention
 from ..registry import KindSpec, register_kind
-from ._kernel import KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
+from ._kernel import DECAY_FIELDS, KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
 
 
 class LinearAttention(PolyAttention):
@@ -26,7 +26,7 @@ SPEC = register_kind(KindSpec(
     module=LinearAttention,
     title="linear attention (Katharopoulos et al., arXiv:2006.16236)",
     reference=reference_attention,
-    fields=("feature_map", *LOCAL_FIELDS, *KERNEL_FIELDS),
+    fields=("feature_map", *LOCAL_FIELDS, *DECAY_FIELDS, *KERNEL_FIELDS),
     label=_label,
     memory=kernel_memory,
     bench={

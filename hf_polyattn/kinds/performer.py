@@ -7,7 +7,7 @@ from ..ops.attention import PolyAttention
 from ..ops.feature_maps import PerformerFeatureMap
 from ..ops.reference import reference_attention
 from ..registry import KindSpec, register_kind
-from ._kernel import KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
+from ._kernel import DECAY_FIELDS, KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
 
 
 class PerformerAttention(PolyAttention):
@@ -30,7 +30,7 @@ SPEC = register_kind(KindSpec(
     module=PerformerAttention,
     title="Performer FAVOR+ attention (Choromanski et al., arXiv:2009.14794)",
     reference=reference_attention,
-    fields=("num_features", *LOCAL_FIELDS, *KERNEL_FIELDS),
+    fields=("num_features", *LOCAL_FIELDS, *DECAY_FIELDS, *KERNEL_FIELDS),
     validate=_validate,
     label=_label,
     memory=kernel_memory,

@@ -8,7 +8,7 @@ from ..ops.feature_maps import PolySketchFeatureMap
 from ..ops.reference import reference_attention
 from ..registry import KindSpec, register_kind
 from ..validation import is_power_of_two
-from ._kernel import KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
+from ._kernel import DECAY_FIELDS, KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
 
 # polysketch builds 2p - 1 sketch factors per head (a binary tree of degree-2 products): degree 1024 took 9.7 s
 # for one forward, 2**40 never returned. The paper uses p = 2, 4, 8; 64 leaves room without a hang.
@@ -36,7 +36,7 @@ SPEC = register_kind(KindSpec(
     module=PolySketchAttention,
     title="PolySketch attention (sketched polynomial kernel in linear time, arXiv:2310.01655)",
     reference=reference_attention,
-    fields=("degree", "sketch", "sketch_size", *LOCAL_FIELDS, *KERNEL_FIELDS),
+    fields=("degree", "sketch", "sketch_size", *LOCAL_FIELDS, *DECAY_FIELDS, *KERNEL_FIELDS),
     validate=_validate,
     label=_label,
     memory=kernel_memory,

@@ -9,7 +9,7 @@ from ..ops.attention import PolyAttention
 from ..ops.feature_maps import TaylorFeatureMap
 from ..ops.reference import reference_attention
 from ..registry import KindSpec, register_kind
-from ._kernel import KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
+from ._kernel import DECAY_FIELDS, KERNEL_FIELDS, LOCAL_FIELDS, kernel_memory, local_label
 
 
 class TaylorAttention(PolyAttention):
@@ -23,7 +23,7 @@ SPEC = register_kind(KindSpec(
     title="first-order Taylor linear attention (1 + q^.k^ with L2-normalised q, k; linear attention, "
           "Katharopoulos et al., arXiv:2006.16236)",
     reference=reference_attention,
-    fields=(*LOCAL_FIELDS, *KERNEL_FIELDS),
+    fields=(*LOCAL_FIELDS, *DECAY_FIELDS, *KERNEL_FIELDS),
     label=lambda config: ", ".join(["1 + q^.k^", *local_label(config)]),
     memory=kernel_memory,
     bench={"taylor": dict(kind="taylor", block_size=256)},

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "row_chunks",
-           "rowwise_recompute", "to_work", "work_dtype"]
+__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "read_state",
+           "row_chunks", "rowwise_recompute", "to_work", "work_dtype"]
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -47,6 +47,16 @@ def _with_normaliser(v5: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     if mask is not None:
         vext = vext * mask[:, None, None, :, None].to(vext.dtype)
     return vext
+
+
+def read_state(features: torch.Tensor, kv: torch.Tensor, logs: torch.Tensor | None = None) -> torch.Tensor:
+    """What queries read from a recurrent state ``kv`` = sum phi(k)^T [v 1] (B, Hkv, 1, F, e): features @ kv, with
+    decay times exp(G_i) per query row, ``logs`` = G (B, Hkv, 1, L) the cumulative log-decays of the call's keys
+    from the state's reference (its last folded key), the query rows bottom-right aligned to the last ones."""
+    out = torch.matmul(features, kv)
+    if logs is not None:
+        out = out * torch.exp(logs[..., logs.shape[-1] - out.shape[-2] :]).unsqueeze(-1)
+    return out
 
 
 def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backend import _is_auto, resolve_backend
-from .common import normalised_sum, to_work
+from .common import normalised_sum, read_state, to_work
 from .sketches import symmetric_square
 from .window import shifted_lt, window_scores, window_tiles
 
@@ -74,11 +74,13 @@ class LocalExactMixin:
         return (w if allowed is None else w.masked_fill(~allowed, 0.0)), None
 
 
-    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32=None):
+    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32=None, logs=None):
         """Sliding-window hybrid (ops/window.py): exact on the previous ``window`` keys, kernel before.
 
         q5, k5 are the model's own q, k (no projection, no qk LayerNorm): the exact part is the
         model's softmax (or polynomial) on its own scores, as in LoLCATs; fq, fk the features.
+        ``logs``: the keys' cumulative log-decays G (causal only), the kernel part's term (i, j) times
+        exp(G_i - G_j); the window is exact and undecayed.
         """
         cfg = self.config
         w, block, backend = cfg.window, cfg.block_size, cfg.backend
@@ -88,9 +90,9 @@ class LocalExactMixin:
             qs, fqs = (F.pad(q5, (0, 0, pad, 0)), F.pad(fq, (0, 0, pad, 0))) if pad else (q5, fq)
             if q_log_scale is not None and pad:
                 q_log_scale = F.pad(q_log_scale, (0, 0, pad, 0))
-            far = shifted_lt(fqs, fk, vext, w, block, square, backend, tf32)
+            far = shifted_lt(fqs, fk, vext, w, block, square, backend, tf32, logs)
             if kv0 is not None:
-                far = far + torch.matmul(symmetric_square(fqs) if square else fqs, kv0)
+                far = far + read_state(symmetric_square(fqs) if square else fqs, kv0, logs)
         else:
             if lq != lk:
                 raise ValueError(f"window={w} with bidirectional attention needs q_len == kv_len (self-attention), "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _with_normaliser
+from .common import _with_normaliser, read_state
 from .local import far_scale
 from .sketches import symmetric_square
 from .state import RecurrentState
@@ -26,6 +26,7 @@ class RecurrentMixin:
         """
         cfg = self.config
         vext = _with_normaliser(v5, mask)
+        logs = self.log_decays(v5, mask)  # from the state's reference key
         q_in, k_in = self._feature_inputs(q5, scale), self._feature_inputs(k5, scale)
         q_log_scale = None
         if self.feature_map.log_scaled:
@@ -36,10 +37,9 @@ class RecurrentMixin:
         total = state.length + 1
         if cfg.window:
             return self._decode_window(raw[0], raw[1], k_in, vext, fq, q_log_scale, mask, scale, state, key, value,
-                                       total)
+                                       total, logs)
         if local is None:
-            kv = torch.matmul(self.feature_map(k_in, False).transpose(-1, -2), vext)
-            kv = kv if state.kv is None else state.kv + kv
+            kv = self._fold(state.kv, self.feature_map(k_in, False), vext, logs, k5.shape[3])
             num = torch.matmul(fq, kv)
             return self._normalise(num), RecurrentState(kv, None, None, None, total)
         # exact kernel over the current block (all unfolded keys precede or equal the query)
@@ -48,36 +48,39 @@ class RecurrentMixin:
         w, log_far = self.exact_weights(x, allowed, local)
         num = torch.matmul(w, vext)
         if state.kv is not None:
-            far = torch.matmul(fq, state.kv)
+            far = read_state(fq, state.kv, logs)
             scale_far = far_scale(log_far, q_log_scale)
             num = num + (far if scale_far is None else scale_far * far)
         if total % cfg.block_size == 0:  # the block is complete: fold it into the state
-            kv = torch.matmul(self.feature_map(k_in, False).transpose(-1, -2), vext)
-            kv = kv if state.kv is None else state.kv + kv
+            kv = self._fold(state.kv, self.feature_map(k_in, False), vext, logs, k5.shape[3])
             return self._normalise(num), RecurrentState(kv, None, None, None, total)
         raw_k = key if state.k is None else torch.cat([state.k, key], dim=2)
         raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
         return self._normalise(num), RecurrentState(state.kv, raw_k, raw_v, mask, total)
 
-    def _decode_window(self, q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total):
+    def _decode_window(self, q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total, logs=None):
         """One token with a sliding window: fold the key that leaves the window, exact on the rest.
 
         The state keeps the last ``window`` raw keys/values (constant size) and the kernel
-        state of every key before them.
+        state of every key before them. With decay (``logs``: G of the window's keys and the new one, from the
+        state's reference) the state moves its reference to the folded key and the query reads it times
+        exp(G_i - G_fold): the product of the gates of the keys in its window, recomputed from the values the
+        state keeps (nothing else is stored).
         """
         w = self.config.window
         fold = max(0, k5.shape[3] - w)  # 0 or 1: the key now w positions behind the query
         kv = state.kv
         if fold:
-            add = torch.matmul(self.feature_map(k_in[..., :fold, :], False).transpose(-1, -2), vext[..., :fold, :])
-            kv = add if kv is None else kv + add
+            kv = self._fold(kv, self.feature_map(k_in[..., :fold, :], False), vext, logs, fold)
+            if logs is not None:
+                logs = logs - logs[..., fold - 1 : fold]  # from the new reference
         kw, vw = k5[..., fold:, :], vext[..., fold:, :]
         x = torch.matmul(q5 * scale, kw.transpose(-1, -2))  # (B, Hkv, G, 1, <= w)
         allowed = None if mask is None else mask[:, None, None, None, fold:]
         wts, log_far = self.exact_weights(x, allowed, self.config.resolved_local_kernel)
         num = torch.matmul(wts, vw)
         if kv is not None:
-            far = torch.matmul(fq, kv)
+            far = read_state(fq, kv, logs)
             scale_far = far_scale(log_far, q_log_scale)
             if scale_far is not None:
                 far = scale_far * far
@@ -88,6 +91,20 @@ class RecurrentMixin:
         raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
         new_mask = None if mask is None else mask[:, fold:]
         return self._normalise(num), RecurrentState(kv, raw_k[:, :, fold:], raw_v[:, :, fold:], new_mask, total)
+
+    @staticmethod
+    def _fold(kv, feats, vext, logs, fold: int):
+        """The state ``kv`` (None: empty) after the first ``fold`` keys, features ``feats`` (..., >= fold, F) and
+        values [v 1] ``vext``, are added to it: kv + sum_j phi(k_j)^T [v_j 1]. With decay (``logs``: G of these keys
+        from kv's reference key) the result is referenced at key fold - 1: kv exp(G_{fold-1}) + sum_j
+        exp(G_{fold-1} - G_j) phi(k_j)^T [v_j 1], every exponent <= 0."""
+        vals = vext[..., :fold, :]
+        if logs is not None:
+            ref = logs[..., fold - 1 : fold]
+            vals = vals * torch.exp(ref - logs[..., :fold]).unsqueeze(-1)
+            kv = None if kv is None else kv * torch.exp(ref).unsqueeze(-1)
+        add = torch.matmul(feats[..., :fold, :].transpose(-1, -2), vals)
+        return add if kv is None else kv + add
 
     def _next_state(self, state, key, value, key_mask, k5, v5, mask, fk, vext, path) -> RecurrentState:
         total = state.length + key.shape[2]
@@ -106,8 +123,7 @@ class RecurrentMixin:
             if len(fk) > 2 and fk[2]:  # the kernels applied the feature map on load: fk[0] is its input (_linear)
                 feats = self.feature_map(feats, False)
             feats = symmetric_square(feats) if fk[1] else feats
-            add = torch.matmul(feats.transpose(-1, -2), vext[..., :fold, :])
-            kv = add if kv is None else kv + add
+            kv = self._fold(kv, feats, vext, self.log_decays(v5, mask), fold)
         if keep == 0:
             return RecurrentState(kv, None, None, None, total)
         # Store raw keys/values: the forward re-applies the LayerNorm to the buffer.

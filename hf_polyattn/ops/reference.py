@@ -51,9 +51,35 @@ def _kernel_inputs(module: PolyAttention, q: torch.Tensor, k: torch.Tensor):
     return q5, k5, raw
 
 
+def _decay_weights(module: PolyAttention, v: torch.Tensor | None, key_padding_mask: torch.Tensor | None, lq: int,
+                   causal: bool) -> torch.Tensor:
+    """(B, Hkv, 1, Lq, Lk) exp(G_i - G_j) for the causal pairs (0 elsewhere), G_i = sum_{t <= i} log g_t over the
+    keys: log gamma = -exp(theta) ('scalar') or logsigmoid(v_t . w + b) ('gate'), 0 at padded keys."""
+    cfg = module.config
+    if not causal:
+        raise ValueError(f"decay={cfg.decay!r} is defined for causal attention only")
+    if v is None:
+        raise ValueError(f"decay={cfg.decay!r}: the reference weights need the values (value=...)")
+    b, hkv, lk, _ = v.shape
+    if cfg.decay == "scalar":
+        log_g = (-torch.exp(module.decay_theta.to(v.dtype)))[None, :, None].expand(b, hkv, lk)
+    else:
+        log_g = torch.nn.functional.logsigmoid(torch.einsum("bhld,hd->bhl", v, module.gate_weight.to(v.dtype))
+                                               + module.gate_bias.to(v.dtype)[None, :, None])
+    if key_padding_mask is not None:
+        log_g = torch.where(key_padding_mask[:, None, :], log_g, torch.zeros_like(log_g))
+    g = torch.cumsum(log_g, dim=-1)
+    pos_q = torch.arange(lq, device=v.device) + lk - lq
+    keep = torch.arange(lk, device=v.device)[None, :] <= pos_q[:, None]
+    x = (g[..., pos_q, None] - g[..., None, :]).masked_fill(~keep, float("-inf"))
+    return torch.exp(x).unsqueeze(2)
+
+
 def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
-                      scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Unnormalised attention weights (B, H, Lq, Lk), masked entries 0."""
+                      scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                      value: torch.Tensor | None = None) -> torch.Tensor:
+    """Unnormalised attention weights (B, H, Lq, Lk), masked entries 0. ``value`` (B, Hkv, Lk, D): needed by
+    decay='gate' (its gates read the values)."""
     cfg = module.config
     s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
     q5, k5, (q_raw, k_raw) = _kernel_inputs(module, q, k)
@@ -86,6 +112,8 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
             fq = module.feature_map(q5 * root, True)
         fk = module.feature_map(k5 * root, False)
         w = fq @ fk.transpose(-1, -2)
+        if cfg.decay != "none":  # the kernel part only: the exact window / blocks below replace their weights
+            w = w * _decay_weights(module, value, key_padding_mask, lq, causal)
         local = cfg.resolved_local_kernel
         if cfg.window:
             # sliding window: exact on the previous `window` keys (|i - j| < window bidirectional),
@@ -114,7 +142,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
 def reference_attention(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                         scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, Lq, D): sum_j w_ij v_j / (offset + sum_j w_ij), 0 for a row with no weight."""
-    w = reference_weights(module, q, k, causal=causal, scaling=scaling, key_padding_mask=key_padding_mask)
+    w = reference_weights(module, q, k, causal=causal, scaling=scaling, key_padding_mask=key_padding_mask, value=v)
     g = module.groups
     v_rep = v.repeat_interleave(g, dim=1)
     num = w @ v_rep

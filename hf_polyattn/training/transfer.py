@@ -111,14 +111,14 @@ def distill_attention(module, query, key, value, attention_mask, *, scaling=None
     loss = mse
     coll.mse.append(float(mse.detach()))
     if coll.attn_ce_weight > 0:
-        ce = _weights_cross_entropy(poly, query, key, attention_mask, kpm, scaling, bool(is_causal))
+        ce = _weights_cross_entropy(poly, query, key, value, attention_mask, kpm, scaling, bool(is_causal))
         coll.ce.append(float(ce.detach()))
         loss = loss + coll.attn_ce_weight * ce
     coll.losses.append(loss)
     return teacher, None
 
 
-def _weights_cross_entropy(poly, query, key, attention_mask, kpm, scaling, is_causal):
+def _weights_cross_entropy(poly, query, key, value, attention_mask, kpm, scaling, is_causal):
     """CE(teacher softmax weights || student normalised weights), averaged over real query rows."""
     from ..ops import reference_weights
 
@@ -135,7 +135,8 @@ def _weights_cross_entropy(poly, query, key, attention_mask, kpm, scaling, is_ca
         if kpm is not None:
             allowed = allowed & kpm[:, None, None, :]
         p_t = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-    w = reference_weights(poly, query.float(), key.float(), causal=is_causal, scaling=scaling, key_padding_mask=kpm)
+    w = reference_weights(poly, query.float(), key.float(), causal=is_causal, scaling=scaling, key_padding_mask=kpm,
+                          value=value.float())  # decay='gate' reads the values
     w = w.clamp_min(0.0)
     p_s = w / w.sum(-1, keepdim=True).clamp_min(1e-12)
     ce = -(p_t * torch.log(p_s.clamp_min(1e-12))).sum(-1)  # (B, H, Lq)

@@ -433,7 +433,7 @@ def test_linear_layer_hands_its_map_to_the_kernels(monkeypatch, fmap):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, 40, 8, generator=gen).to(DEVICE) for h in (4, 2, 2))
     full = pa(q, k, v, causal=True)
-    assert seen and seen[0][1] == (fmap,), seen
+    assert seen and seen[0][1] == (fmap, None), seen  # activation=<map>, decay=None
     state = pa.init_state()
     outs = []
     for s, t in ((0, 33), (33, 34), (34, 40)):
