@@ -198,6 +198,34 @@ def test_decayed_running_sums(slots, group):
         torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["loop", "batched", "cumsum", "triton"])
+def test_no_decay_never_reaches_the_decay_code(monkeypatch, backend):
+    """decay=None runs the undecayed code of before (its results are pinned by test_causal.py, test_backends.py and
+    test_triton.py; bit-identical to the commit before decay on 145 outputs and gradients): every decay helper is
+    made to fail here, and the product and its gradients still come out."""
+    from hf_polyattn.ops import causal
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decay code reached without decay")
+
+    for name in ("check_decay", "decay_matrix", "decayed_running_sums", "_query_decay", "_log_ratio"):
+        monkeypatch.setattr(causal, name, refuse)
+    if backend == "triton":
+        _triton_device()
+        from hf_polyattn.ops.triton import causal as triton_causal
+
+        for name in ("check_decay", "_decayed_sums"):
+            monkeypatch.setattr(triton_causal, name, refuse)
+        monkeypatch.setattr(triton_causal._Plan, "log_tables", refuse)
+    (a, b, c), _ = _on(backend, _inputs(37, 3, 4, (2, 2), (2, 1), seed=17)[:3])
+    for square in (False, True):
+        if backend == "cumsum":
+            out = lt_multiply_cumsum(a, b, c, 4)
+        else:
+            out = lt_product(a, b, c, 8, square, square, backend)
+        assert all(g is not None for g in torch.autograd.grad(out.square().sum(), (a, b, c)))
+
+
 def test_bad_decay_arguments():
     a, b, c, q, k = (x.detach() for x in _inputs(10, 3, 4, (2, 2), (2, 1), seed=0))
     with pytest.raises(ValueError, match="pair"):
