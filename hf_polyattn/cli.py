@@ -37,6 +37,8 @@ TASKS = {
     "base": "AutoModel",
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# PolyAttnConfig fields that every kind reads (the others are listed under the kinds that read them)
+EVERY_KIND_FIELDS = ("seed", "softmax_heads")
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
@@ -125,6 +127,33 @@ def _parse_scalar(name: str, tp, text: str) -> Any:
     raise UsageError(f"--set {name}: values of type {tp} cannot be given on the command line")
 
 
+def _parse_pairs(name: str, text: str) -> list:
+    """(layer, head) pairs: "6:0,7:2", a JSON list [[6, 0], [7, 2]], or @FILE: a JSON file holding such a list or
+    the object `score-heads` writes (its "softmax_heads"). PolyAttnConfig validates the pairs."""
+    text = text.strip()
+    where = f"--set {name}={text!r}"
+    if text.startswith("@"):
+        try:
+            data = json.loads(Path(text[1:]).read_text())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"{where}: cannot read a JSON file: {err}") from None
+        return data.get(name) if isinstance(data, dict) and name in data else data
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise UsageError(f"{where}: not JSON: {err}") from None
+    pairs = []
+    for item in (t for t in text.split(",") if t.strip()):
+        layer, sep, head = item.partition(":")
+        try:
+            pairs.append([int(layer), int(head)])
+        except ValueError:
+            raise UsageError(f"{where}: expected LAYER:HEAD pairs, e.g. {name}=6:0,7:2 (or a JSON list, or "
+                             "@scores.json)") from None
+    return pairs
+
+
 def parse_value(name: str, tp, text: str) -> Any:
     """``text`` as a value of the field type ``tp`` (int, float, bool, str, tuple[T, ...], optional ones)."""
     inner, optional = _optional_inner(tp)
@@ -132,6 +161,8 @@ def parse_value(name: str, tp, text: str) -> Any:
         return None
     if typing.get_origin(inner) is tuple:
         elem = typing.get_args(inner)[0]
+        if typing.get_origin(elem) is tuple:
+            return _parse_pairs(name, text)
         items = [t for t in text.strip().strip("[]()").split(",") if t.strip()]
         if not items:
             raise UsageError(f"--set {name}={text!r}: expected comma-separated values, e.g. {name}=1,0,0.5")
@@ -201,8 +232,9 @@ def cmd_kinds(args, argv) -> int:
         }
         for spec in all_kinds()
     }
+    every = [shared(name) for name in EVERY_KIND_FIELDS]
     if args.json:
-        print(json.dumps({"kinds": kinds, "all_kinds": [shared("seed")]}, indent=1, default=str))
+        print(json.dumps({"kinds": kinds, "all_kinds": every}, indent=1, default=str))
         return 0
     print(_wrap("Attention kinds (hf_polyattn.register_kind adds one) and the options each one reads. Set one with "
                 f"`--set NAME=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig.for_kind(kind, NAME=VALUE) in "
@@ -221,7 +253,7 @@ def cmd_kinds(args, argv) -> int:
         show(k["options"] + k["fields"])
         print()
     print("every kind")
-    show([shared("seed")])
+    show(every)
     return 0
 
 

@@ -194,6 +194,21 @@ def test_bad_set_values_name_the_parameter(kind, item, message):
         cli.build_config(kind, [item])
 
 
+def test_set_softmax_heads(tmp_path):
+    """(layer, head) pairs as LAYER:HEAD items, a JSON list, or @FILE (a list, or what score-heads writes)."""
+    assert cli.build_config("linear", ["softmax_heads=7:2,6:0"]).softmax_heads == ((6, 0), (7, 2))
+    assert cli.build_config("linear", ["softmax_heads=[[1, 0]]"]).softmax_heads == ((1, 0),)
+    assert cli.build_config("linear", ["softmax_heads=none"]).softmax_heads is None
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"retrieval": [[0.1, 0.9]], "softmax_heads": [[0, 1]]}))
+    assert cli.build_config("linear", [f"softmax_heads=@{scores}"]).softmax_heads == ((0, 1),)
+    for item, message in [("softmax_heads=0:x", "expected LAYER:HEAD pairs"), ("softmax_heads=[[0, 1]",
+                          "not JSON"), (f"softmax_heads=@{tmp_path / 'none.json'}", "cannot read a JSON file"),
+                          ("softmax_heads=0:1,0:1", "pair once")]:
+        with pytest.raises(cli.UsageError, match=message):
+            cli.build_config("linear", [item])
+
+
 # ----------------------------------------------------------------------------------------------- convert, eval
 
 
@@ -276,6 +291,8 @@ def _bad_inputs(tiny, converted, missing):
         (["eval", model, "--data", text, "--set", "degree=2"], "--set needs --kind"),
         (["eval", str(converted), "--data", text, "--context", "32", "--kind", "linear"], "already uses polysketch"),
         (["eval", model, "--data", text, "--eval-fraction", "1.5"], "--eval-fraction: expected a number in (0, 1)"),
+        (["convert", model, "--kind", "linear", "--set", "softmax_heads=5:0", "--out", missing],
+         "softmax_heads names (5, 0): LlamaForCausalLM has 2 layers"),
         (["bench", "--kinds", "nope"], "argument --kinds: invalid choice: 'nope'"),
         (["bench", "--lengths", "0"], "argument --lengths: expected an integer >= 1"),
     ]
