@@ -225,3 +225,22 @@ def test_model_card_names_the_softmax_heads_and_decode_memory(tmp_path):
     assert "per token (all layers): 2 x 3 x 16 = 96 numbers against softmax's 2 x 2 x 16 x 2 = 128 (0.750x)" in text
     assert "except in the softmax heads listed below" in text
     assert card.data.to_dict()["polyattn"]["softmax_heads"] == [[0, 1], [1, 0], [1, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_hybrid_reloads_and_generates(dtype, tmp_path):
+    """A hybrid reloaded in bf16 / fp16: the kernel heads' tensors in that dtype, logits finite and close to the
+    float32 model's, cached generation equal to the uncached one."""
+    model = _gen_model("llama")
+    model.save_pretrained(tmp_path)
+    half = auto_class(ARCHS["llama"]).from_pretrained(tmp_path, dtype=dtype).eval()
+    half.generation_config.eos_token_id = None
+    assert {p.dtype for n, p in half.named_parameters() if ".polyattn." in n} == {dtype}
+    ids = _ids(2, 12)
+    logits = _logits(half, "llama", ids)
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), _logits(model, "llama", ids), rtol=0.05, atol=0.05)
+    out = half.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert all(isinstance(layer.state, HybridState) and layer.state.k.dtype == dtype for layer in
+               out.past_key_values.layers)  # the softmax heads' keys as the model gave them
+    assert torch.equal(out.sequences, half.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False))
