@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import registry
-from .validation import check_bool, check_choice, check_coefficients, check_float, check_int
+from .validation import check_bool, check_choice, check_coefficients, check_float, check_head_pairs, check_int
 
 SKETCHES = ("gaussian", "srht", "learned")
 LOCAL_KERNELS = ("polynomial", "softmax")
@@ -56,6 +56,8 @@ _CHECKS = {
     "str": lambda name, value: check_choice(name, value, _choices(name)),
     "tuple[float, ...]": check_coefficients,
 }
+# softmax_heads: (layer, kv_head) pairs, checked against the model at convert / from_pretrained time
+_CHECKS["tuple[tuple[int, int], ...]"] = check_head_pairs
 
 
 @dataclass
@@ -146,6 +148,18 @@ class PolyAttnConfig:
             "help": "causal product implementation: 'auto' (triton on CUDA when installed, batched on other "
             "accelerators, loop on CPU), 'loop', 'batched', 'triton' or 'fla' (fla-core's chunk kernel, CUDA, "
             "identity features: linear / performer) forces one; env HF_POLYATTN_BACKEND overrides 'auto'"
+        },
+    )
+
+    # Selective hybrid (DuoAttention's retrieval heads, Xiao et al. 2024, arXiv:2410.10819): these kv heads keep
+    # exact softmax attention and a full KV cache, the other heads run the kind.
+    softmax_heads: tuple[tuple[int, int], ...] | None = field(
+        default=None,
+        metadata={
+            "help": "(layer, kv_head) pairs that stay exact softmax attention, with a full KV cache when decoding (all "
+            "G query heads of each such kv head); the other heads run the kind, whose module is built for them only. "
+            "JSON: [[layer, kv_head], ...]; command line: --set softmax_heads=6:0,7:2 or =@scores.json (`hf-polyattn "
+            "score-heads` ranks the heads). None = every head runs the kind"
         },
     )
 
@@ -249,6 +263,8 @@ class PolyAttnConfig:
         d = dataclasses.asdict(self)
         if d["poly_coefficients"] is not None:
             d["poly_coefficients"] = list(d["poly_coefficients"])
+        if d["softmax_heads"] is not None:
+            d["softmax_heads"] = [list(pair) for pair in d["softmax_heads"]]
         if not d["options"]:
             del d["options"]  # the kinds without options write the config.json they always wrote
         return d

@@ -202,15 +202,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         ``key_padding_mask`` (B, Lk) bool: False keys contribute nothing.
         ``state``: causal only; ``query``, ``key``, ``value`` are the next Lq tokens.
         """
-        self.check_inputs(query, key, value, key_padding_mask, causal)
-        lq, lk = query.shape[2], key.shape[2]
-        if causal and lq > lk:
-            raise ValueError(f"causal attention needs q_len <= kv_len, got {lq} > {lk}")
-        if state is not None:
-            if not causal:
-                raise ValueError("a recurrent state is for causal attention only")
-            if lq != lk:
-                raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
+        lq, lk = self.check_call(query, key, value, key_padding_mask, causal, state)
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         out_dtype = query.dtype
         path = self._recurrent_path() if state is not None else self.choose_path(lq, lk, causal)

@@ -329,8 +329,8 @@ def long_context_markdown(result: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     s = result["settings"]
     note = (f"\nPerplexity = exp(mean token NLL) over the first {result['tokens']:,} held-out tokens, non-overlapping "
-            f"windows of each context (every token but a window's first scored once); ratios to the softmax row. Passkey: "
-            f"{s['passkey_depths']} depths per length, seed {s['passkey_seed']}, greedy decoding through the "
+            f"windows of each context (every token but a window's first scored once); ratios to the softmax row. "
+            f"Passkey: {s['passkey_depths']} depths per length, seed {s['passkey_seed']}, greedy decoding through the "
             f"model's own cache, exact match of the 5-digit key. Machine: {result.get('machine', '?')}.")
     return "\n".join(lines) + "\n" + note + "\n"
 

@@ -175,3 +175,26 @@ def perturb_polyattn(model, seed: int = 1) -> None:
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if ".polyattn." in name and t.is_floating_point():
                 t.add_(0.05 * torch.randn(t.shape, generator=gen).to(t.dtype))
+
+
+def prompt_ids(batch: int = 1, length: int = 10, seed: int = 0) -> torch.Tensor:
+    """Seeded token ids in [3, VOCAB) (0..2 are the tiny models' pad / bos / eos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=gen)
+
+
+def assert_left_padded_generation_equals_rows(model, pad: int = 4, length: int = 12) -> None:
+    """A batch of a prompt of ``length`` tokens and one ``pad`` tokens shorter, left-padded, generates (tokens and
+    logits) what each prompt generates alone."""
+    long, short = prompt_ids(1, length, seed=1)[0], prompt_ids(1, length - pad, seed=2)[0]
+    ids = torch.zeros((2, length), dtype=torch.long)
+    mask = torch.zeros((2, length), dtype=torch.long)
+    ids[0], mask[0] = long, 1
+    ids[1, pad:], mask[1, pad:] = short, 1
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    batch = model.generate(ids, attention_mask=mask, **kw)
+    for row, prompt in enumerate([long, short]):
+        alone = model.generate(prompt[None], **kw)
+        assert torch.equal(batch.sequences[row, length:], alone.sequences[0, len(prompt):])
+        for a, b in zip(batch.logits, alone.logits):
+            torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from integration_helpers import CAUSAL_KINDS, KIND_CONFIGS, VOCAB, arch_kind_params, build
+from integration_helpers import (
+    CAUSAL_KINDS,
+    KIND_CONFIGS,
+    arch_kind_params,
+    assert_left_padded_generation_equals_rows,
+    build,
+    prompt_ids,
+)
 from transformers import DynamicCache
 
 from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer, PolyAttnConfig
@@ -20,9 +27,7 @@ def _model(arch, kind):
     return model
 
 
-def _prompt(batch=1, length=10, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=gen)
+_prompt = prompt_ids
 
 
 @pytest.mark.parametrize("arch,kind", GEN_MATRIX)
@@ -69,19 +74,7 @@ def test_beam_search_reorders_states(arch, kind):
 # once; a right-padded row is unchanged: tests/kinds/test_bigbird.py)
 @pytest.mark.parametrize("arch,kind", [p for p in GEN_MATRIX if p.values[1] != "bigbird"])
 def test_left_padded_batch_generation_equals_rows(arch, kind):
-    model = _model(arch, kind)
-    long, short = _prompt(1, 12, seed=1)[0], _prompt(1, 8, seed=2)[0]  # lengths differ by block_size 4
-    ids = torch.zeros((2, 12), dtype=torch.long)
-    mask = torch.zeros((2, 12), dtype=torch.long)
-    ids[0], mask[0] = long, 1
-    ids[1, 4:], mask[1, 4:] = short, 1
-    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    batch = model.generate(ids, attention_mask=mask, **kw)
-    for row, prompt in enumerate([long, short]):
-        alone = model.generate(prompt[None], **kw)
-        assert torch.equal(batch.sequences[row, 12:], alone.sequences[0, len(prompt):])
-        for a, b in zip(batch.logits, alone.logits):
-            torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)
+    assert_left_padded_generation_equals_rows(_model(arch, kind), pad=4)  # lengths differ by block_size 4
 
 
 def _step_nbytes(model, ids, steps):
