@@ -7,15 +7,8 @@ import string
 import pytest
 import torch
 
-from hf_polyattn.training.heads import (
-    PASSKEY_FILLER,
-    PASSKEY_INTRO,
-    PASSKEY_QUESTION,
-    HeadScores,
-    passkey_prompt,
-    score_heads,
-    select_heads,
-)
+from hf_polyattn.training.heads import HeadScores, score_heads, select_heads
+from hf_polyattn.training.passkey import PASSKEY_FILLER, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_prompt
 
 ALPHABET = string.ascii_letters + string.digits + " .,?!'"
 DIGITS = [3 + ALPHABET.index(c) for c in string.digits]
@@ -79,6 +72,9 @@ def test_passkey_prompt_positions():
     assert "".join(ALPHABET[i - 3] for i in shallow.ids[1:]).index("The pass key") == len(PASSKEY_INTRO) + 1
     with pytest.raises(ValueError, match="length must leave room for the filler"):
         passkey_prompt(tok, length=200, depth=0.5, key="12345")
+    with pytest.raises(ValueError, match="depth"):
+        passkey_prompt(tok, length=400, depth=1.5, key="12345")
+    assert p.prompt == p.ids[: p.query_positions[0] + 1] and text.endswith(" 12345")  # answered after .prompt
 
 
 def test_scores_run_and_are_deterministic_for_a_seed():
