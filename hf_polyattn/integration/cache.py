@@ -28,11 +28,7 @@ __all__ = ["PolyAttnCache", "PolyAttnCacheLayer", "polyattn_layer_of"]
 def _move_state(state: RecurrentState | None, device) -> RecurrentState | None:
     if state is None:
         return None
-
-    def mv(t):
-        return None if t is None else t.to(device, non_blocking=True)
-
-    return RecurrentState(mv(state.kv), mv(state.k), mv(state.v), mv(state.mask), state.length)
+    return state.map(lambda t: t.to(device, non_blocking=True))
 
 
 def _as_index(indices: torch.Tensor | list | slice, batch: int) -> torch.Tensor:
