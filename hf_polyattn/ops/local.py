@@ -232,10 +232,9 @@ class LocalExactMixin:
             return None
         from .triton import local_blocks_triton
 
-        if sinks is not None:  # the PyTorch window until the kernels take sinks
-            return None
+        extra = {} if sinks is None else {"sinks": (sinks.k, sinks.v, sinks.pos)}
         loc, log_far = local_blocks_triton(qs, ks, vext, cfg.block_size, causal, scale, kernel, mask,
-                                           self._exact_power, cfg.alpha, cfg.beta, tf32, window)
+                                           self._exact_power, cfg.alpha, cfg.beta, tf32, window, **extra)
         return loc, far_scale(log_far, q_log_scale)
 
     def _local_blocks(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):
