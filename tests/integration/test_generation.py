@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from integration_helpers import CAUSAL_KINDS, KIND_CONFIGS, VOCAB, arch_kind_params, build
+from integration_helpers import (
+    CAUSAL_KINDS,
+    KIND_CONFIGS,
+    VOCAB,
+    arch_kind_params,
+    build,
+    check_greedy_steps,
+    check_left_padded_generation,
+)
 from transformers import DynamicCache
 
 from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer, PolyAttnConfig
@@ -27,18 +35,7 @@ def _prompt(batch=1, length=10, seed=0):
 
 @pytest.mark.parametrize("arch,kind", GEN_MATRIX)
 def test_greedy_equals_full_forward_every_step(arch, kind):
-    model = _model(arch, kind)
-    ids = _prompt()
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, PolyAttnCache)  # picked automatically
-    seq = out.sequences
-    assert seq.shape[1] == ids.shape[1] + 8
-    for step, logits in enumerate(out.logits):
-        upto = ids.shape[1] + step
-        with torch.no_grad():
-            full = model(seq[:, :upto], use_cache=False).logits[:, -1]
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-        assert torch.equal(full.argmax(-1), seq[:, upto])
+    check_greedy_steps(_model(arch, kind), _prompt())
 
 
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
@@ -71,17 +68,7 @@ def test_beam_search_reorders_states(arch, kind):
 def test_left_padded_batch_generation_equals_rows(arch, kind):
     model = _model(arch, kind)
     long, short = _prompt(1, 12, seed=1)[0], _prompt(1, 8, seed=2)[0]  # lengths differ by block_size 4
-    ids = torch.zeros((2, 12), dtype=torch.long)
-    mask = torch.zeros((2, 12), dtype=torch.long)
-    ids[0], mask[0] = long, 1
-    ids[1, 4:], mask[1, 4:] = short, 1
-    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    batch = model.generate(ids, attention_mask=mask, **kw)
-    for row, prompt in enumerate([long, short]):
-        alone = model.generate(prompt[None], **kw)
-        assert torch.equal(batch.sequences[row, 12:], alone.sequences[0, len(prompt):])
-        for a, b in zip(batch.logits, alone.logits):
-            torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)
+    check_left_padded_generation(model, [long, short], 12)
 
 
 def _step_nbytes(model, ids, steps):
