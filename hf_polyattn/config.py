@@ -32,10 +32,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "backend": BACKENDS,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
-_SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "qk_norm", "feature_proj", "alpha", "beta",
-             "denominator_offset", "poly_coefficients", "learn_coefficients", "feature_map")
+_SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "sinks", "learned_sinks", "qk_norm", "feature_proj",
+             "alpha", "beta", "denominator_offset", "poly_coefficients", "learn_coefficients", "feature_map")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
-                "window": 0, "feature_proj": 0}
+                "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
 # sketches / features of a smaller one (2**62 those of 0).
 _INT_MAXIMUM = {"seed": 2**62 - 1}
@@ -107,6 +107,23 @@ class PolyAttnConfig:
     )
     window_mix: bool = field(
         default=False, metadata={"help": "learnable per-head factor on the kernel part of a window (init 1)"}
+    )
+    sinks: int = field(
+        default=0,
+        metadata={
+            "help": "attention sinks (StreamingLLM, Xiao et al., arXiv:2309.17453): the first this many real keys of "
+            "each row are attended exactly (local_kernel) by every later query, under the window's normaliser, and "
+            "left out of the kernel part; decoding keeps them beside the window (s + w keys). Causal only; needs "
+            "window > 0; 0 = off"
+        },
+    )
+    learned_sinks: int = field(
+        default=0,
+        metadata={
+            "help": "learnable key/value slots per kv head (Lizard's meta-memory, arXiv:2507.09025) that every query "
+            "attends exactly under the window's normaliser, never masked; keys and values start at zero. Needs "
+            "window > 0; 0 = off"
+        },
     )
     block_size: int = field(default=256, metadata={"help": "block size b of the causal LT multiplication"})
     qk_norm: bool = field(default=False, metadata={"help": "learnable per-head LayerNorm on q and k"})
@@ -185,6 +202,10 @@ class PolyAttnConfig:
                 raise ValueError("window needs causal_algorithm='block'")
         if self.window_mix and not self.window:
             raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
+        for name in ("sinks", "learned_sinks"):
+            if getattr(self, name) and not self.window:
+                raise ValueError(f"{name}={getattr(self, name)} needs window > 0 (sink keys are attended exactly "
+                                 "beside the sliding window, under its normaliser), got window=0")
         if self.local_kernel is not None and not (self.local_exact or self.window):
             raise ValueError(f"local_kernel={self.local_kernel!r} needs local_exact=True or window > 0 "
                              "(it is the kernel of the exact local part)")

@@ -10,6 +10,7 @@ from integration_helpers import (
     arch_kind_params,
     assert_left_padded_generation_equals_rows,
     build,
+    check_greedy_steps,
     prompt_ids,
 )
 from transformers import DynamicCache
@@ -32,18 +33,7 @@ _prompt = prompt_ids
 
 @pytest.mark.parametrize("arch,kind", GEN_MATRIX)
 def test_greedy_equals_full_forward_every_step(arch, kind):
-    model = _model(arch, kind)
-    ids = _prompt()
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, PolyAttnCache)  # picked automatically
-    seq = out.sequences
-    assert seq.shape[1] == ids.shape[1] + 8
-    for step, logits in enumerate(out.logits):
-        upto = ids.shape[1] + step
-        with torch.no_grad():
-            full = model(seq[:, :upto], use_cache=False).logits[:, -1]
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-        assert torch.equal(full.argmax(-1), seq[:, upto])
+    check_greedy_steps(_model(arch, kind), _prompt())
 
 
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
