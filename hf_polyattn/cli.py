@@ -5,6 +5,7 @@
     hf-polyattn eval MODEL --data FILE                           # held-out perplexity of a causal LM
     hf-polyattn eval MODEL --data FILE --contexts 256,1024,4096 --passkey 1024,2048 --out DIR
                                                                  # long context: curve, passkey, baselines
+    hf-polyattn score-heads MODEL --out scores.json              # rank kv heads to keep as softmax (softmax_heads)
     hf-polyattn bench [--device cuda]                            # attention speed / memory against SDPA
 
 `hf-polyattn COMMAND --help` documents each command. Bad input (an unknown command, kind or option, a missing
@@ -39,6 +40,8 @@ TASKS = {
     "base": "AutoModel",
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# PolyAttnConfig fields that every kind reads (the others are listed under the kinds that read them)
+EVERY_KIND_FIELDS = ("seed", "softmax_heads")
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
@@ -52,6 +55,15 @@ class UsageError(Exception):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions kept as written; ``(default: ...)`` appended to every option that has a default."""
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        # argparse measures the command names at their parent's indent, one indent short: the longest one
+        # ('score-heads') had its help wrapped onto the next line
+        if isinstance(action, argparse._SubParsersAction) and action.help is not argparse.SUPPRESS:
+            longest = max(len(self._format_action_invocation(a)) for a in action._get_subactions())
+            self._action_max_length = max(self._action_max_length,
+                                          longest + self._current_indent + self._indent_increment)
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -127,6 +139,33 @@ def _parse_scalar(name: str, tp, text: str) -> Any:
     raise UsageError(f"--set {name}: values of type {tp} cannot be given on the command line")
 
 
+def _parse_pairs(name: str, text: str) -> list:
+    """(layer, head) pairs: "6:0,7:2", a JSON list [[6, 0], [7, 2]], or @FILE: a JSON file holding such a list or
+    the object `score-heads` writes (its "softmax_heads"). PolyAttnConfig validates the pairs."""
+    text = text.strip()
+    where = f"--set {name}={text!r}"
+    if text.startswith("@"):
+        try:
+            data = json.loads(Path(text[1:]).read_text())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"{where}: cannot read a JSON file: {err}") from None
+        return data.get(name) if isinstance(data, dict) and name in data else data
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise UsageError(f"{where}: not JSON: {err}") from None
+    pairs = []
+    for item in (t for t in text.split(",") if t.strip()):
+        layer, sep, head = item.partition(":")
+        try:
+            pairs.append([int(layer), int(head)])
+        except ValueError:
+            raise UsageError(f"{where}: expected LAYER:HEAD pairs, e.g. {name}=6:0,7:2 (or a JSON list, or "
+                             "@scores.json)") from None
+    return pairs
+
+
 def parse_value(name: str, tp, text: str) -> Any:
     """``text`` as a value of the field type ``tp`` (int, float, bool, str, tuple[T, ...], optional ones)."""
     inner, optional = _optional_inner(tp)
@@ -134,6 +173,8 @@ def parse_value(name: str, tp, text: str) -> Any:
         return None
     if typing.get_origin(inner) is tuple:
         elem = typing.get_args(inner)[0]
+        if typing.get_origin(elem) is tuple:
+            return _parse_pairs(name, text)
         items = [t for t in text.strip().strip("[]()").split(",") if t.strip()]
         if not items:
             raise UsageError(f"--set {name}={text!r}: expected comma-separated values, e.g. {name}=1,0,0.5")
@@ -203,8 +244,9 @@ def cmd_kinds(args, argv) -> int:
         }
         for spec in all_kinds()
     }
+    every = [shared(name) for name in EVERY_KIND_FIELDS]
     if args.json:
-        print(json.dumps({"kinds": kinds, "all_kinds": [shared("seed")]}, indent=1, default=str))
+        print(json.dumps({"kinds": kinds, "all_kinds": every}, indent=1, default=str))
         return 0
     print(_wrap("Attention kinds (hf_polyattn.register_kind adds one) and the options each one reads. Set one with "
                 f"`--set NAME=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig.for_kind(kind, NAME=VALUE) in "
@@ -223,7 +265,7 @@ def cmd_kinds(args, argv) -> int:
         show(k["options"] + k["fields"])
         print()
     print("every kind")
-    show([shared("seed")])
+    show(every)
     return 0
 
 
@@ -329,6 +371,46 @@ def cmd_convert(args, argv) -> int:
     return 0
 
 
+def causal_lm_class(path: str, name: str, why: str):
+    """The class to load causal LM ``path`` with; a UsageError (``why``) for another architecture."""
+    cls = model_class(path, "auto")
+    if cls.__name__.endswith(CAUSAL_SUFFIXES):
+        return cls
+    if cls.__name__.startswith("Auto"):  # no architectures recorded: let the causal-LM auto class decide
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+    raise UsageError(f"{why}; {name!r} is a {cls.__name__}")
+
+
+def required_tokenizer(args, path: str):
+    """The tokenizer of --tokenizer or MODEL; a UsageError when there is none."""
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): "
+                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    if tokenizer is None:
+        raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): it has no "
+                         "tokenizer files, only special tokens")
+    return tokenizer
+
+
+def pick_device(name: str) -> str:
+    import torch
+
+    device = name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    return device
+
+
+def check_positions(model, length: int, option: str) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if limit and length > limit:
+        raise UsageError(f"{option} {length} is longer than the model's {limit} positions")
+
+
 def cmd_eval(args, argv) -> int:
     import torch
 
@@ -346,35 +428,18 @@ def cmd_eval(args, argv) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    cls = model_class(path, "auto")
-    if not cls.__name__.endswith(CAUSAL_SUFFIXES):
-        if cls.__name__.startswith("Auto"):  # no architectures recorded: let the causal-LM auto class decide
-            from transformers import AutoModelForCausalLM
-
-            cls = AutoModelForCausalLM
-        else:
-            raise UsageError(f"eval computes the perplexity of a causal LM; {args.model!r} is a {cls.__name__}")
-    try:
-        tokenizer = load_tokenizer(args.tokenizer or path)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): "
-                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-    if tokenizer is None:
-        raise UsageError(f"no tokenizer for {args.tokenizer or args.model!r} (pass --tokenizer DIR): it has no "
-                         "tokenizer files, only special tokens")
+    cls = causal_lm_class(path, args.model, "eval computes the perplexity of a causal LM")
+    tokenizer = required_tokenizer(args, path)
     max_tokens = args.max_eval_tokens or (LONG_CONTEXT_TOKENS if _long_context_mode(args) else 8192)
     try:
         data = load_text_data(args.data, tokenizer, eval_fraction=args.eval_fraction,
                               max_eval_tokens=max_tokens, text_column=args.text_column)
     except DataError as err:
         raise UsageError(f"--data: {err}") from None
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    device = pick_device(args.device)
     model = _load(cls, path, dtype=_torch_dtype(args.dtype))
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    if limit and args.context > limit and not _long_context_mode(args):  # the long mode checks its own contexts
-        raise UsageError(f"--context {args.context} is longer than the model's {limit} positions")
+    if not _long_context_mode(args):  # the long mode checks its own contexts
+        check_positions(model, args.context, "--context")
     vocab = model.get_input_embeddings().num_embeddings
     if data.eval_ids.numel() and int(data.eval_ids.max()) >= vocab:
         raise UsageError(f"the tokenizer gives token id {int(data.eval_ids.max())} but the model has {vocab} "
@@ -501,6 +566,61 @@ def _baseline_list(text: str) -> list[str]:
     return values
 
 
+def cmd_score_heads(args, argv) -> int:
+    import torch
+
+    from .training.data import DataError, load_text_data
+    from .training.heads import score_heads, select_heads
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {str(out)!r} is a directory: give the JSON file to write")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {str(out)!r}: its folder {str(out.parent)!r} does not exist")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    cls = causal_lm_class(path, args.model, "score-heads scores the heads of a causal LM on passkey prompts")
+    tokenizer = required_tokenizer(args, path)
+    text_ids = None
+    if args.data:
+        try:
+            data = load_text_data(args.data, tokenizer, max_eval_tokens=2)
+        except DataError as err:
+            raise UsageError(f"--data: {err}") from None
+        text_ids = data.train_ids[: args.num_prompts * args.length]
+        if text_ids.numel() <= args.sinks + args.window:
+            raise UsageError(f"--data {args.data!r} gives {text_ids.numel()} tokens, not more than --sinks + "
+                             f"--window = {args.sinks + args.window}")
+    device = pick_device(args.device)
+    model = _load(cls, path, dtype=_torch_dtype(args.dtype), attn_implementation="eager")
+    check_positions(model, args.length, "--length")
+    model.to(device)
+    try:
+        scores = score_heads(model, tokenizer, num_prompts=args.num_prompts, length=args.length, seed=args.seed,
+                             text_ids=text_ids, sinks=args.sinks, window=args.window)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    layers, kv_heads = scores.retrieval.shape
+    # a quarter of the kv heads by default: 22 of SmolLM2-135M's 90 (with 4 sinks + a 128 window elsewhere) kept
+    # the passkey at 1k-4k
+    top = round(layers * kv_heads / 4) if args.top is None else args.top
+    if top > layers * kv_heads:
+        raise UsageError(f"--top {top}: the model has {layers * kv_heads} kv heads ({layers} layers x {kv_heads})")
+    pairs = select_heads(scores, top)
+    record = {"model": args.model, "class": type(model).__name__, "device": device, **scores.to_dict(), "top": top,
+              "ranked": [[layer, head, float(scores.retrieval[layer, head])] for layer, head in pairs],
+              "softmax_heads": [list(p) for p in sorted(pairs)]}
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    shown = ", ".join(f"{layer}:{head}" for layer, head in sorted(pairs))
+    print(f"scored {layers} layers x {kv_heads} kv heads of {args.model} on {args.num_prompts} passkey prompts of "
+          f"{max(scores.prompt_lengths)} tokens" + (f" and {scores.text_windows} text windows" if text_ids is not None
+                                                     else "") +
+          f"\ntop {top} (softmax_heads): {shown or 'none'}\nwrote {out}; convert with: {PROG} convert "
+          f"{args.model} --kind KIND --set softmax_heads=@{out}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------- parser
 
 
@@ -602,6 +722,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--streaming-window", type=int_at_least(1), default=128, help="StreamingLLM row: window")
     g.add_argument("--out", metavar="DIR", help="write long_context.json / .md / .png there")
     p.set_defaults(func=cmd_eval, _parser=p)
+
+    p = sub.add_parser("score-heads", help="rank a causal LM's kv heads for softmax_heads (passkey)",
+                       description=_wrap("Retrieval score of every kv head of causal LM MODEL with its softmax "
+                                   "attention (eager): the attention mass that the queries predicting a pass key "
+                                   "put on the key inside seeded passkey prompts (hf_polyattn.training.heads."
+                                   "score_heads); with --data also the mass beyond --sinks + --window on that text. "
+                                   "Writes the scores and the --top pairs as JSON to --out; pass them on with "
+                                   "--set softmax_heads=@FILE."),
+                       formatter_class=HelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="causal LM: a local directory, a Hub id or 'smollm2'")
+    p.add_argument("--out", required=True, metavar="FILE", help="JSON file to write the scores and pairs to")
+    p.add_argument("--num-prompts", type=int_at_least(1), default=8,
+                   help="passkey prompts (needle depths (i + 0.5) / N); also the most --data windows read")
+    p.add_argument("--length", type=int_at_least(2), default=2048, help="tokens per prompt and per --data window")
+    p.add_argument("--top", type=int_at_least(0), default=None,
+                   help="pairs to select (default: a quarter of the model's kv heads, rounded)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the pass keys")
+    p.add_argument("--data", metavar="FILE", help="a local .txt file (or a Hub dataset id) of ordinary text for the "
+                                                  "beyond-window score (default: not measured)")
+    p.add_argument("--sinks", type=int_at_least(0), default=4, help="sink tokens a streaming head keeps")
+    p.add_argument("--window", type=int_at_least(1), default=128, help="recent keys a streaming head keeps")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer to use (default: MODEL's)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="'auto' = cuda when available, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype")
+    p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's)")
+    p.set_defaults(func=cmd_score_heads, _parser=p)
 
     p = sub.add_parser("bench", help="causal attention speed and memory of every kind against SDPA",
                        description=bench.__doc__, formatter_class=HelpFormatter)

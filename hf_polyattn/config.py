@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import registry
-from .validation import check_bool, check_choice, check_coefficients, check_float, check_int
+from .validation import check_bool, check_choice, check_coefficients, check_float, check_head_pairs, check_int
 
 SKETCHES = ("gaussian", "srht", "learned")
 LOCAL_KERNELS = ("polynomial", "softmax")
@@ -35,10 +35,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "decay": DECAYS,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
-_SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "qk_norm", "feature_proj", "alpha", "beta",
-             "denominator_offset", "poly_coefficients", "learn_coefficients", "feature_map", "decay", "decay_horizon")
+_SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "sinks", "learned_sinks", "qk_norm", "feature_proj",
+             "alpha", "beta", "denominator_offset", "poly_coefficients", "learn_coefficients", "feature_map", "decay",
+             "decay_horizon")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
-                "window": 0, "feature_proj": 0}
+                "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
 # sketches / features of a smaller one (2**62 those of 0).
 _INT_MAXIMUM = {"seed": 2**62 - 1}
@@ -59,6 +60,8 @@ _CHECKS = {
     "str": lambda name, value: check_choice(name, value, _choices(name)),
     "tuple[float, ...]": check_coefficients,
 }
+# softmax_heads: (layer, kv_head) pairs, checked against the model at convert / from_pretrained time
+_CHECKS["tuple[tuple[int, int], ...]"] = check_head_pairs
 
 
 @dataclass
@@ -108,6 +111,23 @@ class PolyAttnConfig:
     )
     window_mix: bool = field(
         default=False, metadata={"help": "learnable per-head factor on the kernel part of a window (init 1)"}
+    )
+    sinks: int = field(
+        default=0,
+        metadata={
+            "help": "attention sinks (StreamingLLM, Xiao et al., arXiv:2309.17453): the first this many real keys of "
+            "each row are attended exactly (local_kernel) by every later query, under the window's normaliser, and "
+            "left out of the kernel part; decoding keeps them beside the window (s + w keys). Causal only; needs "
+            "window > 0; 0 = off"
+        },
+    )
+    learned_sinks: int = field(
+        default=0,
+        metadata={
+            "help": "learnable key/value slots per kv head (Lizard's meta-memory, arXiv:2507.09025) that every query "
+            "attends exactly under the window's normaliser, never masked; keys and values start at zero. Needs "
+            "window > 0; 0 = off"
+        },
     )
     decay: str = field(
         default="none",
@@ -168,6 +188,18 @@ class PolyAttnConfig:
         },
     )
 
+    # Selective hybrid (DuoAttention's retrieval heads, Xiao et al. 2024, arXiv:2410.10819): these kv heads keep
+    # exact softmax attention and a full KV cache, the other heads run the kind.
+    softmax_heads: tuple[tuple[int, int], ...] | None = field(
+        default=None,
+        metadata={
+            "help": "(layer, kv_head) pairs that stay exact softmax attention, with a full KV cache when decoding (all "
+            "G query heads of each such kv head); the other heads run the kind, whose module is built for them only. "
+            "JSON: [[layer, kv_head], ...]; command line: --set softmax_heads=6:0,7:2 or =@scores.json (`hf-polyattn "
+            "score-heads` ranks the heads). None = every head runs the kind"
+        },
+    )
+
     options: dict[str, Any] = field(
         default_factory=dict,
         metadata={"help": "the kind's own options (declared by its KindSpec), e.g. {'num_landmarks': 32} for "
@@ -199,6 +231,10 @@ class PolyAttnConfig:
                              "chunk_linear_attn (backend='fla') has no decay")
         if self.window_mix and not self.window:
             raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
+        for name in ("sinks", "learned_sinks"):
+            if getattr(self, name) and not self.window:
+                raise ValueError(f"{name}={getattr(self, name)} needs window > 0 (sink keys are attended exactly "
+                                 "beside the sliding window, under its normaliser), got window=0")
         if self.local_kernel is not None and not (self.local_exact or self.window):
             raise ValueError(f"local_kernel={self.local_kernel!r} needs local_exact=True or window > 0 "
                              "(it is the kernel of the exact local part)")
@@ -277,6 +313,8 @@ class PolyAttnConfig:
         d = dataclasses.asdict(self)
         if d["poly_coefficients"] is not None:
             d["poly_coefficients"] = list(d["poly_coefficients"])
+        if d["softmax_heads"] is not None:
+            d["softmax_heads"] = [list(pair) for pair in d["softmax_heads"]]
         if not d["options"]:
             del d["options"]  # the kinds without options write the config.json they always wrote
         return d

@@ -8,8 +8,8 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["FLOAT32_MAX", "check_bool", "check_choice", "check_coefficients", "check_float", "check_int",
-           "is_power_of_two"]
+__all__ = ["FLOAT32_MAX", "check_bool", "check_choice", "check_coefficients", "check_float", "check_head_pairs",
+           "check_int", "is_power_of_two"]
 
 # Every float option enters the kernels, which compute in float32: 1e300 is finite in Python but
 # inf there (a denominator_offset of 1e300 zeroes the attention like inf did).
@@ -63,3 +63,22 @@ def check_coefficients(name: str, value: Any) -> tuple[float, ...]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return tuple(real(name, c, what, f"{c!r} at index {i} of {value!r}") for i, c in enumerate(value))
+
+
+def check_head_pairs(name: str, value: Any) -> tuple[tuple[int, int], ...] | None:
+    """(layer, kv_head) pairs: a list or tuple of 2-item lists or tuples of ints >= 0, no pair twice. Returned sorted
+    (a set of heads: the order carries nothing); an empty list means no pair and is returned as None."""
+    what = "a list of [layer, kv_head] pairs of ints >= 0"
+    # A str or a dict is iterable too: "01" would read as the pair (0, 1).
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    pairs = []
+    for i, pair in enumerate(value):
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0 for x in pair)):
+            raise ValueError(f"{name} must be {what}, got {pair!r} at index {i} of {value!r}")
+        pairs.append((int(pair[0]), int(pair[1])))
+    twice = sorted({p for p in pairs if pairs.count(p) > 1})
+    if twice:
+        raise ValueError(f"{name} must name each (layer, kv_head) pair once, got {twice} more than once")
+    return tuple(sorted(pairs)) or None

@@ -77,6 +77,8 @@ OPTIONS = {
              "--max-eval-tokens", "--text-column", "--tokenizer", "--device", "--dtype", "--threads", "--json",
              "--contexts", "--passkey", "--passkey-depths", "--passkey-seed", "--baselines", "--base",
              "--streaming-sinks", "--streaming-window", "--out"],
+    "score-heads": ["MODEL", "--out", "--num-prompts", "--length", "--top", "--seed", "--data", "--sinks", "--window",
+                    "--tokenizer", "--device", "--dtype", "--threads"],
     "bench": ["--device", "--lengths", "--kinds", "--heads", "--head-dim", "--dtype", "--repeats", "--threads",
               "--timeout", "--out", "--quick"],
 }
@@ -196,6 +198,21 @@ def test_bad_set_values_name_the_parameter(kind, item, message):
         cli.build_config(kind, [item])
 
 
+def test_set_softmax_heads(tmp_path):
+    """(layer, head) pairs as LAYER:HEAD items, a JSON list, or @FILE (a list, or what score-heads writes)."""
+    assert cli.build_config("linear", ["softmax_heads=7:2,6:0"]).softmax_heads == ((6, 0), (7, 2))
+    assert cli.build_config("linear", ["softmax_heads=[[1, 0]]"]).softmax_heads == ((1, 0),)
+    assert cli.build_config("linear", ["softmax_heads=none"]).softmax_heads is None
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"retrieval": [[0.1, 0.9]], "softmax_heads": [[0, 1]]}))
+    assert cli.build_config("linear", [f"softmax_heads=@{scores}"]).softmax_heads == ((0, 1),)
+    for item, message in [("softmax_heads=0:x", "expected LAYER:HEAD pairs"), ("softmax_heads=[[0, 1]",
+                          "not JSON"), (f"softmax_heads=@{tmp_path / 'none.json'}", "cannot read a JSON file"),
+                          ("softmax_heads=0:1,0:1", "pair once")]:
+        with pytest.raises(cli.UsageError, match=message):
+            cli.build_config("linear", [item])
+
+
 # ----------------------------------------------------------------------------------------------- convert, eval
 
 
@@ -303,6 +320,13 @@ def _bad_inputs(tiny, converted, missing):
         (["eval", model, "--data", text, "--set", "degree=2"], "--set needs --kind"),
         (["eval", str(converted), "--data", text, "--context", "32", "--kind", "linear"], "already uses polysketch"),
         (["eval", model, "--data", text, "--eval-fraction", "1.5"], "--eval-fraction: expected a number in (0, 1)"),
+        (["convert", model, "--kind", "linear", "--set", "softmax_heads=5:0", "--out", missing],
+         "softmax_heads names (5, 0): LlamaForCausalLM has 2 layers"),
+        (["score-heads", model], "the following arguments are required: --out"),
+        (["score-heads", model, "--out", missing, "--length", "4096"], "longer than the model's 128 positions"),
+        (["score-heads", model, "--out", missing, "--length", "100"], "length must leave room for the filler"),
+        (["score-heads", model, "--out", str(Path(missing) / "scores.json")], "does not exist"),
+        (["score-heads", model, "--out", missing, "--num-prompts", "0"], "argument --num-prompts: expected an integer"),
         (["bench", "--kinds", "nope"], "argument --kinds: invalid choice: 'nope'"),
         (["bench", "--lengths", "0"], "argument --lengths: expected an integer >= 1"),
     ]
@@ -376,3 +400,56 @@ def test_output_into_a_closed_pipe_is_no_traceback():
         assert len(res.stdout.splitlines()) == 1, argv
         assert "Traceback" not in res.stderr and "BrokenPipeError" not in res.stderr, (argv, res.stderr)
         assert res.returncode in (0, 141), (argv, res.returncode)
+
+
+# ----------------------------------------------------------------------------------------------- score-heads
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tiny):
+    """The tiny Llama with 1024 positions (passkey prompts of 400 tokens) and the same tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    out = tiny["root"] / "tiny-llama-1024"
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_score_heads_writes_scores_and_pairs(tiny, long_tiny, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_polyattn.training.heads import score_heads
+
+    out = tmp_path / "scores.json"
+    code, text, _ = run(["score-heads", long_tiny, "--out", out, "--num-prompts", 2, "--length", 400, "--seed", 3,
+                         "--data", tiny["text"], "--sinks", 2, "--window", 32], capsys)
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert res["top"] == 1 and len(res["softmax_heads"]) == 1  # a quarter of 2 layers x 2 kv heads
+    assert len(res["retrieval"]) == 2 and len(res["retrieval"][0]) == 2 and res["text_windows"] == 2
+    layer, head = res["softmax_heads"][0]
+    assert res["retrieval"][layer][head] == max(max(row) for row in res["retrieval"])
+    assert f"top 1 (softmax_heads): {layer}:{head}" in text and f"--set softmax_heads=@{out}" in text
+    # the library function on the same model and data gives the same numbers
+    tokenizer = AutoTokenizer.from_pretrained(long_tiny)
+    from hf_polyattn.training.data import load_text_data
+
+    ids = load_text_data(str(tiny["text"]), tokenizer).train_ids[:800]
+    ref = score_heads(AutoModelForCausalLM.from_pretrained(long_tiny), tokenizer, num_prompts=2, length=400, seed=3,
+                      text_ids=ids, sinks=2, window=32)
+    assert res["retrieval"] == ref.retrieval.tolist() and res["beyond_window"] == ref.beyond_window.tolist()
+    # the pairs go straight into a conversion
+    converted = tmp_path / "hybrid"
+    code, text, _ = run(["convert", long_tiny, "--kind", "linear", "--set", f"softmax_heads=@{out}", "--out",
+                         converted], capsys)
+    assert code == 0 and f"softmax_heads=[[{layer}, {head}]]" in text
+    code, _, _ = run(["score-heads", long_tiny, "--out", tmp_path / "all.json", "--num-prompts", 1, "--length", 400,
+                      "--top", 4], capsys)
+    assert code == 0 and len(json.loads((tmp_path / "all.json").read_text())["softmax_heads"]) == 4
+    code, _, err = run(["score-heads", long_tiny, "--out", tmp_path / "x.json", "--length", 400, "--top", 5], capsys)
+    assert code == 2 and "--top 5: the model has 4 kv heads (2 layers x 2)" in err

@@ -13,26 +13,47 @@ Protocol with transformers 5.x: the attention module calls
 ``update`` returns the new keys/values unchanged (nothing is stored there); the attention
 function, which finds the layer through a forward pre-hook (``state.py``), runs the
 recurrent step and writes the new state back into ``layer.state``.
+
+A layer with softmax heads (``PolyAttnConfig.softmax_heads``, ``ops/hybrid.py``) keeps a ``HybridState``: the
+softmax kv heads' keys and values in full (growing by one per token, as a ``DynamicCache`` would for those heads)
+beside the other heads' constant-size state; ``nbytes()`` counts both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from ..ops import RecurrentState
+from ..ops import HybridState, RecurrentState
 
 __all__ = ["PolyAttnCache", "PolyAttnCacheLayer", "polyattn_layer_of"]
 
 
-def _move_state(state: RecurrentState | None, device) -> RecurrentState | None:
+def _state_tensors(state) -> list[torch.Tensor]:
+    """Every tensor of a layer state (a dataclass: ``RecurrentState``, ``HybridState``, ...), nested states included."""
+    found = []
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif dataclasses.is_dataclass(value):
+            found += _state_tensors(value)
+    return found
+
+
+def _move_state(state, device):
+    """``state`` with every tensor on ``device``, nested states included (any state dataclass)."""
     if state is None:
         return None
 
-    def mv(t):
-        return None if t is None else t.to(device, non_blocking=True)
+    def mv(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        return _move_state(value, device) if dataclasses.is_dataclass(value) else value
 
-    return RecurrentState(mv(state.kv), mv(state.k), mv(state.v), mv(state.mask), state.length)
+    return dataclasses.replace(state, **{f.name: mv(getattr(state, f.name)) for f in dataclasses.fields(state)})
 
 
 def _as_index(indices: torch.Tensor | list | slice, batch: int) -> torch.Tensor:
@@ -45,7 +66,8 @@ def _as_index(indices: torch.Tensor | list | slice, batch: int) -> torch.Tensor:
 
 
 class PolyAttnCacheLayer(CacheLayerMixin):
-    """One layer of a :class:`PolyAttnCache`: a ``RecurrentState`` instead of keys/values."""
+    """One layer of a :class:`PolyAttnCache`: its attention module's state (``RecurrentState``, or ``HybridState`` for
+    a layer with softmax heads) instead of keys/values."""
 
     is_compileable = False
     # A folded state cannot give tokens back: crop(n < 0) would need the keys we dropped.
@@ -54,7 +76,7 @@ class PolyAttnCacheLayer(CacheLayerMixin):
 
     def __init__(self, **kwargs):
         super().__init__()
-        self.state: RecurrentState | None = None
+        self.state: RecurrentState | HybridState | None = None
 
     def __repr__(self) -> str:
         return f"PolyAttnCacheLayer(length={self.get_seq_length()}, nbytes={self.nbytes()})"
@@ -91,9 +113,9 @@ class PolyAttnCacheLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.state is None:
             return
-        ref = next((t for t in (self.state.kv, self.state.k) if t is not None), None)
-        if ref is not None:
-            self.state = self.state.index_select(_as_index(indices, ref.shape[0]))
+        tensors = _state_tensors(self.state)
+        if tensors:  # every tensor of a state leads with the batch
+            self.state = self.state.index_select(_as_index(indices, tensors[0].shape[0]))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.state is not None:

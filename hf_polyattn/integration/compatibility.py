@@ -41,6 +41,7 @@ __all__ = [
     "check_attention_module",
     "check_call_kwargs",
     "check_model_options",
+    "check_softmax_heads",
     "find_attention_modules",
     "cross_blocker",
     "has_cross_attention",
@@ -296,8 +297,29 @@ def has_cross_attention(config: PreTrainedConfig) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
 
 
+def check_softmax_heads(config: PreTrainedConfig, cfg: PolyAttnConfig, owner: str) -> None:
+    """Refuse ``softmax_heads`` pairs the model does not have: layer < num_hidden_layers, kv head <
+    num_key_value_heads (num_attention_heads without grouped-query attention). A pair beyond them would be
+    silently unused."""
+    if not cfg.softmax_heads:
+        return
+    text = config.get_text_config(decoder=True)
+    layers = getattr(text, "num_hidden_layers", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    for layer, head in cfg.softmax_heads:
+        if isinstance(layers, int) and layer >= layers:
+            raise ValueError(f"softmax_heads names ({layer}, {head}): {owner} has {layers} layers "
+                             f"(num_hidden_layers), allowed layers 0..{layers - 1}")
+        if isinstance(kv_heads, int) and head >= kv_heads:
+            raise ValueError(f"softmax_heads names ({layer}, {head}): {owner} has {kv_heads} kv heads per layer "
+                             f"(num_key_value_heads), allowed heads 0..{kv_heads - 1}")
+
+
 def check_model_options(configs: list[PreTrainedConfig], cfg: PolyAttnConfig, owner: str) -> None:
-    """Refuse options the model's structure rules out (``local_exact`` or a one-sequence kind with cross-attention)."""
+    """Refuse options the model's structure rules out (``local_exact`` or a one-sequence kind with cross-attention,
+    ``softmax_heads`` beyond its layers or kv heads)."""
+    for config in configs:
+        check_softmax_heads(config, cfg, owner)
     if cross_blocker(cfg):
         for config in configs:
             if has_cross_attention(config):

@@ -27,10 +27,12 @@ from typing import Any
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from torch import nn
 
+from ..config import PolyAttnConfig
 from .settings import BASE_MODEL_KEY, hub_model_id
 from .state import HFPolyAttention, get_polyattn_config, sync_config
 
-__all__ = ["hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained", "write_model_card"]
+__all__ = ["hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained", "softmax_heads_note",
+           "softmax_heads_summary", "write_model_card"]
 
 _START, _END = "<!-- hf_polyattn:start -->", "<!-- hf_polyattn:end -->"
 
@@ -53,6 +55,45 @@ def _as_eval_results(eval_results) -> list[EvalResult] | None:
             raise TypeError(f"eval_results items must be huggingface_hub.EvalResult or dicts of its fields, "
                             f"got {type(r).__name__}")
     return out
+
+
+def _cache_dims(config) -> tuple[int, int, int]:
+    """(layers, kv heads per layer, head_dim) of a transformers config: what its softmax KV cache holds per token."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def softmax_heads_summary(config, cfg: PolyAttnConfig) -> str | None:
+    """One sentence on ``cfg.softmax_heads`` of a model with transformers config ``config``: how many kv heads stay
+    softmax and the decode cache per token against softmax's (None without softmax heads).
+
+    Softmax keeps 2 * Hkv * D numbers per token per layer (keys and values); the hybrid 2 * D per softmax kv head
+    and token, plus the other heads' constant-size state (it does not grow with the length)."""
+    if not cfg.softmax_heads:
+        return None
+    layers, kv_heads, head_dim = _cache_dims(config)
+    n = len(cfg.softmax_heads)
+    full, kept = 2 * kv_heads * head_dim * layers, 2 * n * head_dim
+    return (f"{n} of the {layers * kv_heads} KV heads ({layers} layers x {kv_heads}) keep exact softmax attention and "
+            f"a full key/value cache; decode memory per token (all layers): 2 x {n} x {head_dim} = {kept} numbers "
+            f"against softmax's 2 x {kv_heads} x {head_dim} x {layers} = {full} ({kept / full:.3f}x), plus the "
+            "constant-size state of the other heads")
+
+
+def softmax_heads_note(config, cfg: PolyAttnConfig) -> str | None:
+    """The model card's paragraph on the softmax heads: which they are, and the decode memory per token."""
+    summary = softmax_heads_summary(config, cfg)
+    if summary is None:
+        return None
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in cfg.softmax_heads:
+        by_layer.setdefault(layer, []).append(head)
+    listed = "; ".join(f"layer {layer}: {', '.join(map(str, heads))}" for layer, heads in sorted(by_layer.items()))
+    return (f"KV heads kept as softmax (each with all its query heads), by layer: {listed}.\n\n"
+            f"{summary[0].upper()}{summary[1:]}. The other heads run `{cfg.kind}`: {cfg.spec.memory_note(cfg)}")
 
 
 _AUTO_CLASSES = (
@@ -133,7 +174,8 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         auto_class=auto_class,
         repo_id=repo,
         settings=settings,
-        memory_note=cfg.spec.memory_note(cfg),
+        memory_note=cfg.spec.memory_note(cfg) if not cfg.softmax_heads else "",
+        softmax_heads_note=softmax_heads_note(config, cfg),
         eval_rows=rows,
     )
     if existing is not None:

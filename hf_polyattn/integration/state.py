@@ -34,6 +34,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from ..config import PolyAttnConfig
 from ..ops.base import AttentionBase
+from ..ops.hybrid import layer_module_class
 from .cache import polyattn_layer_of
 from .compatibility import is_cross_attention_call
 from .settings import BASE_MODEL_KEY, hub_model_id, persist_settings, polyattn_kind, resolve_polyattn_config
@@ -86,15 +87,16 @@ def hf_class(module_class: type) -> type:
 class HFPolyAttention(AttentionBase):
     """A kind's module that follows the transformers loading protocol (see module docstring).
 
-    ``HFPolyAttention(config, ...)`` builds ``hf_class(<the kind's module class>)``; every polyattn
-    layer in a model is an instance of this class, whatever its kind.
+    ``HFPolyAttention(config, ...)`` builds ``hf_class(<the kind's module class>)`` (``hf_class(HybridAttention)``
+    for a layer with softmax heads); every polyattn layer in a model is an instance of this class, whatever its kind.
     """
 
-    def __new__(cls, config=None, *args, **kwargs):
+    def __new__(cls, config=None, num_heads=None, head_dim=None, num_kv_heads=None, layer_idx=0, **kwargs):
         if cls is HFPolyAttention:
             if not isinstance(config, PolyAttnConfig):
                 raise TypeError(f"config must be a PolyAttnConfig, got {type(config).__name__}")
-            cls = hf_class(config.spec.module_class())
+            # the kind's module, or the hybrid where config.softmax_heads names kv heads of this layer
+            cls = hf_class(layer_module_class(config, layer_idx))
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):

@@ -6,9 +6,25 @@ from __future__ import annotations
 # size of the causal product, its implementation, and the normaliser's offset.
 KERNEL_FIELDS = ("qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
-LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "causal_algorithm")
+# sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
+LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "sinks", "learned_sinks", "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon")
+
+
+def sink_label(config) -> str:
+    """' + 4 sink tokens + 8 learned sink slots': what a window attends exactly besides its keys ('' for none)."""
+    return "".join(f" + {n} {what}{'s' if n > 1 else ''}" for n, what in (
+        (config.sinks, "sink token"), (config.learned_sinks, "learned sink slot")) if n)
+
+
+def window_memory(config) -> str:
+    """What a decoding state keeps for the exact part of a window: the last w keys, the s sinks."""
+    keys = f"the last {config.window} keys and values (the exact sliding window)"
+    if config.sinks:
+        keys = (f"the first {config.sinks} and the last {config.window} keys and values ({config.sinks} attention "
+                f"sinks + the exact sliding window: {config.sinks + config.window} keys)")
+    return keys
 
 
 def local_label(config) -> list[str]:
@@ -18,7 +34,7 @@ def local_label(config) -> list[str]:
         parts.append(f"exact {config.resolved_local_kernel} {config.block_size}-token blocks")
     if config.window:
         parts.append(f"exact {config.resolved_local_kernel} {config.window}-token sliding window"
-                     + (" (mixed)" if config.window_mix else ""))
+                     + (" (mixed)" if config.window_mix else "") + sink_label(config))
     if config.decay == "scalar":
         parts.append(f"scalar decay (horizon {config.decay_horizon:g})")
     elif config.decay == "gate":
@@ -34,6 +50,6 @@ def kernel_memory(config) -> str:
     """The model card's sentence on generation memory for a linear-time kernel kind."""
     extra = f" plus the keys of the current {config.block_size}-token block" if config.local_exact else ""
     if config.window:
-        extra = f" plus the last {config.window} keys and values (the exact sliding window)"
+        extra = f" plus {window_memory(config)}"
     return ("Generation keeps a constant-size recurrent state per layer" + extra
             + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by `generate()`).")

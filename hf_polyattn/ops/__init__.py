@@ -4,6 +4,7 @@ from .attention import HeadLayerNorm, PolyAttention, RecurrentState, layer_seed
 from .base import AttentionBase, KVCacheAttention
 from .causal import lt_multiply, lt_multiply_cumsum
 from .feature_maps import FEATURE_MAPS, FeatureMap, register_feature_map
+from .hybrid import HybridAttention, HybridState, build_attention, softmax_attention
 from .reference import reference_attention, reference_weights
 from .rope_fft import rope_attention_reference, rope_fft_attention
 from .sketches import PolynomialSketch, symmetric_power, symmetric_square
@@ -13,10 +14,13 @@ __all__ = [
     "FEATURE_MAPS",
     "FeatureMap",
     "HeadLayerNorm",
+    "HybridAttention",
+    "HybridState",
     "KVCacheAttention",
     "PolyAttention",
     "PolynomialSketch",
     "RecurrentState",
+    "build_attention",
     "layer_seed",
     "lt_multiply",
     "lt_multiply_cumsum",
@@ -25,6 +29,7 @@ __all__ = [
     "register_feature_map",
     "rope_attention_reference",
     "rope_fft_attention",
+    "softmax_attention",
     "symmetric_power",
     "symmetric_square",
 ]

@@ -160,6 +160,17 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         if config.window_mix:
             # LoLCATs' per-head factor on the far part (init 1 = today's plain sum)
             self.window_mix = nn.Parameter(torch.ones(num_kv_heads, self.groups, 1, 1))
+        if config.learned_sinks:
+            # Lizard's meta-memory: m key/value slots per kv head, shared by its query heads, scored with the model's
+            # own q like the window's keys. Zero keys and values (reset_parameters): a slot then adds nothing to any
+            # numerator and the weight of a score-0 key to the denominator, exp(-m_i) for a softmax window whose
+            # row stabiliser is m_i >= 0 (0 for a polynomial window without alpha): the output of a row is scaled
+            # by den / (den + m exp(-m_i)), den >= 1 when its largest score is >= 0, so the untrained module stays
+            # near the model (rows with one dominant score of 5: 8 slots take 5%); zero values, unlike random
+            # ones, move no output direction, and zero keys give every slot the gradient of the same query mix.
+            shape = (num_kv_heads, 1, config.learned_sinks, head_dim)
+            self.sink_k = nn.Parameter(torch.zeros(shape))
+            self.sink_v = nn.Parameter(torch.zeros(shape))
         # per kv head: one kernel state serves a kv head's query heads, so they share its decay
         if config.decay == "scalar":
             self.decay_theta = nn.Parameter(torch.empty(num_kv_heads))  # log gamma = -exp(theta): gamma in (0, 1)
@@ -181,6 +192,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             self.coefficients.copy_(torch.tensor(self.config.poly_coefficients, dtype=torch.float64, device="cpu"))
         if self.config.window_mix:
             self.window_mix.fill_(1.0)
+        if self.config.learned_sinks:
+            self.sink_k.zero_()
+            self.sink_v.zero_()
         self._reset_decay()
 
     @torch.no_grad()
@@ -238,9 +252,11 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         """q, k, v in the precision the path computes in (the working dtype unless a path needs more)."""
         return q5, k5, v5
 
-    def run_path(self, path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
-        """(output, key features, [v 1], state after the last key or None) of one call on ``path``."""
-        out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0, raw, tf32)
+    def run_path(self, path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None, sinks=None):
+        """(output, key features, [v 1], state after the last key or None) of one call on ``path``. ``sinks``
+        (``ops.window.Sinks``, passed only when the config has sinks or learned sinks): what a window attends
+        exactly besides its keys."""
+        out, fk, vext = self._linear(q5, k5, v5, mask, causal, scale, kv0, raw, tf32, sinks)
         return out, fk, vext, None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
@@ -252,19 +268,16 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         ``key_padding_mask`` (B, Lk) bool: False keys contribute nothing.
         ``state``: causal only; ``query``, ``key``, ``value`` are the next Lq tokens.
         """
-        self.check_inputs(query, key, value, key_padding_mask, causal)
-        lq, lk = query.shape[2], key.shape[2]
-        if causal and lq > lk:
-            raise ValueError(f"causal attention needs q_len <= kv_len, got {lq} > {lk}")
+        lq, lk = self.check_call(query, key, value, key_padding_mask, causal, state)
+        if self.config.sinks and not causal:
+            raise ValueError(f"sinks={self.config.sinks} is defined for causal attention only: attention sinks are the "
+                             "first tokens a causal softmax model parks its surplus attention on (StreamingLLM); "
+                             "bidirectional (BERT-style) models have no such tokens to preserve. Use sinks=0 here "
+                             "(learned_sinks work in both directions)")
         if not causal and self.config.decay != "none":
             raise ValueError(f"decay={self.config.decay!r} is defined for causal attention only (a key decays "
                              "towards the queries after it); this call is bidirectional (an encoder or "
                              "cross-attention): use decay='none' there")
-        if state is not None:
-            if not causal:
-                raise ValueError("a recurrent state is for causal attention only")
-            if lq != lk:
-                raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         out_dtype = query.dtype
         path = self._recurrent_path() if state is not None else self.choose_path(lq, lk, causal)
@@ -299,13 +312,16 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), new_state
         # half-precision models: the Triton kernels' dots take tf32 operands (fp32 accumulation)
         tf32 = True if out_dtype in HALF else None
-        out, fk, vext, kv_end = self.run_path(path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32)
+        sinks = self._window_sinks(raw[1], v5, mask, None if state is None else state.sinks)
+        extra = {} if sinks is None else {"sinks": sinks}  # a kind's own run_path without sinks keeps its signature
+        out, fk, vext, kv_end = self.run_path(path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32, **extra)
         out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
         if state is None:
             return out
         if kv_end is not None:  # the path computed the state after its last key itself
             return out, RecurrentState(kv_end, None, None, None, state.length + lk)
-        return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path)
+        return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path,
+                                     None if sinks is None else sinks.flags)
 
     def _half_on_triton(self, path: str, causal: bool, device: torch.device) -> bool:
         """Whether half-precision q, k, v go to this call's kernels as they are, without fp32 copies: on the
@@ -424,7 +440,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             return None
         return fm.activation if product_backend(cfg.backend, x.device, x.dtype, fm.num_features) == "triton" else None
 
-    def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None):
+    def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None, sinks=None):
         cfg = self.config
         lq, lk = q5.shape[3], k5.shape[3]
         square = self.feature_map.squares
@@ -453,11 +469,15 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         def full(x):
             return symmetric_square(x) if square else x
 
-        vext = _with_normaliser(v5, mask)
+        # the keys' gates before the sinks leave the kernel part: a sink decays like any real key (as in decoding,
+        # _next_state); being its row's first real keys, the sinks' gates multiply no kernel term either way
         logs = self.log_decays(v5, mask)
+        if sinks is not None:  # the sinks are attended through their slots: the rest reads them as padding
+            mask = sinks.rest(mask)
+        vext = _with_normaliser(v5, mask)
         if cfg.window:
             out = self._windowed(raw[0], raw[1], fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32,
-                                 logs)
+                                 sinks, logs)
             return out, (fk, square), vext
         local = cfg.resolved_local_kernel
         block = cfg.block_size

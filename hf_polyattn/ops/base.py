@@ -23,7 +23,7 @@ from torch import nn
 from ..config import PolyAttnConfig
 from .state import RecurrentState
 
-__all__ = ["AttentionBase", "KVCacheAttention", "layer_seed"]
+__all__ = ["AttentionBase", "KVCacheAttention", "join_masks", "layer_seed", "softmax_heads_of"]
 
 
 def layer_seed(seed: int, layer_idx: int) -> int:
@@ -31,8 +31,27 @@ def layer_seed(seed: int, layer_idx: int) -> int:
     return (seed * 1_000_003 + layer_idx * 7919) % (2**62)
 
 
+def join_masks(past: torch.Tensor | None, new: torch.Tensor | None, past_len: int, new_len: int, batch: int,
+               device: torch.device) -> torch.Tensor | None:
+    """The (B, past_len + new_len) key padding mask of stored keys followed by new ones (None: nothing padded)."""
+    if past is None and new is None:
+        return None
+    past = past if past is not None else torch.ones(batch, past_len, dtype=torch.bool, device=device)
+    new = new if new is not None else torch.ones(batch, new_len, dtype=torch.bool, device=device)
+    return torch.cat([past, new], dim=1)
+
+
+def softmax_heads_of(config: PolyAttnConfig, layer_idx: int) -> tuple[int, ...]:
+    """The kv heads of layer ``layer_idx`` that ``config.softmax_heads`` keeps as exact softmax, ascending."""
+    return tuple(sorted(h for layer, h in config.softmax_heads or () if layer == layer_idx))
+
+
 class AttentionBase(nn.Module):
     """Base of every kind's module: validated sizes, input checks, deterministic re-initialisation."""
+
+    # Whether the class runs the kv heads that ``config.softmax_heads`` names in its layer as softmax (the hybrid,
+    # ``ops/hybrid.py``); any other module built for such a layer would silently run them as the kind.
+    runs_softmax_heads = False
 
     def __init__(self, config: PolyAttnConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
                  layer_idx: int = 0):
@@ -46,6 +65,11 @@ class AttentionBase(nn.Module):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'layer_idx' else 1}, got {val!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        soft = softmax_heads_of(config, layer_idx)
+        if soft and not self.runs_softmax_heads:
+            raise ValueError(f"config.softmax_heads names kv heads {list(soft)} of layer {layer_idx}, which "
+                             f"{type(self).__name__} would run as kind={config.kind!r}: build the layer with "
+                             "hf_polyattn.ops.build_attention (or hf_polyattn.convert)")
         self.config = config
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.groups = num_heads // num_kv_heads
@@ -106,6 +130,19 @@ class AttentionBase(nn.Module):
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
 
+    def check_call(self, q, k, v, key_padding_mask, causal, state) -> tuple[int, int]:
+        """``check_inputs``, then what the direction and a state allow; returns (q_len, kv_len)."""
+        self.check_inputs(q, k, v, key_padding_mask, causal)
+        lq, lk = q.shape[2], k.shape[2]
+        if causal and lq > lk:
+            raise ValueError(f"causal attention needs q_len <= kv_len, got {lq} > {lk}")
+        if state is not None:
+            if not causal:
+                raise ValueError("a recurrent state is for causal attention only")
+            if lq != lk:
+                raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
+        return lq, lk
+
 
 class KVCacheAttention(AttentionBase):
     """A kind defined on whole sequences by :meth:`attend`; its decoding state keeps every key.
@@ -140,27 +177,15 @@ class KVCacheAttention(AttentionBase):
                              "causal attention (a decoder / causal LM); pick a causal kind")
         if not causal and not self.supports_bidirectional:
             raise ValueError(f"kind={kind!r} is causal only: it cannot serve bidirectional attention")
-        lq, lk = query.shape[2], key.shape[2]
-        if causal and lq > lk:
-            raise ValueError(f"causal attention needs q_len <= kv_len, got {lq} > {lk}")
+        lq, lk = self.check_call(query, key, value, key_padding_mask, causal, state)
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         work = torch.float64 if query.dtype == torch.float64 else torch.float32
         mask = key_padding_mask
         keys = self.read_keys(query, key)
-        if state is not None:
-            if not causal:
-                raise ValueError("a recurrent state is for causal attention only")
-            if lq != lk:
-                raise ValueError(f"with a state, query and key must be the same new tokens, got {lq} and {lk}")
-            if state.k is not None:
-                keys = torch.cat([state.k.to(keys.dtype), keys], dim=2)
-                value = torch.cat([state.v.to(value.dtype), value], dim=2)
-                if state.mask is not None or mask is not None:
-                    b = query.shape[0]
-                    old = state.mask if state.mask is not None else torch.ones(
-                        b, state.k.shape[2], dtype=torch.bool, device=query.device)
-                    new = mask if mask is not None else torch.ones(b, lk, dtype=torch.bool, device=query.device)
-                    mask = torch.cat([old, new], dim=1)
+        if state is not None and state.k is not None:
+            keys = torch.cat([state.k.to(keys.dtype), keys], dim=2)
+            value = torch.cat([state.v.to(value.dtype), value], dim=2)
+            mask = join_masks(state.mask, mask, state.k.shape[2], lk, query.shape[0], query.device)
         out = self.attend(query.to(work), keys.to(work), value.to(work), causal=causal, scale=scale, mask=mask)
         out = out.to(query.dtype)
         if state is None:

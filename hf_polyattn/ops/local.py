@@ -15,9 +15,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backend import _is_auto, resolve_backend
-from .common import normalised_sum, read_state, to_work
+from .common import _with_normaliser, normalised_sum, read_state, to_work
 from .sketches import symmetric_square
-from .window import shifted_lt, window_scores, window_tiles
+from .window import OUTSIDE, Sinks, first_true, gather_keys, shifted_lt, sink_flags, window_scores, window_tiles
 
 __all__ = ["LocalExactMixin", "far_scale"]
 
@@ -74,11 +74,14 @@ class LocalExactMixin:
         return (w if allowed is None else w.masked_fill(~allowed, 0.0)), None
 
 
-    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32=None, logs=None):
+    def _windowed(self, q5, k5, fq, fk, vext, mask, causal, scale, kv0, q_log_scale, square, tf32=None, sinks=None,
+                  logs=None):
         """Sliding-window hybrid (ops/window.py): exact on the previous ``window`` keys, kernel before.
 
         q5, k5 are the model's own q, k (no projection, no qk LayerNorm): the exact part is the
         model's softmax (or polynomial) on its own scores, as in LoLCATs; fq, fk the features.
+        ``sinks``: what the window part attends exactly besides (``ops.window.Sinks``); ``mask`` and ``vext``
+        then leave the sinks out (``Sinks.rest``).
         ``logs``: the keys' cumulative log-decays G (causal only), the kernel part's term (i, j) times
         exp(G_i - G_j); the window is exact and undecayed.
         """
@@ -104,7 +107,7 @@ class LocalExactMixin:
 
             far = shifted_lt(fq, fk, vext, w, block, square, backend, tf32) + flip(
                 shifted_lt(flip(fq), flip(fk), flip(vext), w, block, square, backend, tf32))
-        loc, far_scale = self._window_local(qs, k5, vext, mask, causal, scale, q_log_scale, tf32)
+        loc, far_scale = self._window_local(qs, k5, vext, mask, causal, scale, q_log_scale, tf32, sinks)
         if self.config.window_mix:
             mix = self.window_mix.to(loc.dtype)
             far_scale = mix if far_scale is None else far_scale * mix
@@ -113,31 +116,69 @@ class LocalExactMixin:
         return normalised_sum(far[..., lk - lq :, :], loc[..., lk - lq :, :], far_scale, self.config.denominator_offset,
                               vext.dtype)
 
-    def _window_local(self, qs, ks, vext, mask, causal, scale, q_log_scale=None, tf32=None):
-        """(loc, far scale) of the exact window part: the Triton kernels on the 'triton' backend (weights
-        recomputed in their backward), else ``_window_exact`` rematerialised in backward (the n x 2w
-        scores and weights are not kept)."""
+    def _window_local(self, qs, ks, vext, mask, causal, scale, q_log_scale=None, tf32=None, sinks=None):
+        """(loc, far scale) of the exact window part (and its ``sinks``, ``mask`` leaving them out): the Triton
+        kernels on the 'triton' backend (weights recomputed in their backward), else ``_window_exact``
+        rematerialised in backward (the n x 2w scores and weights are not kept)."""
         triton = self._local_triton(qs, ks, vext, mask, causal, scale, self.config.resolved_local_kernel,
-                                    q_log_scale, tf32, window=self.config.window)
+                                    q_log_scale, tf32, window=self.config.window, sinks=sinks)
         if triton is not None:
             return triton
         qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
+        sink_k, sink_v, sink_pos = (None, None, None) if sinks is None else (*to_work(sinks.k, sinks.v), sinks.pos)
         grad = torch.is_grad_enabled() and (
-            any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale))
+            any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale, sink_k, sink_v))
             or any(p.requires_grad for p in self.parameters()))
-        args = (qs, ks, vext, mask, causal, scale, q_log_scale)
+        args = (qs, ks, vext, mask, causal, scale, q_log_scale, sink_k, sink_v, sink_pos)
         return checkpoint(self._window_exact, *args, use_reentrant=False) if grad else self._window_exact(*args)
 
-    def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale):
-        """Exact weights on each query's window and the factor that puts the far part on their scale
-        (before ``window_mix``)."""
+    def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale, sink_k=None, sink_v=None, sink_pos=None):
+        """Exact weights on each query's window (and on the ``Sinks`` given as sink_k, sink_v, sink_pos) and the
+        factor that puts the far part on their scale (before ``window_mix``)."""
         w = self.config.window
         n = qs.shape[3]
-        scores, allowed = window_scores(qs, ks, w, causal, scale, mask)  # (B, Hkv, G, tiles, w, span)
+        sinks = None if sink_k is None else Sinks(sink_k, sink_v, sink_pos)
+        scores, allowed = window_scores(qs, ks, w, causal, scale, mask, sinks)  # (B, Hkv, G, tiles, w, span [+ E])
         values = window_tiles(vext, w, causal)
         weights, log_far = self.exact_weights(scores, allowed, self.config.resolved_local_kernel)
-        loc = torch.matmul(weights, values).flatten(3, 4)[..., :n, :]
+        span = values.shape[-2]
+        loc = torch.matmul(weights[..., :span], values)
+        if sinks is not None:  # the slots' weights times their values: (.., tiles, w, E) x (.., 1, E, e + 1)
+            loc = loc + torch.matmul(weights[..., span:], sink_v.unsqueeze(3))
+        loc = loc.flatten(3, 4)[..., :n, :]
         return loc, far_scale(None if log_far is None else log_far.flatten(3, 4)[..., :n, :], q_log_scale)
+
+    def _window_sinks(self, k5, v5, mask, kept=None, in_sequence=True) -> Sinks | None:
+        """The ``Sinks`` of a windowed call on keys k5, v5 (B, Hkv, 1, L, d: the model's own, after the state's
+        window keys), or None without any: the learned slots, the sinks a state kept (``kept`` = its ``sinks``:
+        they left the window, every query sees them), and (``in_sequence``) the first real keys of k5 the row
+        still lacks as sinks."""
+        cfg = self.config
+        b, device = k5.shape[0], k5.device
+        parts = []  # (k, [v, 1], pos) of each group of slots
+        if cfg.learned_sinks:
+            parts.append((self.sink_k.to(k5.dtype).unsqueeze(0), _with_normaliser(self.sink_v.to(v5.dtype)[None], None),
+                          torch.full((1, cfg.learned_sinks), -OUTSIDE, device=device)))
+        flags = None
+        if cfg.sinks:
+            filled = 0
+            if kept is not None:
+                kept_k, kept_v, kept_mask = kept
+                parts.append((kept_k.to(k5.dtype).unsqueeze(2), _with_normaliser(kept_v.to(v5.dtype).unsqueeze(2),
+                                                                                 kept_mask),
+                              torch.where(kept_mask, -OUTSIDE, OUTSIDE)))
+                filled = kept_mask.sum(-1)
+            if in_sequence:
+                flags = sink_flags(mask, k5.shape[3], cfg.sinks - filled, device)
+                idx, found = first_true(flags.expand(b, -1), cfg.sinks)
+                parts.append((gather_keys(k5, idx, 3), _with_normaliser(gather_keys(v5, idx, 3), found),
+                              torch.where(found, idx, OUTSIDE)))
+        if not parts:
+            return None
+        ks, vs, pos = zip(*parts)
+        return Sinks(torch.cat([t.expand(b, *t.shape[1:]) for t in ks], dim=3),
+                     torch.cat([t.expand(b, *t.shape[1:]) for t in vs], dim=3),
+                     torch.cat([t.expand(b, -1) for t in pos], dim=1), flags)
 
     def _local_exact(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None, tf32=None):
         """The exact diagonal blocks, a group of blocks at a time (``_LOCAL_GROUP``), each group rematerialised.
@@ -185,17 +226,18 @@ class LocalExactMixin:
             return False
         return head_dim <= LOCAL_MAX_HEAD_DIM or not _is_auto(cfg.backend)
 
-    def _local_triton(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32, window=0):
-        """(loc, far scale) of the diagonal blocks (``window`` 0) or the sliding window from the Triton
-        kernels (``ops.triton.local_blocks_triton``), or None where they do not apply: another backend,
+    def _local_triton(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32, window=0, sinks=None):
+        """(loc, far scale) of the diagonal blocks (``window`` 0) or the sliding window (and its ``sinks``) from the
+        Triton kernels (``ops.triton.local_blocks_triton``), or None where they do not apply: another backend,
         squared coefficient polynomials (``poly_coefficients``), or under 'auto' head dims beyond their tiles."""
         cfg = self.config
         if not self._local_uses_triton(kernel, max(qs.shape[-1], vext.shape[-1] - 1), ks.device, ks.dtype):
             return None
         from .triton import local_blocks_triton
 
+        extra = {} if sinks is None else {"sinks": (sinks.k, sinks.v, sinks.pos)}
         loc, log_far = local_blocks_triton(qs, ks, vext, cfg.block_size, causal, scale, kernel, mask,
-                                           self._exact_power, cfg.alpha, cfg.beta, tf32, window)
+                                           self._exact_power, cfg.alpha, cfg.beta, tf32, window, **extra)
         return loc, far_scale(log_far, q_log_scale)
 
     def _local_blocks(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None):

@@ -9,6 +9,7 @@ from .common import _with_normaliser, read_state
 from .local import far_scale
 from .sketches import symmetric_square
 from .state import RecurrentState
+from .window import keep_sinks, sink_flags
 
 __all__ = ["RecurrentMixin"]
 
@@ -62,14 +63,26 @@ class RecurrentMixin:
         """One token with a sliding window: fold the key that leaves the window, exact on the rest.
 
         The state keeps the last ``window`` raw keys/values (constant size) and the kernel
-        state of every key before them. With decay (``logs``: G of the window's keys and the new one, from the
-        state's reference) the state moves its reference to the folded key and the query reads it times
-        exp(G_i - G_fold): the product of the gates of the keys in its window, recomputed from the values the
-        state keeps (nothing else is stored).
+        state of every key before them; with ``sinks`` the leaving key goes to the state's sink slots
+        instead of the kernel state when it is one of its row's first ``sinks`` real keys, and the
+        query attends exactly to the sink slots and the learned slots too, under the same normaliser.
+        With decay (``logs``: G of the window's keys and the new one, from the state's reference) the state moves
+        its reference to the folded key and the query reads it times exp(G_i - G_fold): the product of the gates
+        of the keys in its window, recomputed from the values the state keeps (nothing else is stored).
         """
-        w = self.config.window
+        cfg = self.config
+        w = cfg.window
         fold = max(0, k5.shape[3] - w)  # 0 or 1: the key now w positions behind the query
         kv = state.kv
+        sink_k, sink_v, sink_mask = state.sink_k, state.sink_v, state.sink_mask
+        if fold and cfg.sinks:
+            filled = 0 if sink_mask is None else sink_mask.sum(-1)
+            leaving = sink_flags(None if mask is None else mask[:, :fold], fold, cfg.sinks - filled, k5.device)
+            sink_k, sink_v, sink_mask = keep_sinks(sink_k, sink_v, sink_mask, state.k[:, :, :fold],
+                                                   state.v[:, :, :fold], leaving, cfg.sinks)
+            # the leaving sink is attended through its slot from now on: its kernel weight is not folded
+            kernel_part = (~leaving).to(vext.dtype)[:, None, None, :, None]
+            vext = torch.cat([vext[..., :fold, :] * kernel_part, vext[..., fold:, :]], dim=3)
         if fold:
             kv = self._fold(kv, self.feature_map(k_in[..., :fold, :], False), vext, logs, fold)
             if logs is not None:
@@ -77,20 +90,32 @@ class RecurrentMixin:
         kw, vw = k5[..., fold:, :], vext[..., fold:, :]
         x = torch.matmul(q5 * scale, kw.transpose(-1, -2))  # (B, Hkv, G, 1, <= w)
         allowed = None if mask is None else mask[:, None, None, None, fold:]
-        wts, log_far = self.exact_weights(x, allowed, self.config.resolved_local_kernel)
-        num = torch.matmul(wts, vw)
+        # the learned slots and the sinks that left the window (a sink still inside it is one of its keys)
+        sinks = self._window_sinks(k5, vext[..., :-1], mask, None if sink_k is None else (sink_k, sink_v, sink_mask),
+                                   in_sequence=False)
+        if sinks is not None:
+            x = torch.cat([x, torch.matmul(q5 * scale, sinks.k.transpose(-1, -2))], dim=-1)
+            if allowed is None:
+                allowed = torch.ones(1, 1, 1, 1, kw.shape[3], dtype=torch.bool, device=x.device)
+            seen = sinks.visible(torch.full((1,), k5.shape[3] - 1, device=x.device))  # (B, 1, 1, 1, E)
+            allowed = torch.cat([allowed.expand(seen.shape[0], -1, -1, -1, -1), seen], dim=-1)
+        wts, log_far = self.exact_weights(x, allowed, cfg.resolved_local_kernel)
+        num = torch.matmul(wts[..., : kw.shape[3]], vw)
+        if sinks is not None:
+            num = num + torch.matmul(wts[..., kw.shape[3] :], sinks.v)
         if kv is not None:
             far = read_state(fq, kv, logs)
             scale_far = far_scale(log_far, q_log_scale)
             if scale_far is not None:
                 far = scale_far * far
-            if self.config.window_mix:
+            if cfg.window_mix:
                 far = self.window_mix.to(far.dtype) * far
             num = num + far
         raw_k = key if state.k is None else torch.cat([state.k, key], dim=2)
         raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
         new_mask = None if mask is None else mask[:, fold:]
-        return self._normalise(num), RecurrentState(kv, raw_k[:, :, fold:], raw_v[:, :, fold:], new_mask, total)
+        return self._normalise(num), RecurrentState(kv, raw_k[:, :, fold:], raw_v[:, :, fold:], new_mask, total,
+                                                    sink_k, sink_v, sink_mask)
 
     @staticmethod
     def _fold(kv, feats, vext, logs, fold: int):
@@ -106,7 +131,9 @@ class RecurrentMixin:
         add = torch.matmul(feats[..., :fold, :].transpose(-1, -2), vals)
         return add if kv is None else kv + add
 
-    def _next_state(self, state, key, value, key_mask, k5, v5, mask, fk, vext, path) -> RecurrentState:
+    def _next_state(self, state, key, value, key_mask, k5, v5, mask, fk, vext, path, flags=None) -> RecurrentState:
+        """The state after a chunk: keys k5 (the state's kept keys, then the chunk's) and their [v, 1] ``vext`` as
+        the kernel part read them; ``flags`` (B or 1, len) the sinks among those keys (``Sinks.flags``)."""
         total = state.length + key.shape[2]
         if path == "quadratic":
             keep = k5.shape[3]
@@ -132,4 +159,8 @@ class RecurrentMixin:
         new_mask = None
         if mask is not None:
             new_mask = mask[:, -keep:]
-        return RecurrentState(kv, raw_k[:, :, -keep:], raw_v[:, :, -keep:], new_mask, total)
+        sinks = state.sink_k, state.sink_v, state.sink_mask
+        drop = raw_k.shape[2] - keep  # the keys leaving the window: the sinks among them are kept apart
+        if flags is not None and drop > 0:
+            sinks = keep_sinks(*sinks, raw_k[:, :, :drop], raw_v[:, :, :drop], flags[:, :drop], self.config.sinks)
+        return RecurrentState(kv, raw_k[:, :, -keep:], raw_v[:, :, -keep:], new_mask, total, *sinks)

@@ -3,7 +3,10 @@
 Each builds the full (B, H, Lq, Lk) weight matrix from the definition — the exact kernel
 for 'polynomial', phi(q) . phi(k) for the feature kinds (the sketch / random features
 *are* the definition of the approximation), the exact kernel inside the diagonal blocks
-with ``local_exact`` — masks it (causal bottom-right aligned, key padding) and normalises.
+with ``local_exact``, inside the sliding window and at the attention sinks with ``window`` /
+``sinks`` — masks it (causal bottom-right aligned, key padding) and normalises. Learned sink
+slots (``learned_sinks`` m) are m extra keys and values in front of the sequence's, never masked:
+the weights are then (B, H, Lq, m + Lk).
 Slow and memory-hungry on purpose: no blocks, no prefix sums, no shared code paths with
 ``attention.py`` beyond the module's parameters.
 """
@@ -75,12 +78,23 @@ def _decay_weights(module: PolyAttention, v: torch.Tensor | None, key_padding_ma
     return torch.exp(x).unsqueeze(2)
 
 
+def _sink_keys(cfg, key_padding_mask: torch.Tensor | None, batch: int, lk: int, device) -> torch.Tensor:
+    """(B, 1, 1, 1, Lk) bool: the attention sinks, each row's first ``cfg.sinks`` unpadded keys."""
+    sink = torch.zeros(batch, lk, dtype=torch.bool, device=device)
+    for b in range(batch):
+        real = torch.arange(lk, device=device) if key_padding_mask is None else key_padding_mask[b].nonzero()[:, 0]
+        sink[b, real[: cfg.sinks]] = True
+    return sink[:, None, None, None, :]
+
+
 def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
                       scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
                       value: torch.Tensor | None = None) -> torch.Tensor:
-    """Unnormalised attention weights (B, H, Lq, Lk), masked entries 0. ``value`` (B, Hkv, Lk, D): needed by
-    decay='gate' (its gates read the values)."""
+    """Unnormalised attention weights (B, H, Lq, Lk), masked entries 0; (B, H, Lq, m + Lk) with m learned sink
+    slots in front. ``value`` (B, Hkv, Lk, D): needed by decay='gate' (its gates read the values)."""
     cfg = module.config
+    if cfg.sinks and not causal:
+        raise ValueError("sinks are defined for causal attention only")
     s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
     q5, k5, (q_raw, k_raw) = _kernel_inputs(module, q, k)
     lq, lk = q.shape[2], k.shape[2]
@@ -95,6 +109,8 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
             return sum(a[i] * xx**i for i in range(a.shape[0])) ** 2
         return ((xx + cfg.alpha) / cfg.beta) ** cfg.degree  # alpha, beta: kind='polynomial' only (validated)
 
+    # exact beside the window: the attention sinks (the future ones are masked below, as every key)
+    sink = _sink_keys(cfg, key_padding_mask, q.shape[0], lk, q.device) if cfg.sinks else False
     if module.exact_everywhere:
         w = exact(x, "polynomial")
     elif module.feature_map is None:  # the window alone
@@ -102,7 +118,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
         dist = (torch.arange(lq, device=q.device) + (lk - lq if causal else 0))[:, None] - torch.arange(
             lk, device=q.device)[None, :]
         inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
-        w = torch.where(inside, exact(x_raw, local), torch.zeros_like(x_raw))  # nothing beyond the window
+        w = torch.where(inside | sink, exact(x_raw, local), torch.zeros_like(x_raw))  # nothing beyond the window
     else:
         root = math.sqrt(s) if module.feature_map.scaled_inputs else 1.0
         if module.feature_map.log_scaled:
@@ -123,7 +139,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
             inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
             if cfg.window_mix:
                 w = w * module.window_mix.to(w.dtype)
-            w = torch.where(inside, exact(x_raw, local), w)
+            w = torch.where(inside | sink, exact(x_raw, local), w)
         elif local is not None:
             pos_q = torch.arange(lq, device=q.device) + (lk - lq if causal else 0)
             pos_k = torch.arange(lk, device=q.device)
@@ -136,7 +152,11 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
     keep = keep[None, None]
     if key_padding_mask is not None:
         keep = keep & key_padding_mask[:, None, None, :]
-    return torch.where(keep, w, torch.zeros_like(w))
+    w = torch.where(keep, w, torch.zeros_like(w))
+    if cfg.learned_sinks:  # m slots per kv head, scored with the model's own q, seen by every query
+        slots = exact((q_raw @ module.sink_k.transpose(-1, -2)) * s, cfg.resolved_local_kernel)
+        w = torch.cat([slots.reshape(q.shape[0], module.num_heads, lq, -1), w], dim=-1)
+    return w
 
 
 def reference_attention(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -144,6 +164,8 @@ def reference_attention(module: PolyAttention, q: torch.Tensor, k: torch.Tensor,
     """(B, H, Lq, D): sum_j w_ij v_j / (offset + sum_j w_ij), 0 for a row with no weight."""
     w = reference_weights(module, q, k, causal=causal, scaling=scaling, key_padding_mask=key_padding_mask, value=v)
     g = module.groups
+    if module.config.learned_sinks:  # the slots' values in front, as their weights
+        v = torch.cat([module.sink_v.squeeze(1).expand(v.shape[0], -1, -1, -1).to(v.dtype), v], dim=2)
     v_rep = v.repeat_interleave(g, dim=1)
     num = w @ v_rep
     den = w.sum(-1, keepdim=True) + module.config.denominator_offset

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -15,9 +16,14 @@ class RecurrentState:
 
     ``kv`` = sum over folded keys of phi(k)^T [v 1] (B, Hkv, 1, F, D+1): constant size.
     ``k``/``v``/``mask`` hold the keys not folded yet: those of the current incomplete
-    block when ``local_exact`` needs them exactly (< block_size keys), none otherwise
-    (all keys for the quadratic polynomial path, which has no constant-size state).
+    block when ``local_exact`` needs them exactly (< block_size keys), the last ``window``
+    keys with a sliding window, none otherwise (all keys for the quadratic polynomial path,
+    which has no constant-size state).
     ``length`` counts every key seen.
+    ``sink_k``/``sink_v`` (B, Hkv, sinks, D) and ``sink_mask`` (B, sinks) bool: the attention sinks
+    (``PolyAttnConfig.sinks``) that have left the window, the first real keys of each row, raw as the
+    model made them; a slot is filled (``sink_mask`` True) in order as the row's sinks leave the window.
+    None until a key first leaves the window. The state then keeps sinks + window keys: constant size.
     """
 
     kv: torch.Tensor | None
@@ -25,17 +31,30 @@ class RecurrentState:
     v: torch.Tensor | None
     mask: torch.Tensor | None
     length: int = 0
+    sink_k: torch.Tensor | None = None
+    sink_v: torch.Tensor | None = None
+    sink_mask: torch.Tensor | None = None
+
+    @property
+    def sinks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(sink_k, sink_v, sink_mask), or None before any sink left the window."""
+        return None if self.sink_k is None else (self.sink_k, self.sink_v, self.sink_mask)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the state holds."""
+        return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RecurrentState:
+        """The state with ``fn`` applied to each of its tensors (None stays None, ``length`` is kept)."""
+        return replace(self, **{f.name: fn(t) for f in fields(self) if isinstance(t := getattr(self, f.name),
+                                                                                   torch.Tensor)})
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kv, self.k, self.v, self.mask) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def index_select(self, index: torch.Tensor) -> RecurrentState:
         """Reorder/select batch rows (beam search, num_return_sequences)."""
-        def sel(t):
-            return None if t is None else t.index_select(0, index.to(t.device))
-        return RecurrentState(sel(self.kv), sel(self.k), sel(self.v), sel(self.mask), self.length)
+        return self.map(lambda t: t.index_select(0, index.to(t.device)))
 
     def repeat_interleave(self, repeats: int) -> RecurrentState:
-        def rep(t):
-            return None if t is None else t.repeat_interleave(repeats, dim=0)
-        return RecurrentState(rep(self.kv), rep(self.k), rep(self.v), rep(self.mask), self.length)
+        return self.map(lambda t: t.repeat_interleave(repeats, dim=0))

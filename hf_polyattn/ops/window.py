@@ -17,6 +17,20 @@ itself exactly; the calibration probe in PEERS.md got 62.6 perplexity with a 64-
 window against 95.3 without on SmolLM2. A sliding window is also translation invariant, so
 left padding changes nothing (block boundaries shift with it).
 
+Attention sinks (``sinks`` s, StreamingLLM, Xiao et al., arXiv:2309.17453) and learned sink slots
+(``learned_sinks`` m, Lizard's meta-memory, arXiv:2507.09025), causal:
+
+    S(i) = the first s real keys of the row (after left padding: the key padding mask decides)
+    out_i = (sum_{W(i) u (S n R(i))} e_ij v_j + sum_slots e_iu v_u + s_i sum_{R(i) - S} phi_ij v_j) / (same weights)
+
+Learned slots are m extra keys and values per kv head that every query sees, in both directions. Both enter the
+window part as ``Sinks``: a few extra candidate keys of every tile, each with the key position from which query on
+it is visible (slots: always), one softmax with the window's (a softmax row's stabiliser m_i is the maximum over
+window, sinks and slots). A sink is attended through its slot by every query from its own position on, inside the
+window too: the window and the kernel part read the sinks as padding (``Sinks.rest``), so each is counted once and
+both parts read one [v, 1] (no second copy for the kernel part). Decoding keeps the s sinks beside the w window
+keys (``RecurrentState.sink_k``): constant size.
+
 Linear time: the far part is the ordinary causal product with queries shifted by w
 (``lt(phi(Q)[w:], phi(K)[:-w]) V[:-w]``: row i sums keys j <= i - w), so it runs on every
 backend of ``backend.lt_product``; the window is computed in tiles of w queries against
@@ -26,12 +40,89 @@ their 2w (bidirectional 3w) candidate keys: O(n w d) time, O(n w) memory per hea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
 from .backend import lt_product
 
-__all__ = ["shifted_lt", "window_scores", "window_tiles"]
+__all__ = ["OUTSIDE", "Sinks", "first_true", "gather_keys", "keep_sinks", "shifted_lt", "sink_flags",
+           "window_scores", "window_tiles"]
+
+# The position of a ``Sinks`` slot that has none: learned slots sit at -OUTSIDE (every query sees them), empty
+# sink slots at +OUTSIDE (no query does). Sequences and windows stay far below 2**30 keys.
+OUTSIDE = 2**30
+
+
+@dataclass
+class Sinks:
+    """The keys a windowed call attends exactly besides each query's window, under the window's normaliser.
+
+    ``k`` (B, Hkv, 1, E, d): the model's own keys (sinks) or learned slots; ``v`` (B, Hkv, 1, E, e + 1): their
+    [v, 1], zero rows at empty slots; ``pos`` (B, E) int64: slot u is visible to the query at key position i of
+    the call when pos_u <= i (causal: the sink's own position; learned slots and the sinks a decoding state kept at
+    -OUTSIDE, empty slots at +OUTSIDE). ``flags`` (B or 1, n) bool or None: which of the call's own n keys are sinks;
+    the window and the kernel part read them as padding (``rest``), their slots stand in for them.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    flags: torch.Tensor | None = None
+
+    def rest(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The key padding mask (B, n) or None of what the window and the kernel part read: the real keys that are
+        not sinks."""
+        if self.flags is None:
+            return mask
+        return ~self.flags if mask is None else mask & ~self.flags
+
+    def visible(self, qpos: torch.Tensor) -> torch.Tensor:
+        """(B, 1, 1, *qpos.shape, E) bool: which slots the queries at key positions ``qpos`` see."""
+        pos = self.pos.view(self.pos.shape[0], 1, 1, *(1,) * qpos.dim(), self.pos.shape[-1])
+        return pos <= qpos.unsqueeze(-1)
+
+
+def sink_flags(mask: torch.Tensor | None, n: int, need: int | torch.Tensor, device) -> torch.Tensor:
+    """(B or 1, n) bool: the first ``need`` real keys of each row (``mask`` (B, n) False at padded keys; None:
+    every key real). ``need``: an int, or (B,) for rows that lack different numbers of sinks."""
+    real = torch.ones(1, n, dtype=torch.bool, device=device) if mask is None else mask
+    if isinstance(need, torch.Tensor):
+        need = need[:, None]
+    return real & (real.cumsum(-1) <= need)
+
+
+def first_true(flags: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, found), both (B, count): where the first ``count`` True entries of each row of ``flags`` (B, L)
+    are, in order; index 0 and found False beyond a row's last one."""
+    cum = flags.long().cumsum(-1)
+    want = torch.arange(1, count + 1, device=flags.device).expand(flags.shape[0], count).contiguous()
+    idx = torch.searchsorted(cum, want)  # the leftmost position where the running count reaches t: the t-th True
+    found = idx < flags.shape[-1]
+    return torch.where(found, idx, 0), found
+
+
+def gather_keys(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows ``idx`` (B, count) of x along ``dim`` (x's batch may be 1): (B, ..., count, ...) with the rest of x."""
+    x = x.expand(idx.shape[0], *x.shape[1:])
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = idx.shape[0], idx.shape[1]
+    size = list(x.shape)
+    size[dim] = idx.shape[1]
+    return x.gather(dim, idx.view(shape).expand(size))
+
+
+def keep_sinks(kept_k, kept_v, kept_mask, k: torch.Tensor, v: torch.Tensor, leaving: torch.Tensor, count: int):
+    """A decoding state's sink slots (k, v (B, Hkv, count, d), filled (B, count)) after the keys k, v (B, Hkv, L, d)
+    leave the window, ``leaving`` (B or 1, L) marking the sinks among them: the kept slots (None: none yet), then
+    the new sinks, in order."""
+    leaving = leaving.expand(k.shape[0], -1)
+    if kept_k is not None:
+        k, v = torch.cat([kept_k.to(k.dtype), k], dim=2), torch.cat([kept_v.to(v.dtype), v], dim=2)
+        leaving = torch.cat([kept_mask, leaving], dim=1)
+    idx, found = first_true(leaving, count)
+    return gather_keys(k, idx, 2), gather_keys(v, idx, 2), found
 
 
 def shifted_lt(fq: torch.Tensor, fk: torch.Tensor, vext: torch.Tensor, shift: int, block: int, square: bool,
@@ -68,18 +159,20 @@ def window_tiles(x: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
 
 
 def window_scores(q: torch.Tensor, k: torch.Tensor, window: int, causal: bool, scale: float,
-                  key_mask: torch.Tensor | None):
+                  key_mask: torch.Tensor | None, sinks: Sinks | None = None):
     """Scores s q.k of every query against its tile's candidate keys, and which are in its window.
 
     q (B, Hkv, G, n, d), k (B, Hkv, 1, n, d), key_mask (B, n) bool or None.
     Returns scores (B, Hkv, G, tiles, w, span) and allowed (broadcastable bool): j in W(i),
-    0 <= j < n and not padded.
+    0 <= j < n and not padded. With ``sinks`` their E slots follow the span's candidates in both
+    (last dim span + E; allowed as ``Sinks.visible``): one softmax over both (``key_mask`` is then ``Sinks.rest``,
+    which leaves the sinks to their slots).
     """
     n = q.shape[-2]
     tiles = -(-n // window)
-    qt = F.pad(q, (0, 0, 0, tiles * window - n)).unflatten(-2, (tiles, window))
+    qt = F.pad(q, (0, 0, 0, tiles * window - n)).unflatten(-2, (tiles, window)) * scale
     kt = window_tiles(k, window, causal)
-    scores = torch.matmul(qt * scale, kt.transpose(-1, -2))
+    scores = torch.matmul(qt, kt.transpose(-1, -2))
     span = kt.shape[-2]
     qpos = torch.arange(tiles * window, device=q.device).view(tiles, window, 1)
     kpos = (torch.arange(tiles, device=q.device).view(tiles, 1, 1) * window - window
@@ -90,4 +183,10 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, window: int, causal: bool, s
     if key_mask is not None:
         km = window_tiles(key_mask[:, None, None, :, None].to(q.dtype), window, causal)[..., 0] > 0
         allowed = allowed & km.unsqueeze(-2)
+    if sinks is not None:
+        extra = torch.matmul(qt, sinks.k.unsqueeze(3).transpose(-1, -2))  # (B, Hkv, G, tiles, w, E): small
+        seen = sinks.visible(qpos[..., 0]) & (qpos < n)
+        lead = torch.broadcast_shapes(allowed.shape[:-1], seen.shape[:-1])
+        scores = torch.cat([scores, extra], dim=-1)
+        allowed = torch.cat([allowed.expand(*lead, span), seen.expand(*lead, seen.shape[-1])], dim=-1)
     return scores, allowed

@@ -34,6 +34,7 @@ def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str) 
         f"- base model: `{a['model']}` (loaded from `{model_path}`)",
         f"- attention: `{a['attention']}`" + (f", PolyAttnConfig `{results.get('polyattn')}`"
                                                if results.get("polyattn") else ""),
+        *_softmax_heads_bullet(folder, results),
         f"- data: `{a['data']}` ({results.get('data')})",
         f"- attention transfer steps: {a['transfer_steps']} (lr {a['transfer_lr']}), fine-tuning steps: "
         f"{a['finetune_steps']} (lr {a['finetune_lr']}, {'LoRA r=' + str(a['lora_r']) if a['lora'] else 'full'})",
@@ -68,6 +69,21 @@ def long_context_section(result: dict[str, Any], folder: Path) -> list[str]:
     if plot_long_context(result, folder / "long_context.png") is not None:
         lines += ["![perplexity vs context and passkey heatmaps](long_context.png)", ""]
     return lines
+
+
+def _softmax_heads_bullet(folder: Path, results: dict[str, Any]) -> list[str]:
+    """'- softmax heads: ...' for a hybrid (``PolyAttnConfig.softmax_heads``), read with the model's config.json in
+    ``folder``; nothing otherwise."""
+    settings = results.get("polyattn") or {}
+    if not settings.get("softmax_heads"):
+        return []
+    from transformers import AutoConfig
+
+    from ..config import PolyAttnConfig
+    from ..integration.hub import softmax_heads_summary
+
+    summary = softmax_heads_summary(AutoConfig.from_pretrained(folder), PolyAttnConfig.from_dict(settings))
+    return [f"- softmax heads: {summary}"]
 
 
 def eval_results_for_card(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .metrics import perplexity
+from .passkey import passkey_prompt
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -42,7 +43,6 @@ __all__ = [
     "evaluate_model",
     "evaluate_rows",
     "long_context_markdown",
-    "passkey_prompt",
     "passkey_retrieval",
     "perplexity_curve",
     "plot_long_context",
@@ -52,15 +52,6 @@ __all__ = [
 
 DEFAULT_CONTEXTS = (256, 1024, 2048, 4096, 8192)
 DEFAULT_PASSKEY_LENGTHS = (1024, 2048, 4096)
-
-# The passkey prompt of Mohtashami & Jaggi (2023, "Landmark Attention"), as used by LongLoRA, StreamingLLM and the
-# linearisation papers (LoLCATs, Lizard): a fixed filler sentence repeated around one needle.
-PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                 "I will quiz you about the important information there. ")
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-PASSKEY_QUESTION = "What is the pass key? The pass key is"
-
 
 def _check_lengths(name: str, values: Iterable[int], minimum: int) -> tuple[int, ...]:
     out = tuple(values)
@@ -142,33 +133,6 @@ def _max_positions(model) -> int | None:
 # ----------------------------------------------------------------------------------------------- passkey
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[torch.Tensor, tuple[int, int]]:
-    """(input ids (1, n) with n <= length, (start, end) token span of the needle sentence).
-
-    The filler is repeated as often as fits in ``length`` tokens around the needle; ``depth`` in [0, 1] is the
-    fraction of the filler placed before it. Pieces are tokenised separately and joined, so the needle's span is
-    exact (the filler and the needle end in a space, which keeps each piece's tokens as in the whole text for
-    byte-level BPE tokenisers).
-    """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
-    intro, filler = _encode(tokenizer, PASSKEY_INTRO), _encode(tokenizer, PASSKEY_FILLER)
-    needle, question = _encode(tokenizer, PASSKEY_NEEDLE.format(key=key)), _encode(tokenizer, PASSKEY_QUESTION)
-    reps = (length - len(intro) - len(needle) - len(question)) // len(filler)
-    if reps < 1:
-        raise ValueError(f"passkey length {length} is too short for the prompt (needs at least "
-                         f"{len(intro) + len(needle) + len(question) + len(filler)} tokens with this tokenizer)")
-    before = int(round(reps * depth))
-    ids = intro + filler * before
-    span = (len(ids), len(ids) + len(needle))
-    ids = ids + needle + filler * (reps - before) + question
-    return torch.tensor([ids], dtype=torch.long), span
-
-
 _NUMBER = re.compile(r"\d+")
 
 
@@ -201,8 +165,8 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     try:
         for length, depth in it:
             key = rng.randint(10000, 99999)
-            ids, _ = passkey_prompt(tokenizer, length, depth, key)
-            ids = ids.to(device)
+            ids = torch.tensor([passkey_prompt(tokenizer, length=length, depth=depth, key=str(key)).prompt],
+                               device=device)
             t0 = time.time()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad)
@@ -329,8 +293,8 @@ def long_context_markdown(result: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     s = result["settings"]
     note = (f"\nPerplexity = exp(mean token NLL) over the first {result['tokens']:,} held-out tokens, non-overlapping "
-            f"windows of each context (every token but a window's first scored once); ratios to the softmax row. Passkey: "
-            f"{s['passkey_depths']} depths per length, seed {s['passkey_seed']}, greedy decoding through the "
+            f"windows of each context (every token but a window's first scored once); ratios to the softmax row. "
+            f"Passkey: {s['passkey_depths']} depths per length, seed {s['passkey_seed']}, greedy decoding through the "
             f"model's own cache, exact match of the 5-digit key. Machine: {result.get('machine', '?')}.")
     return "\n".join(lines) + "\n" + note + "\n"
 

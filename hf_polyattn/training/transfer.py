@@ -9,6 +9,10 @@ with a dedicated attention function, registered as ``"polyattn_distill"``, which
 3. records MSE(student, teacher) (optionally + a cross-entropy between the attention weights),
 4. returns the **teacher** output, so the next layer sees exactly the softmax model's hidden states.
 
+A layer with softmax heads (``PolyAttnConfig.softmax_heads``) is exact on those heads: the student there is the
+kind's module of the other heads (``HybridAttention.kernel``) and the MSE compares those heads only; a layer whose
+every head is softmax has no student and adds no loss (its output is the teacher's).
+
 Step 4 makes the training layer-wise, as in LoLCATs: every layer learns to imitate its own softmax
 attention on the inputs it will see once the layers below are good imitations too, and no gradient
 flows between layers (q, k, v are outputs of frozen projections, so the only autograd graph is the
@@ -27,6 +31,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from ..ops.hybrid import HybridAttention
 
 __all__ = [
     "DISTILL_NAME",
@@ -49,9 +55,11 @@ class DistillCollector:
         self.losses: list[torch.Tensor] = []
         self.mse: list[float] = []
         self.ce: list[float] = []
+        self.exact_layers = 0  # layers whose every kv head is softmax (no student): counted, not trained
 
     def reset(self) -> None:
         self.losses, self.mse, self.ce = [], [], []
+        self.exact_layers = 0
 
     def loss(self) -> torch.Tensor:
         if not self.losses:
@@ -96,10 +104,19 @@ def distill_attention(module, query, key, value, attention_mask, *, scaling=None
     poly = getattr(module, "polyattn", None)
     if poly is None:
         raise RuntimeError(f"{type(module).__name__} has no 'polyattn' submodule: run hf_polyattn.convert first")
+    tgt = teacher.float()
+    if isinstance(poly, HybridAttention):
+        # softmax heads are exact already: the student is the kind's module on the other heads, against their part
+        # of the teacher (their error is not diluted by exact heads); a layer of softmax heads only learns nothing
+        if poly.kernel is None:
+            coll.exact_layers += 1
+            return teacher, None
+        _, (query, key, value) = poly.split(query, key, value)
+        tgt = tgt.index_select(2, poly.index("kernel_q", tgt.device))
+        poly = poly.kernel
     kpm = _key_padding_from_mask(attention_mask, key.shape[2])
     student = poly(query, key, value, causal=bool(is_causal), scaling=scaling, key_padding_mask=kpm)
     student = student.transpose(1, 2).float()  # (B, Lq, H, D)
-    tgt = teacher.float()
     row_ok = None
     if kpm is not None and query.shape[2] == key.shape[2]:
         row_ok = kpm[:, :, None, None].to(tgt.dtype)  # padded query rows do not count
@@ -166,6 +183,10 @@ def register_distill_attention() -> None:
 def polyattn_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """Names and parameters of every ``polyattn`` submodule (the only ones transfer trains)."""
     params = [(n, p) for n, p in model.named_parameters() if ".polyattn." in f".{n}"]
+    hybrids = [m for m in model.modules() if isinstance(m, HybridAttention)]
+    if not params and hybrids and all(m.kernel is None for m in hybrids):
+        raise ValueError("the model has no '.polyattn.' parameters: PolyAttnConfig.softmax_heads names every kv head, "
+                         "so every head is exact softmax and there is nothing to transfer")
     if not params:
         raise ValueError("the model has no '.polyattn.' parameters: convert it with hf_polyattn.convert(model, "
                          "PolyAttnConfig(...)) first (learned sketches / qk_norm give the transfer something to train)")

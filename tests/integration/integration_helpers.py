@@ -168,24 +168,6 @@ def build(arch_name: str, kind: str | PolyAttnConfig | None = None, seed: int = 
     return model
 
 
-def check_left_padded_generation(model) -> None:
-    """Greedy generation of a left-padded batch (a 12-token prompt and an 8-token one padded by 4, a multiple of the
-    tests' block_size 4) gives each row what its prompt generates alone: tokens and logits."""
-    long, short = (torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(s))[0]
-                   for n, s in ((12, 1), (8, 2)))
-    ids = torch.zeros((2, 12), dtype=torch.long)
-    mask = torch.zeros((2, 12), dtype=torch.long)
-    ids[0], mask[0] = long, 1
-    ids[1, 4:], mask[1, 4:] = short, 1
-    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    batch = model.generate(ids, attention_mask=mask, **kw)
-    for row, prompt in enumerate([long, short]):
-        alone = model.generate(prompt[None], **kw)
-        assert torch.equal(batch.sequences[row, 12:], alone.sequences[0, len(prompt):])
-        for a, b in zip(batch.logits, alone.logits):
-            torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)
-
-
 def perturb_polyattn(model, seed: int = 1) -> None:
     """Move every polyattn tensor off its seed value, so reload tests can fail."""
     gen = torch.Generator().manual_seed(seed)
@@ -193,3 +175,49 @@ def perturb_polyattn(model, seed: int = 1) -> None:
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if ".polyattn." in name and t.is_floating_point():
                 t.add_(0.05 * torch.randn(t.shape, generator=gen).to(t.dtype))
+
+
+def prompt_ids(batch: int = 1, length: int = 10, seed: int = 0) -> torch.Tensor:
+    """Seeded token ids in [3, VOCAB) (0..2 are the tiny models' pad / bos / eos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=gen)
+
+
+def assert_left_padded_generation_equals_rows(model, pad: int = 4, length: int = 12) -> None:
+    """A batch of a prompt of ``length`` tokens and one ``pad`` tokens shorter, left-padded, generates (tokens and
+    logits) what each prompt generates alone."""
+    check_left_padded_generation(model, [prompt_ids(1, length, seed=1)[0], prompt_ids(1, length - pad, seed=2)[0]],
+                                 length)
+
+
+def check_left_padded_generation(model, prompts: list[torch.Tensor], width: int) -> None:
+    """Greedy ``generate`` of ``prompts`` left-padded to ``width`` in one batch gives each row the tokens and logits
+    of the prompt generated alone."""
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    batch = model.generate(ids, attention_mask=mask, **kw)
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], **kw)
+        assert torch.equal(batch.sequences[row, width:], alone.sequences[0, len(prompt):])
+        for a, b in zip(batch.logits, alone.logits):
+            torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)
+
+
+def check_greedy_steps(model, ids: torch.Tensor, steps: int = 8) -> None:
+    """Greedy ``generate`` with the recurrent cache (picked automatically) gives at every step the logits of the
+    uncached forward on the sequence so far, and its argmax."""
+    from hf_polyattn import PolyAttnCache
+
+    out = model.generate(ids, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, PolyAttnCache)
+    seq = out.sequences
+    assert seq.shape[1] == ids.shape[1] + steps
+    for step, logits in enumerate(out.logits):
+        upto = ids.shape[1] + step
+        with torch.no_grad():
+            full = model(seq[:, :upto], use_cache=False).logits[:, -1]
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        assert torch.equal(full.argmax(-1), seq[:, upto])

@@ -52,6 +52,9 @@ def _wrong_values(annotation: str) -> list:
         "float": ["1", True, "nan", NAN, INF, [1.0]],
         "str": [3, True, "bogus", ["auto"]],
         "tuple[float, ...]": ["12", 1.0, (NAN,), ("1",)],
+        # (layer, kv_head) pairs: a flat pair, a str, a set, a pair of 1 or 3, negative, float, bool, str, None items
+        "tuple[tuple[int, int], ...]": [(0, 1), "0,1", 3, {(0, 1)}, [(0,)], [(0, 1, 2)], [(-1, 0)], [(0, 1.0)],
+                                        [(True, 0)], [["0", 1]], [None]],
     }[base]  # KeyError: a new annotation this test does not know yet (add it here and in config.py)
     return wrong if optional else [*wrong, None]
 
@@ -247,3 +250,20 @@ def test_polysketch_degree_is_capped():
     for degree in (128, 2**40):
         with pytest.raises(ValueError, match=r"power of two in \[2, 64\]"):
             PolyAttnConfig(kind="polysketch", degree=degree)
+
+
+def test_softmax_heads_field():
+    cfg = PolyAttnConfig(kind="linear", softmax_heads=[[7, 2], (6, 0)])
+    assert cfg.softmax_heads == ((6, 0), (7, 2))  # a set of heads: stored sorted, as tuples
+    assert cfg.to_dict()["softmax_heads"] == [[6, 0], [7, 2]]  # JSON: lists of [layer, head]
+    assert PolyAttnConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert PolyAttnConfig(kind="linear", softmax_heads=[]).softmax_heads is None  # no pair: the same as None
+    assert PolyAttnConfig(kind="linear").to_dict()["softmax_heads"] is None
+    for kind in ("polysketch", "performer", "sliding_window", "bigbird"):  # any kind takes it
+        assert PolyAttnConfig.for_kind(kind, softmax_heads=[(0, 0)]).softmax_heads == ((0, 0),)
+    with pytest.raises(ValueError, match=r"^softmax_heads must name each \(layer, kv_head\) pair once, got "
+                                         r"\[\(1, 0\)\] more than once"):
+        PolyAttnConfig(kind="linear", softmax_heads=[(1, 0), (0, 1), [1, 0]])
+    with pytest.raises(ValueError, match=r"^softmax_heads must be a list of \[layer, kv_head\] pairs of ints >= 0, got "
+                                         r"\(0, -1\) at index 1"):
+        PolyAttnConfig(kind="linear", softmax_heads=[(0, 0), (0, -1)])

@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from integration_helpers import ARCHS, VOCAB, auto_class, build, check_left_padded_generation, perturb_polyattn
+from integration_helpers import (
+    ARCHS,
+    VOCAB,
+    assert_left_padded_generation_equals_rows,
+    auto_class,
+    build,
+    check_greedy_steps,
+    perturb_polyattn,
+    prompt_ids,
+)
 
 import hf_polyattn
-from hf_polyattn import PolyAttnCache, PolyAttnConfig
+from hf_polyattn import PolyAttnConfig
 
 DECAYED = {
     # Llama: grouped-query attention (2 kv heads for 4 query heads), gates read from the values, a window
@@ -34,23 +43,14 @@ def _model(name):
 
 @pytest.mark.parametrize("name", list(DECAYED))
 def test_greedy_generation_equals_full_forward(name):
-    model = _model(name)
-    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, PolyAttnCache)
-    seq = out.sequences
-    for step, logits in enumerate(out.logits):
-        upto = ids.shape[1] + step
-        with torch.no_grad():
-            full = model(seq[:, :upto], use_cache=False).logits[:, -1]
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    check_greedy_steps(_model(name), prompt_ids())
 
 
 @pytest.mark.parametrize("name", ["llama-gate-window", "llama-scalar-local"])
 def test_left_padded_batch_generation_equals_rows(name):
     """Padded keys have gate 1 and no value: a left-padded prompt generates what it generates alone (padding by
     4 = block_size keeps local_exact's blocks where they were)."""
-    check_left_padded_generation(_model(name))
+    assert_left_padded_generation_equals_rows(_model(name), pad=4)
 
 
 @pytest.mark.parametrize("name", ["llama-gate-window", "gpt2-scalar-window"])

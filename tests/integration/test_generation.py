@@ -7,10 +7,11 @@ import torch
 from integration_helpers import (
     CAUSAL_KINDS,
     KIND_CONFIGS,
-    VOCAB,
     arch_kind_params,
+    assert_left_padded_generation_equals_rows,
     build,
-    check_left_padded_generation,
+    check_greedy_steps,
+    prompt_ids,
 )
 from transformers import DynamicCache
 
@@ -27,25 +28,12 @@ def _model(arch, kind):
     return model
 
 
-def _prompt(batch=1, length=10, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=gen)
+_prompt = prompt_ids
 
 
 @pytest.mark.parametrize("arch,kind", GEN_MATRIX)
 def test_greedy_equals_full_forward_every_step(arch, kind):
-    model = _model(arch, kind)
-    ids = _prompt()
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, PolyAttnCache)  # picked automatically
-    seq = out.sequences
-    assert seq.shape[1] == ids.shape[1] + 8
-    for step, logits in enumerate(out.logits):
-        upto = ids.shape[1] + step
-        with torch.no_grad():
-            full = model(seq[:, :upto], use_cache=False).logits[:, -1]
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-        assert torch.equal(full.argmax(-1), seq[:, upto])
+    check_greedy_steps(_model(arch, kind), _prompt())
 
 
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
@@ -76,7 +64,7 @@ def test_beam_search_reorders_states(arch, kind):
 # once; a right-padded row is unchanged: tests/kinds/test_bigbird.py)
 @pytest.mark.parametrize("arch,kind", [p for p in GEN_MATRIX if p.values[1] != "bigbird"])
 def test_left_padded_batch_generation_equals_rows(arch, kind):
-    check_left_padded_generation(_model(arch, kind))
+    assert_left_padded_generation_equals_rows(_model(arch, kind), pad=4)  # lengths differ by block_size 4
 
 
 def _step_nbytes(model, ids, steps):

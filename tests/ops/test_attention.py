@@ -106,10 +106,15 @@ def test_fast_path_matches_reference(kind, shape):
     ref = reference_attention(mod, q, k, v, causal=causal, key_padding_mask=mask, scaling=0.4)
     assert out.shape == (batch, heads, lq, D)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    assert_grads_match(mod, out, ref, (q, k, v))
+
+
+def assert_grads_match(mod, out, ref, inputs):
+    """d/d(q, k, v) and d/d(every trainable parameter of ``mod``) of <out, g> and <ref, g> agree, g random."""
     grad = torch.randn_like(out)
     params = [p for p in mod.parameters() if p.requires_grad]
-    fast = torch.autograd.grad((out * grad).sum(), [q, k, v, *params], allow_unused=True)
-    slow = torch.autograd.grad((ref * grad).sum(), [q, k, v, *params], allow_unused=True)
+    fast = torch.autograd.grad((out * grad).sum(), [*inputs, *params], allow_unused=True)
+    slow = torch.autograd.grad((ref * grad).sum(), [*inputs, *params], allow_unused=True)
     names = ["dq", "dk", "dv"] + [n for n, p in mod.named_parameters() if p.requires_grad]
     for name, a, b in zip(names, fast, slow):
         if a is None or b is None:  # unused on one side (no key beyond a window): zero on the other
@@ -121,19 +126,22 @@ def test_fast_path_matches_reference(kind, shape):
 @pytest.mark.parametrize("kind", CASES, ids=[k[0] for k in CASES])
 def test_causality(kind):
     """Changing tokens >= t leaves outputs < t (and their gradients w.r.t. earlier tokens) unchanged."""
-    mod = _module(kind[1], 4, 2)
-    n, t = 45, 19  # t inside a block of 16: the diagonal block mixes positions < t and >= t
-    q, k, v = _inputs(2, 4, 2, n, n)
+    assert_causal(_module(kind[1], 4, 2), n=45, t=19)  # t inside a block of 16: it mixes positions < t and >= t
+
+
+def assert_causal(mod, n: int, t: int) -> None:
+    """Changing tokens >= t leaves ``mod``'s outputs < t unchanged and reaches every head's later rows; no gradient
+    flows from earlier outputs into later inputs."""
+    q, k, v = _inputs(2, mod.num_heads, mod.num_kv_heads, n, n)
     out = mod(q, k, v, causal=True)
     q2, k2, v2 = (x.detach().clone() for x in (q, k, v))
     for x in (q2, k2, v2):
         x[:, :, t:] = 5.0 * torch.randn_like(x[:, :, t:])
     out2 = mod(q2, k2, v2, causal=True)
     torch.testing.assert_close(out2[:, :, :t], out[:, :, :t], rtol=0, atol=1e-12)
-    assert (out2[:, :, t:] - out[:, :, t:]).abs().max() > 1e-3  # the change did reach later rows
-    # no gradient flows from earlier outputs into later inputs
-    gq, gk, gv = torch.autograd.grad(out[:, :, :t].sum(), (q, k, v))
-    for g in (gq, gk, gv):
+    for h in range(mod.num_heads):  # the change did reach later rows
+        assert (out2[:, h, t:] - out[:, h, t:]).abs().max() > 1e-3, h
+    for g in torch.autograd.grad(out[:, :, :t].sum(), (q, k, v)):
         assert g[:, :, t:].abs().max() == 0
 
 

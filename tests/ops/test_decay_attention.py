@@ -29,6 +29,9 @@ KINDS = [
     ("linear-taylor-w4-proj", dict(kind="linear", feature_map="taylor", window=4, feature_proj=12)),
     ("performer-w4", dict(kind="performer", num_features=16, window=4)),
     ("taylor-w3", dict(kind="taylor", window=3)),
+    # attention sinks and learned slots beside the window: exact, never decayed (a sink's own gate, its row's first
+    # real key's, multiplies no kernel term)
+    ("polysketch-w4-sinks", dict(kind="polysketch", sketch_size=8, window=4, sinks=2, learned_sinks=2)),
     ("polysketch-local", dict(kind="polysketch", sketch_size=8, local_exact=True)),
     ("performer-local", dict(kind="performer", num_features=16, local_exact=True)),
     ("linear-relu", dict(kind="linear", feature_map="relu")),
@@ -111,7 +114,7 @@ def test_decay_changes_only_the_kernel_part():
 
 
 @pytest.mark.parametrize("opts", _params("polysketch-w5-scalar", "linear-elu-w4-mix-gate", "polysketch-local-scalar",
-                                         "linear-relu-gate", "taylor-cumsum-gate"))
+                                         "linear-relu-gate", "taylor-cumsum-gate", "polysketch-w4-sinks-gate"))
 def test_causal_and_cache(opts):
     pa = _module(opts)
     q, k, v = (x.detach() for x in _qkv(2, 4, 2, 26, 26, seed=3))
@@ -126,7 +129,7 @@ def test_causal_and_cache(opts):
 
 
 @pytest.mark.parametrize("opts", _params("polysketch-w5-scalar", "polysketch-learned-poly-w6-gate",
-                                         "performer-local-gate", "polysketch-scalar"))
+                                         "performer-local-gate", "polysketch-scalar", "polysketch-w4-sinks-scalar"))
 def test_left_padding_changes_no_row(opts):
     """Padded keys have gate 1 and no value: a left-padded row equals the row alone, in one call and cached."""
     pa = _module(opts, 2, 2)
@@ -141,6 +144,27 @@ def test_left_padding_changes_no_row(opts):
     chunks = ((0, 6), *((i, i + 1) for i in range(6, 13 + pad)))
     torch.testing.assert_close(recurrent_outputs(pa, qp, kp, vp, chunks, mask)[:, :, pad:], alone, rtol=1e-10,
                                atol=1e-10)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_softmax_heads_hybrid(decay):
+    """The kernel heads of a softmax_heads hybrid decay (their parameters per kernel kv head), the softmax heads do
+    not: against ops.hybrid.hybrid_reference and cached."""
+    from hf_polyattn.ops.hybrid import build_attention, hybrid_reference
+
+    cfg = PolyAttnConfig(kind="linear", window=4, block_size=4, decay=decay, decay_horizon=4.0,
+                         softmax_heads=((1, 0),))
+    hy = build_attention(cfg, 4, D, 2, layer_idx=1).double()
+    assert all(n.startswith("kernel.") and p.shape[0] == 1 for n, p in hy.named_parameters())  # 1 kernel kv head
+    with torch.no_grad():
+        for p in hy.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    q, k, v = (x.detach() for x in _qkv(2, 4, 2, 26, 26, seed=9))
+    mask = _padding_mask(2, 26, "left")
+    out = hy(q, k, v, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out, hybrid_reference(hy, q, k, v, causal=True, key_padding_mask=mask), rtol=1e-9,
+                               atol=1e-9)
+    torch.testing.assert_close(recurrent_outputs(hy, q, k, v, CHUNKS, mask), out, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("opts", [

@@ -16,6 +16,7 @@ from hf_polyattn.ops.backend import ENV_VAR
 from hf_polyattn.ops.common import _with_normaliser
 from hf_polyattn.ops.reference import reference_attention
 from hf_polyattn.ops.triton import local_blocks_triton
+from hf_polyattn.ops.window import Sinks
 from tests.ops.test_triton_local import FP32_REL, HALF_REL, _close, _inputs, _mask, _normwise
 from tests.ops.triton_setup import DEVICE  # sets TRITON_INTERPRET before the kernels load
 
@@ -26,7 +27,13 @@ B, HKV, G, D = 2, 2, 2, 8
 def _module(kernel: str, degree: int, window: int, **extra) -> PolyAttention:
     cfg = PolyAttnConfig(kind="polysketch", sketch_size=4, degree=degree, window=window, local_kernel=kernel,
                          block_size=16, **extra)
-    return PolyAttention(cfg, HKV * G, D, HKV).to(DEVICE)
+    mod = PolyAttention(cfg, HKV * G, D, HKV).to(DEVICE)
+    if cfg.learned_sinks:
+        with torch.no_grad():  # off their zero start, so that the slots' weights and values matter
+            gen = torch.Generator().manual_seed(5)
+            mod.sink_k.copy_(torch.randn(mod.sink_k.shape, generator=gen))
+            mod.sink_v.copy_(torch.randn(mod.sink_v.shape, generator=gen))
+    return mod
 
 
 def _grads(loc, far, xs, seed=1):
@@ -37,27 +44,40 @@ def _grads(loc, far, xs, seed=1):
     return torch.autograd.grad(loss, [x for x in xs if x is not None])
 
 
-def _compare(kernel, degree, window, causal, mask_kind, monkeypatch, log_scale=False, n=N, q_scale=1.0):
-    mod = _module(kernel, degree, window)
+def _compare(kernel, degree, window, causal, mask_kind, monkeypatch, log_scale=False, n=N, q_scale=1.0, **extra):
+    """The Triton window against the PyTorch one: values, far scale and gradients. ``extra``: config fields, such as
+    ``sinks`` and ``learned_sinks`` (their slots then join both as inputs of their own, the window's mask leaving
+    the sinks to them)."""
+    mod = _module(kernel, degree, window, **extra)
     mask = _mask(mask_kind, n)
     q, k, v, c = _inputs(n, q_scale=q_scale, log_scale=log_scale)
+    inputs, slots = [q, k, v, c], ()
+    found = mod._window_sinks(k, v, mask)
+    if found is not None:
+        # the slots' keys and [v, 1] as leaves: the kernels' gradients of every column (the gathered sinks' way back
+        # into k and the learned slots' into their parameters are PyTorch's, tested through the module)
+        slots = tuple(x.detach().requires_grad_() for x in (found.k, found.v))
+        inputs += slots
+        mask = found.rest(mask)
+        slots += (found.pos,)
 
     def args():  # [v, 1] made anew per run: its graph is freed by the first run's gradients
         return q, k, _with_normaliser(v, mask), mask, causal, D ** -0.5, c
 
-    ref, ref_far = mod._window_exact(*args())
-    ref_grads = _grads(ref, ref_far, (q, k, v, c))
+    ref, ref_far = mod._window_exact(*args(), *slots)
+    ref_grads = _grads(ref, ref_far, inputs)
     with monkeypatch.context() as m:
         m.setenv(ENV_VAR, "triton")
         m.setattr(mod, "_window_exact", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("PyTorch window")))
-        loc, far = mod._window_local(*args())
+        loc, far = mod._window_local(*args(), None, None if found is None else Sinks(*slots))
     assert loc.shape == ref.shape and loc.dtype == torch.float32
     _close(loc, ref, FP32_REL, "loc")
     if ref_far is None:
         assert far is None
     else:
         _close(far, ref_far, FP32_REL, "far_scale")
-    for name, a, b in zip("qkvc", _grads(loc, far, (q, k, v, c)), ref_grads):
+    names = [name for name, x in zip(["q", "k", "v", "c", "slot k", "slot [v, 1]"], inputs) if x is not None]
+    for name, a, b in zip(names, _grads(loc, far, inputs), ref_grads, strict=True):
         _close(a, b, FP32_REL, f"d{name}")
 
 

@@ -116,11 +116,12 @@ def test_window_causal_and_recurrent(opts):
         full, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("opts", [dict(kind="linear", window=4), dict(kind="polysketch", sketch_size=8, window=5)],
-                         ids=["linear", "polysketch"])
+@pytest.mark.parametrize("opts", [dict(kind="linear", window=4), dict(kind="polysketch", sketch_size=8, window=5),
+                                  dict(kind="linear", window=4, sinks=2, learned_sinks=2)],
+                         ids=["linear", "polysketch", "linear-sinks"])
 def test_window_left_padding_is_exact(opts):
     """Windows are relative to each query, so a left-padded row equals the row unpadded (the
-    block-diagonal local_exact cannot promise this)."""
+    block-diagonal local_exact cannot promise this); sinks are the row's first real keys, whatever the padding."""
     pa = PolyAttention(PolyAttnConfig(block_size=4, **opts), 2, D).double()
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 13, D, generator=gen, dtype=torch.float64) for _ in range(3))

@@ -11,12 +11,9 @@ import torch
 
 import hf_polyattn  # noqa: F401  (registers the kinds)
 from hf_polyattn.training.long_context import (
-    PASSKEY_FILLER,
-    PASSKEY_NEEDLE,
     LongContextSettings,
     evaluate_rows,
     long_context_markdown,
-    passkey_prompt,
     passkey_retrieval,
     perplexity_curve,
     write_long_context,
@@ -30,20 +27,6 @@ def tiny(tiny_dirs):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     return model, AutoTokenizer.from_pretrained(tiny_dirs["llama"])
-
-
-def test_passkey_prompt_length_span_and_depth(tiny):
-    _, tok = tiny
-    ids, (s, e) = passkey_prompt(tok, 600, 0.0, 12345)
-    filler = len(tok(PASSKEY_FILLER, add_special_tokens=False)["input_ids"])
-    assert ids.shape[0] == 1 and 600 - filler < ids.shape[1] <= 600  # whole fillers: within one of the length
-    assert tok.decode(ids[0, s:e]) == PASSKEY_NEEDLE.format(key=12345)
-    spans = [passkey_prompt(tok, 600, d, 12345)[1][0] for d in (0.0, 0.3, 0.7, 1.0)]
-    assert spans == sorted(spans) and spans[0] < spans[-1]  # deeper needles sit later
-    with pytest.raises(ValueError, match="too short"):
-        passkey_prompt(tok, 200, 0.5, 12345)  # this tiny BPE needs 227 tokens
-    with pytest.raises(ValueError, match="depth"):
-        passkey_prompt(tok, 600, 1.5, 12345)
 
 
 class _Answers(torch.nn.Module):

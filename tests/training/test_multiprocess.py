@@ -12,10 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["full", "two_stage"])
+@pytest.mark.parametrize("mode", ["full", "two_stage", "hybrid"])
 def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path, mode):
     """accelerate launch --multi_gpu --num_processes 2 (gloo DDP on CPU): both ranks end with the same weights,
-    for full fine-tuning and for the two-stage recipe (window + projection transfer, then LoRA)."""
+    for full fine-tuning, for the two-stage recipe (window + projection transfer, then LoRA) and with softmax heads
+    (DDP fails on a trainable parameter that gets no gradient)."""
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     assert launcher, "accelerate CLI not found"
     cmd = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",

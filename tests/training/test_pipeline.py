@@ -107,3 +107,24 @@ def test_length_curriculum_batches_and_checks(tiny_dirs, text_file, tmp_path):
                        ("16:3:0", "BATCH")):
         with pytest.raises(ValueError, match=match):
             RetrofitArgs(model=tiny_dirs["llama"], data=text_file, transfer_steps=3, transfer_schedule=bad)
+
+
+def test_causal_lm_with_softmax_heads_transfers_and_cards_them(tiny_dirs, text_file, tmp_path):
+    """polyattn_json softmax_heads through the recipe: transfer trains the kind's heads, the folder reloads as the
+    same hybrid and both card sections name the softmax heads and the decode memory per token."""
+    from transformers import AutoModelForCausalLM
+
+    res = run(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="polysketch", sketch_size=8,
+                           block_size=16, window=8, feature_proj=0, context=32, eval_context=32, eval_stride=32,
+                           max_eval_tokens=256, transfer_steps=2, eval_before=False, progress=False,
+                           polyattn_json=json.dumps({"softmax_heads": [[0, 1], [1, 0], [1, 1]]}),
+                           output_dir=str(tmp_path / "hybrid")))
+    assert res["stages"]["transfer"]["steps"] == 2 and res["polyattn"]["softmax_heads"] == [[0, 1], [1, 0], [1, 1]]
+    folder = tmp_path / "hybrid" / "model"
+    card = " ".join((folder / "README.md").read_text().split())
+    # hidden 32, 4 heads: head_dim 8; softmax 2 x 2 kv heads x 8 x 2 layers = 64 numbers per token, kept 2 x 3 x 8
+    summary = "3 of the 4 KV heads (2 layers x 2) keep exact softmax attention"
+    assert f"- softmax heads: {summary}" in card and "### Softmax heads" in card
+    assert "2 x 3 x 8 = 48 numbers against softmax's 2 x 2 x 8 x 2 = 64 (0.750x)" in card
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert hf_polyattn.get_polyattn_config(model).softmax_heads == ((0, 1), (1, 0), (1, 1))

@@ -73,3 +73,47 @@ def test_transfer_needs_a_converted_model():
     with pytest.raises(ValueError, match="convert"):
         with distillation(_llama()):
             pass
+
+
+def test_transfer_with_softmax_heads_trains_the_kind_on_the_other_heads(monkeypatch):
+    """Layer 0 keeps kv head 1 softmax (the kind runs kv head 0), layer 1 keeps both: the student is the kind's
+    module on kv head 0 of layer 0 alone, its MSE is against those query heads of the teacher, layer 1 adds no loss,
+    and every trainable parameter gets a gradient (DDP fails on one that gets none)."""
+    from transformers import AttentionInterface
+
+    from hf_polyattn.ops import softmax_attention
+    from hf_polyattn.training.transfer import DISTILL_NAME, register_distill_attention
+
+    model = _llama().eval()
+    hf_polyattn.convert(model, CFG.replace(softmax_heads=[(0, 1), (1, 0), (1, 1)]))
+    params = polyattn_parameters(model)
+    assert params and all(n.startswith("model.layers.0.self_attn.polyattn.kernel.") for n, _ in params)
+    register_distill_attention()
+    seen = []
+    inner = AttentionInterface._global_mapping[DISTILL_NAME]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((module.polyattn, query.detach(), key.detach(), value.detach(), kwargs.get("scaling")))
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, DISTILL_NAME, spy)
+    x = torch.randint(1, 64, (2, 24))
+    with distillation(model) as coll:
+        loss = transfer_loss(model.base_model, {"input_ids": x}, coll)
+        assert len(coll.losses) == 1 and coll.exact_layers == 1
+        loss.backward()
+    for name, p in params:  # in the graph (a learned sketch's hidden layer gets a zero gradient at its init)
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert all(p.grad.abs().max() > 0 for n, p in params if "norm" in n)
+    poly, q, k, v, scaling = seen[0]
+    with torch.no_grad():
+        student = poly.kernel(q[:, :2], k[:, :1], v[:, :1], causal=True, scaling=scaling)
+        teacher = softmax_attention(q[:, :2], k[:, :1], v[:, :1], causal=True, scale=scaling)
+    assert coll.mse[0] == pytest.approx(float((student - teacher).square().mean()), rel=1e-4)
+
+
+def test_transfer_refuses_a_model_with_every_head_softmax():
+    model = _llama()
+    hf_polyattn.convert(model, CFG.replace(softmax_heads=[(i, h) for i in range(2) for h in range(2)]))
+    with pytest.raises(ValueError, match="softmax_heads names every kv head"):
+        polyattn_parameters(model)

@@ -16,13 +16,22 @@ Sliding window (``WINDOW``, runtime ``W`` >= 1; the host passes T = one row tile
 the keys j with i - W < j <= i (causal) or |i - j| < W, over the whole sequence instead of one
 block; the same weights, stabiliser and normaliser column (``ops/window.py``'s exact part).
 
+Sinks (``SINKS``, window mode only): NE extra keys per (batch row, kv head), ``ops/window.py``'s ``Sinks``
+(attention sinks gathered from the sequence, learned slots), each with a position: the query at row i sees the
+slot when pos <= i (the caller leaves the sinks out of the window's keys by the key padding mask). They share the
+row's weights, stabiliser and normaliser column with the window; the forward and the dq kernel read them in tiles
+of BS slots before the window's keys. Their gradients are summed by
+the dq kernel's programs, each writing its row tile's share (NT x NE x (D + E1 + 1) floats per query head, summed
+on the host): every query of the sequence may see a slot, so a program per slot tile would walk all n rows alone.
+
 Like flash attention, nothing b x b is stored: the forward keeps m (n floats per query head) for
 the softmax, the backward recomputes the weights tile by tile from q and k. Three kernels, one
 program per (row tile of a block, head):
 
 * ``_local_fwd_kernel``: per (query tile, query head); online row max for the softmax (the running
   maximum starts at 0, which is the clamp), fp32 accumulators.
-* ``_local_dq_kernel``: per (query tile, query head): dq = s sum_j dx_ij k_j.
+* ``_local_dq_kernel``: per (query tile, query head): dq = s sum_j dx_ij k_j (sinks included), and the tile's
+  share of the sink slots' dk, dv.
 * ``_local_dkv_kernel``: per (key tile, kv head), looping over the G query heads of the kv head
   (no atomics): dv_j = sum_i w_ij dO_i, dk_j = sum_i dx_ij (s q_i).
 
@@ -63,6 +72,42 @@ def _weights_and_slope(x, allowed, m, alpha, inv_beta, SOFTMAX: tl.constexpr, P:
         w = tl.where(allowed, pm1 * base, 0.0)
         slope = tl.where(allowed, pm1 * (P * inv_beta), 0.0)
     return w, slope
+
+
+@triton.jit
+def _accumulate(acc, acc_n, m_i, x, allowed, vt, vn, alpha, inv_beta, SOFTMAX: tl.constexpr, P: tl.constexpr,
+                PREC: tl.constexpr):
+    """The forward's running sums over one tile of keys with scores x: softmax with the online row max (the running
+    maximum starts at 0, which is the clamp), or the polynomial's plain sums."""
+    if SOFTMAX:
+        x = tl.where(allowed, x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, axis=1))
+        corr = tl.exp(m_i - m_new)
+        w = tl.exp(x - m_new[:, None])  # exp(-inf) = 0 off the allowed keys
+        acc = acc * corr[:, None] + tl.dot(w, vt, input_precision=PREC)
+        acc_n = acc_n * corr + tl.sum(w * vn[None, :], axis=1)
+        m_i = m_new
+    else:
+        w, _ = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, False, P)
+        acc += tl.dot(w, vt, input_precision=PREC)
+        acc_n += tl.sum(w * vn[None, :], axis=1)
+    return acc, acc_n, m_i
+
+
+@triton.jit
+def _sink_tile(sk_base, sv_base, sp_base, slots, rows, rmask, NE, ds, dmask, es, emask, E1, sskn, sskd, ssvn, ssve,
+               sspn):
+    """(allowed, k, v, v's normaliser column) of the sink slots ``slots`` for the query ``rows``: a slot at position
+    pos is seen from row pos on (learned slots sit at -2**30, empty ones at 2**30: ops/window.py OUTSIDE)."""
+    smask = slots < NE
+    pos = tl.load(sp_base + slots * sspn, mask=smask, other=1073741824)
+    kt = tl.load(sk_base + slots[:, None] * sskn + ds[None, :] * sskd,
+                 mask=smask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    vt = tl.load(sv_base + slots[:, None] * ssvn + es[None, :] * ssve,
+                 mask=smask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+    vn = tl.load(sv_base + slots * ssvn + E1 * ssve, mask=smask, other=0.0).to(tl.float32)
+    allowed = rmask[:, None] & smask[None, :] & (pos[None, :] <= rows[:, None])
+    return allowed, kt, vt, vn
 
 
 @triton.jit
@@ -144,14 +189,15 @@ def _key_range(start, q0, c_end, n, W, BQ: tl.constexpr, CAUSAL: tl.constexpr, W
 
 
 @triton.jit
-def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
-                      n, T, QPC, HKV, G, D, E1, W, scale, alpha, inv_beta,
+def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, sk_ptr, sv_ptr, sp_ptr,
+                      n, T, QPC, HKV, G, D, E1, W, NE, scale, alpha, inv_beta,
                       sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
                       smb, smn, sob, soh, sog, son, soe, smob, smoh, smog, smon,
+                      sskb, sskh, sskn, sskd, ssvb, ssvh, ssvn, ssve, sspb, sspn,
                       CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
-                      WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                      PREC: tl.constexpr):
-    """out[rows] = sum over the block's (window's) allowed keys of w_ij [v_j, 1]; softmax: also m[rows]."""
+                      WINDOW: tl.constexpr, SINKS: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr,
+                      BE: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    """out[rows] = sum over the block's (window's, sinks') allowed keys of w_ij [v_j, 1]; softmax: also m[rows]."""
     g, hh, bb, start, q0, c_end, rows, rmask = _query_tile(tl.program_id(0), tl.program_id(1), n, T, QPC, G, HKV,
                                                            BQ)
     ds, dmask, es, emask, k_base, v_base, qs = _query_operands(
@@ -159,6 +205,14 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
     acc = tl.zeros((BQ, BE), dtype=tl.float32)
     acc_n = tl.zeros((BQ,), dtype=tl.float32)  # the normaliser column
     m_i = tl.zeros((BQ,), dtype=tl.float32)  # running max, starting at the clamp 0
+    if SINKS:
+        sk_base = sk_ptr + bb.to(tl.int64) * sskb + hh.to(tl.int64) * sskh
+        sv_base = sv_ptr + bb.to(tl.int64) * ssvb + hh.to(tl.int64) * ssvh
+        for s0 in range(0, NE, BS):
+            allowed, kt, vt, vn = _sink_tile(sk_base, sv_base, sp_ptr + bb.to(tl.int64) * sspb, s0 + tl.arange(0, BS),
+                                             rows, rmask, NE, ds, dmask, es, emask, E1, sskn, sskd, ssvn, ssve, sspn)
+            x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
+            acc, acc_n, m_i = _accumulate(acc, acc_n, m_i, x, allowed, vt, vn, alpha, inv_beta, SOFTMAX, P, PREC)
     lo, hi, k_end = _key_range(start, q0, c_end, n, W, BQ, CAUSAL, WINDOW)
     for j0 in range(lo, hi, BQ):
         cols = j0 + tl.arange(0, BQ)
@@ -166,18 +220,7 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
                                       emask, E1, skn, skd, svn, sve, smn, HAS_MASK)
         x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
         allowed = _allowed(rows, cols, rmask, cmask, W, CAUSAL, WINDOW)
-        if SOFTMAX:
-            x = tl.where(allowed, x, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(x, axis=1))
-            corr = tl.exp(m_i - m_new)
-            w = tl.exp(x - m_new[:, None])  # exp(-inf) = 0 off the allowed keys
-            acc = acc * corr[:, None] + tl.dot(w, vt, input_precision=PREC)
-            acc_n = acc_n * corr + tl.sum(w * vn[None, :], axis=1)
-            m_i = m_new
-        else:
-            w, _ = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, False, P)
-            acc += tl.dot(w, vt, input_precision=PREC)
-            acc_n += tl.sum(w * vn[None, :], axis=1)
+        acc, acc_n, m_i = _accumulate(acc, acc_n, m_i, x, allowed, vt, vn, alpha, inv_beta, SOFTMAX, P, PREC)
     o_base = o_ptr + bb.to(tl.int64) * sob + hh.to(tl.int64) * soh + g.to(tl.int64) * sog
     tl.store(o_base + rows[:, None] * son + es[None, :] * soe, acc, mask=rmask[:, None] & emask[None, :])
     tl.store(o_base + rows * son + E1 * soe, acc_n, mask=rmask)
@@ -187,14 +230,17 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr,
 
 
 @triton.jit
-def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
-                     n, T, QPC, HKV, G, D, E1, W, scale, alpha, inv_beta,
+def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr, sk_ptr, sv_ptr, sp_ptr, dsk_ptr, dsv_ptr,
+                     n, T, QPC, HKV, G, D, E1, W, NE, scale, alpha, inv_beta,
                      sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
                      smb, smn, smob, smoh, smog, smon, sgb, sgh, sgg, sgn, sge, sdb, sdh, sdg, sdn, sdd,
+                     sskb, sskh, sskn, sskd, ssvb, ssvh, ssvn, ssve, sspb, sspn,
+                     sdst, sdsb, sdsh, sdsg, sdsn, sdsd, sdvt, sdvb, sdvh, sdvg, sdvn, sdve,
                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
-                     WINDOW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                     PREC: tl.constexpr):
-    """dq[rows] = s sum_j dx_ij k_j over the block's (window's) allowed keys (weights recomputed)."""
+                     WINDOW: tl.constexpr, SINKS: tl.constexpr, SINK_GRADS: tl.constexpr, BQ: tl.constexpr,
+                     BD: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    """dq[rows] = s sum_j dx_ij k_j over the block's (window's, sinks') allowed keys (weights recomputed); with
+    SINK_GRADS also this row tile's share of the sink slots' dk, dv (summed over the tiles and heads by the host)."""
     g, hh, bb, start, q0, c_end, rows, rmask = _query_tile(tl.program_id(0), tl.program_id(1), n, T, QPC, G, HKV,
                                                            BQ)
     ds, dmask, es, emask, k_base, v_base, qs = _query_operands(
@@ -209,6 +255,27 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr,
     else:
         m_i = tl.zeros((BQ,), dtype=tl.float32)
     acc = tl.zeros((BQ, BD), dtype=tl.float32)
+    if SINKS:
+        sk_base = sk_ptr + bb.to(tl.int64) * sskb + hh.to(tl.int64) * sskh
+        sv_base = sv_ptr + bb.to(tl.int64) * ssvb + hh.to(tl.int64) * ssvh
+        tile = tl.program_id(0).to(tl.int64)
+        dsk_base = dsk_ptr + tile * sdst + bb.to(tl.int64) * sdsb + hh.to(tl.int64) * sdsh + g.to(tl.int64) * sdsg
+        dsv_base = dsv_ptr + tile * sdvt + bb.to(tl.int64) * sdvb + hh.to(tl.int64) * sdvh + g.to(tl.int64) * sdvg
+        for s0 in range(0, NE, BS):
+            slots = s0 + tl.arange(0, BS)
+            allowed, kt, vt, vn = _sink_tile(sk_base, sv_base, sp_ptr + bb.to(tl.int64) * sspb, slots, rows, rmask,
+                                             NE, ds, dmask, es, emask, E1, sskn, sskd, ssvn, ssve, sspn)
+            x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
+            w, slope = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, SOFTMAX, P)
+            dx = (tl.dot(go, tl.trans(vt), input_precision=PREC) + gn[:, None] * vn[None, :]) * slope
+            acc += tl.dot(dx, kt, input_precision=PREC)
+            if SINK_GRADS:
+                smask = slots < NE
+                tl.store(dsk_base + slots[:, None] * sdsn + ds[None, :] * sdsd,
+                         tl.dot(tl.trans(dx), qs, input_precision=PREC), mask=smask[:, None] & dmask[None, :])
+                tl.store(dsv_base + slots[:, None] * sdvn + es[None, :] * sdve,
+                         tl.dot(tl.trans(w), go, input_precision=PREC), mask=smask[:, None] & emask[None, :])
+                tl.store(dsv_base + slots * sdvn + E1 * sdve, tl.sum(w * gn[:, None], axis=0), mask=smask)
     lo, hi, k_end = _key_range(start, q0, c_end, n, W, BQ, CAUSAL, WINDOW)
     for j0 in range(lo, hi, BQ):
         cols = j0 + tl.arange(0, BQ)

@@ -16,6 +16,11 @@ Window: each 64-row query tile (32 beyond head dim 64) reads the keys of its win
 (BQ + w) keys a row tile, so O(n w) work; the PyTorch window scored w-query tiles against 2w (3w)
 candidate keys and kept the (n x 2w) scores and weights for backward (under checkpointing).
 
+Sinks (window mode): ``sinks`` = (k, v, pos) of ``ops/window.py``'s ``Sinks``, NE slots per batch row and kv
+head attended under the window's weights and normaliser (the forward's and dq's first key tiles); their gradients
+come from the dq kernel's programs as per-row-tile shares (NT x NE x (d + e + 1) floats per query head: 1/64 of
+NE q-sized tensors at 64-row tiles), summed here.
+
 Launches: 1 forward, 2 backward (dq; dk and dv together), whatever n; dk and dv are summed over the
 G query heads of a kv head inside the kernel (keys and values are never repeated G times).
 """
@@ -42,6 +47,32 @@ DKV_STAGES = 1
 
 def _is_interpreted() -> bool:
     return type(K._local_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_sinks(q, v, window, sinks) -> None:
+    if sinks is None:
+        return
+    if not window:
+        raise ValueError("sinks need window > 0 (they are attended beside the sliding window)")
+    if not (isinstance(sinks, (tuple, list)) and len(sinks) == 3
+            and all(isinstance(t, torch.Tensor) for t in sinks)):
+        raise ValueError("sinks must be a tuple (k, v, pos) of tensors (ops.window.Sinks)")
+    sk, sv, sp = sinks
+    if sk.dim() != 5 or sv.dim() != 5 or sk.shape[2] != 1 or sv.shape[2] != 1 or sk.shape[3] != sv.shape[3]:
+        raise ValueError(f"sink keys and values need shapes (B, Hkv, 1, NE, d) and (B, Hkv, 1, NE, e + 1), got "
+                         f"{tuple(sk.shape)} and {tuple(sv.shape)}")
+    if sk.shape[-1] != q.shape[-1] or sv.shape[-1] != v.shape[-1]:
+        raise ValueError(f"sink keys / values need q's {q.shape[-1]} and v's {v.shape[-1]} columns, got "
+                         f"{sk.shape[-1]} and {sv.shape[-1]}")
+    if sp.dim() != 2 or sp.shape[-1] != sk.shape[3] or sp.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sink positions need shape (B, NE) = (B, {sk.shape[3]}) and an integer dtype, got "
+                         f"{tuple(sp.shape)} {sp.dtype}")
+    for name, t in (("sink keys", sk), ("sink values", sv), ("sink positions", sp)):
+        if t.device != q.device:
+            raise ValueError(f"{name} are on {t.device} but q is on {q.device}")
+    for name, t in (("sink keys", sk), ("sink values", sv)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
 
 
 def _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32, window=0) -> None:
@@ -97,7 +128,8 @@ def _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32, 
 class _Plan:
     """Shapes, tiles and broadcast views of one call."""
 
-    def __init__(self, q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window=0):
+    def __init__(self, q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window=0,
+                 sinks=None):
         self.B, self.HKV, self.G = torch.broadcast_shapes(q.shape[:3], k.shape[:3], v.shape[:3])
         self.n, self.D, self.E1 = q.shape[3], q.shape[4], v.shape[4] - 1
         self.W = window
@@ -117,6 +149,15 @@ class _Plan:
         if mask is not None:
             m8 = mask.to(torch.int8)  # B x n bytes
             self.mask = m8.expand(self.B, self.n)
+        self.sinks = None
+        self.NE, self.BS = 0, 16
+        if sinks is not None:
+            sk, sv, sp = sinks
+            self.NE = sk.shape[3]
+            # slot tiles: at least 16 wide (tl.dot), at most a row tile
+            self.BS = min(self.BQ, max(16, _pow2(self.NE)))
+            self.sinks = (sk.expand(self.B, self.HKV, 1, self.NE, self.D),
+                          sv.expand(self.B, self.HKV, 1, self.NE, self.E1 + 1), sp.expand(self.B, self.NE))
 
     def views(self, q, k, v):
         B, H, G, n = self.B, self.HKV, self.G, self.n
@@ -127,14 +168,30 @@ class _Plan:
             return torch.zeros(1, dtype=torch.int8, device=self.device), 0, 0
         return self.mask, self.mask.stride(0), self.mask.stride(1)
 
+    def sink_args(self):
+        """The sink slots' pointers (placeholders without sinks) and strides, as the fwd and dq kernels take them."""
+        if self.sinks is None:
+            zero = torch.zeros(1, dtype=torch.float32, device=self.device)
+            return (zero, zero, zero.long()), (0,) * 10
+        sk, sv, sp = self.sinks
+        ks, vs = _s5(sk), _s5(sv)
+        return self.sinks, (ks[0], ks[1], ks[3], ks[4], vs[0], vs[1], vs[3], vs[4], sp.stride(0), sp.stride(1))
+
     def common(self):
         return (self.n, self.T, self.QPC, self.HKV, self.G, self.D, self.E1, self.W, self.scale, self.alpha,
                 self.inv_beta)
+
+    def with_slots(self, common):
+        """``common`` with the slot count after the window W (the fwd and dq kernels' order)."""
+        return (*common[:8], self.NE, *common[8:])
 
     def consts(self):
         return dict(CAUSAL=self.causal, HAS_MASK=self.mask is not None, SOFTMAX=self.softmax, P=self.P,
                     WINDOW=self.W > 0,
                     BQ=self.BQ, BD=self.BD, BE=self.BE, PREC=self.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+
+    def slot_consts(self):
+        return dict(self.consts(), SINKS=self.sinks is not None, BS=self.BS)
 
 
 def _s5(x):
@@ -153,24 +210,39 @@ def _forward(p: _Plan, q, k, v):
         torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=p.device)
     mask, smb, smn = p.mask_args()
     so, sm = _s5(out), tuple(m.stride())
+    slots, slot_strides = p.sink_args()
     K._local_fwd_kernel[(p.NB * p.QPC, p.B * p.HKV * p.G)](
-        q, k, v, mask, out, m, *p.common(), *_qkv_strides(q, k, v), smb, smn, *so, *sm, **p.consts())
+        q, k, v, mask, out, m, *slots, *p.with_slots(p.common()), *_qkv_strides(q, k, v), smb, smn, *so, *sm,
+        *slot_strides, **p.slot_consts())
     return out, (m if p.softmax else None)
 
 
-def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv):
+def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv, need_sinks=False, sinks0=None):
+    """(dq, dk, dv, d sink keys, d sink values), None where not needed."""
     q, k, v = p.views(q0, k0, v0)
     mask, smb, smn = p.mask_args()
     if m is None:
         m = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=p.device)
     sm, sg = tuple(m.stride()), _s5(grad)
-    dq = dk = dv = None
-    if need_q:
+    dq = dk = dv = dsk = dsv = None
+    if need_q or need_sinks:
         buf = _grad_buffer((p.B, p.HKV, p.G, p.n, p.D), q0)
-        K._local_dq_kernel[(p.NB * p.QPC, p.B * p.HKV * p.G)](
-            q, k, v, mask, m, grad, buf, *p.common(), *_qkv_strides(q, k, v), smb, smn, *sm, *sg, *_s5(buf),
-            **p.consts())
-        dq = buf.sum_to_size(q0.shape).to(q0.dtype)
+        slots, slot_strides = p.sink_args()
+        tiles = p.NB * p.QPC
+        # each row tile's share of the slots' gradients, summed below (placeholders without sinks)
+        shares = [torch.zeros(1, dtype=torch.float32, device=p.device)] * 2
+        if need_sinks:
+            shares = [torch.empty(tiles, p.B, p.HKV, p.G, p.NE, cols, dtype=torch.float32, device=p.device)
+                      for cols in (p.D, p.E1 + 1)]
+        share_strides = [s for t in shares for s in (tuple(t.stride()) if need_sinks else (0,) * 6)]
+        K._local_dq_kernel[(tiles, p.B * p.HKV * p.G)](
+            q, k, v, mask, m, grad, buf, *slots, *shares, *p.with_slots(p.common()), *_qkv_strides(q, k, v), smb,
+            smn, *sm, *sg, *_s5(buf), *slot_strides, *share_strides, **p.slot_consts(), SINK_GRADS=need_sinks)
+        if need_q:
+            dq = buf.sum_to_size(q0.shape).to(q0.dtype)
+        if need_sinks:  # over the row tiles and the G query heads of a kv head: (B, Hkv, 1, NE, cols)
+            dsk, dsv = (t.sum(0).sum(2, keepdim=True).sum_to_size(x.shape).to(x.dtype)
+                        for t, x in zip(shares, sinks0[:2]))
     if need_kv:
         dkb = _grad_buffer((p.B, p.HKV, 1, p.n, p.D), k0)
         dvb = _grad_buffer((p.B, p.HKV, 1, p.n, p.E1 + 1), v0)
@@ -180,14 +252,16 @@ def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv):
             sk[0], sk[1], sk[3], sk[4], sv[0], sv[1], sv[3], sv[4], **dict(p.consts(), num_stages=DKV_STAGES))
         dk = dkb.sum_to_size(k0.shape).to(k0.dtype)
         dv = dvb.sum_to_size(v0.shape).to(v0.dtype)
-    return dq, dk, dv
+    return dq, dk, dv, dsk, dsv
 
 
 
 class _LocalBlocksTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, block_size, causal, scale, kernel, power, alpha, beta, tf32, window):  # noqa: D102
-        p = _Plan(q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window)
+    def forward(ctx, q, k, v, mask, block_size, causal, scale, kernel, power, alpha, beta, tf32, window,  # noqa: D102
+                sink_k, sink_v, sink_pos):
+        sinks = None if sink_k is None else (sink_k, sink_v, sink_pos)
+        p = _Plan(q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window, sinks)
         ctx.args = (block_size, causal, scale, kernel, power, alpha, beta, tf32, window)
         if p.n == 0 or p.B * p.HKV * p.G == 0:
             out = torch.zeros(p.B, p.HKV, p.G, p.n, p.E1 + 1, dtype=torch.float32, device=q.device)
@@ -196,23 +270,26 @@ class _LocalBlocksTriton(torch.autograd.Function):
             out, m = _forward(p, q, k, v)
             if m is None:
                 m = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device).expand(p.B, p.HKV, p.G, p.n)
-        ctx.save_for_backward(q, k, v, mask, m if p.softmax else None)
+        ctx.save_for_backward(q, k, v, mask, m if p.softmax else None, sink_k, sink_v, sink_pos)
         ctx.mark_non_differentiable(m)
         return out, m
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_m):  # noqa: D102  (m is detached, as in PyTorch: grad_m is unused)
-        q, k, v, mask, m = ctx.saved_tensors
-        need_q = ctx.needs_input_grad[0]
-        need_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        p = _Plan(q, k, v, ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3], mask, *ctx.args[4:])
+        q, k, v, mask, m, sink_k, sink_v, sink_pos = ctx.saved_tensors
+        sinks = None if sink_k is None else (sink_k, sink_v, sink_pos)
+        need = ctx.needs_input_grad
+        need_q, need_kv, need_sinks = need[0], need[1] or need[2], sinks is not None and (need[13] or need[14])
+        p = _Plan(q, k, v, ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3], mask, *ctx.args[4:], sinks)
         none = (None,) * 10
         if p.n == 0 or p.B * p.HKV * p.G == 0 or grad_out is None:
-            return (torch.zeros_like(q) if need_q else None, torch.zeros_like(k) if ctx.needs_input_grad[1] else None,
-                    torch.zeros_like(v) if ctx.needs_input_grad[2] else None, *none)
-        dq, dk, dv = _backward(p, q, k, v, m, grad_out.float(), need_q, need_kv)
-        return (dq, dk if ctx.needs_input_grad[1] else None, dv if ctx.needs_input_grad[2] else None, *none)
+            zeros = [torch.zeros_like(x) if x is not None and need[i] else None
+                     for i, x in ((0, q), (1, k), (2, v), (13, sink_k), (14, sink_v))]
+            return (*zeros[:3], *none, *zeros[3:], None)
+        dq, dk, dv, dsk, dsv = _backward(p, q, k, v, m, grad_out.float(), need_q, need_kv, need_sinks, sinks)
+        return (dq if need_q else None, dk if need[1] else None, dv if need[2] else None, *none,
+                dsk if need[13] else None, dsv if need[14] else None, None)
 
 
 def local_blocks_triton(
@@ -229,6 +306,7 @@ def local_blocks_triton(
     beta: float = 1.0,
     tf32: bool | None = None,
     window: int = 0,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact weights on the block_size x block_size diagonal blocks (aligned at 0) times [v, 1]; with
     ``window`` > 0 on each query's sliding window instead (query i sees the keys j with
@@ -244,8 +322,14 @@ def local_blocks_triton(
     Same meaning as ``LocalExactMixin._local_blocks`` (window: ``_window_exact``) before its
     ``far_scale``. Differentiable in q, k, v; fp32 / bf16 / fp16 inputs, fp32 accumulation; ``tf32`` as
     in ``lt_multiply_triton``.
+
+    ``sinks`` (window only): (k (B, Hkv, 1, NE, d), v (B, Hkv, 1, NE, e + 1), pos (B, NE) int) of
+    ``ops.window.Sinks`` (leading dims may broadcast): slot u joins row i's weights, stabiliser and [v, 1] sums
+    when pos_u <= i (the sinks among the keys are the caller's to mask). Differentiable in its k and v too.
     """
     _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32, window)
+    _check_sinks(q, v, window, sinks)
+    sink_k, sink_v, sink_pos = (None, None, None) if sinks is None else sinks
     loc, m = _LocalBlocksTriton.apply(q, k, v, mask, block_size, bool(causal), float(scale), kernel, int(power),
-                                      float(alpha), float(beta), tf32, window)
+                                      float(alpha), float(beta), tf32, window, sink_k, sink_v, sink_pos)
     return loc, (-m.unsqueeze(-1) if kernel == "softmax" else None)

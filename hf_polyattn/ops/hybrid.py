@@ -1,0 +1,266 @@
+"""Selective hybrid attention: a few kv heads stay exact softmax, the others run a linear-time kind.
+
+DuoAttention (Xiao et al. 2024, arXiv:2410.10819) keeps the few "retrieval heads" of a model as full softmax
+attention with a full KV cache and makes the rest cheap. ``PolyAttnConfig.softmax_heads`` names such heads as
+(layer, kv_head) pairs; a layer with any of them is a :class:`HybridAttention`:
+
+* the softmax kv heads and their G query heads each (grouped-query attention shares one kv head among G query
+  heads, and its cache with them) run exact softmax attention (:func:`softmax_attention`) with the layer's
+  scaling, the key padding mask and causal rows bottom-right aligned, like every kind of the library;
+* the other heads run the kind: its module is built for them alone (``kernel``: its parameters exist for those
+  heads only, sized from the persisted config, so a reload builds the same shapes); a layer whose every kv head is
+  softmax has no kernel module at all and computes exact softmax attention only (the model's own attention);
+* q, k, v are split by head in :meth:`HybridAttention.split` and the outputs merged in :meth:`HybridAttention.merge`
+  (the only two places that know the head layout).
+
+Decoding keeps a :class:`HybridState`: the softmax heads' keys and values in full (growing by one per token, like
+a softmax KV cache) beside the kernel heads' own constant-size state.
+
+Pure PyTorch: never imports transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from ..config import PolyAttnConfig
+from .base import AttentionBase, join_masks, softmax_heads_of
+from .common import to_work
+
+__all__ = ["HybridAttention", "HybridState", "build_attention", "hybrid_reference", "layer_module_class",
+           "softmax_attention"]
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact softmax attention (B, H, Lq, D) of q (B, H, Lq, D) over k, v (B, Hkv, Lk, D), H a multiple of Hkv.
+
+    Causal rows are bottom-right aligned (query i at position Lk - Lq + i: a chunk after a past);
+    ``key_padding_mask`` (B, Lk) bool, False = a padded key. A row that sees no key (a left-padded query) gives 0,
+    as the kernel kinds' normaliser does: a NaN there would reach every later layer through 0 * NaN. Computed in
+    float32 (float64 stays float64), returned in q's dtype. SDPA's own causal path (``is_causal``, top-left aligned)
+    serves the case without padding or past; otherwise an explicit boolean mask, (B, 1, Lq, Lk) when causal (what
+    transformers' own SDPA path builds for a softmax model: the exact heads cost what softmax costs).
+    """
+    lq, lk = q.shape[2], k.shape[2]
+    qw, kw, vw = to_work(q, k, v)
+    gqa = q.shape[1] != k.shape[1]
+    if key_padding_mask is None and (not causal or lq == lk):
+        out = F.scaled_dot_product_attention(qw, kw, vw, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return out.to(q.dtype)
+    allowed = None
+    if causal:
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)[None, None]
+    if key_padding_mask is not None:
+        keys = key_padding_mask[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    seen = allowed.any(-1, keepdim=True)
+    # a row with no key reads every key (finite in forward and backward) and is zeroed after
+    out = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=allowed | ~seen, scale=scale, enable_gqa=gqa)
+    return out.masked_fill(~seen, 0.0).to(q.dtype)
+
+
+def _tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class HybridState:
+    """Decoding state of a hybrid layer (chunked prefill, token-by-token decoding).
+
+    ``kernel``: the kernel heads' state (their module's ``init_state()`` type, a ``RecurrentState`` for the kernel
+    kinds: constant size), None when every kv head of the layer is softmax. ``k``/``v``: the softmax kv heads'
+    keys and values of every token seen (B, S, L, D), as the model gave them (no copy in another dtype).
+    ``mask``: (B, L) bool key padding of those tokens, None when none is padded. ``length`` counts every token.
+    """
+
+    kernel: Any
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    mask: torch.Tensor | None
+    length: int = 0
+
+    def nbytes(self) -> int:
+        """Bytes held: the softmax heads' keys, values and mask, and the kernel heads' state."""
+        return _tensor_bytes(self.k, self.v, self.mask) + (0 if self.kernel is None else self.kernel.nbytes())
+
+    def _map(self, tensor_fn, state_fn) -> HybridState:
+        def each(t):
+            return None if t is None else tensor_fn(t)
+
+        kernel = None if self.kernel is None else state_fn(self.kernel)
+        return HybridState(kernel, each(self.k), each(self.v), each(self.mask), self.length)
+
+    def index_select(self, index: torch.Tensor) -> HybridState:
+        """Reorder/select batch rows (beam search, num_return_sequences)."""
+        return self._map(lambda t: t.index_select(0, index.to(t.device)), lambda s: s.index_select(index))
+
+    def repeat_interleave(self, repeats: int) -> HybridState:
+        return self._map(lambda t: t.repeat_interleave(repeats, dim=0), lambda s: s.repeat_interleave(repeats))
+
+
+def _query_heads(kv_heads: tuple[int, ...], groups: int) -> tuple[int, ...]:
+    """The query heads of ``kv_heads``: query head i reads kv head i // groups (transformers' repeat_kv layout)."""
+    return tuple(h * groups + g for h in kv_heads for g in range(groups))
+
+
+class HybridAttention(AttentionBase):
+    """One layer with some kv heads exact softmax and the others running the config's kind (module docstring).
+
+    Built as ``HybridAttention(config, num_heads, head_dim, num_kv_heads, layer_idx)`` for a layer in which
+    ``config.softmax_heads`` names at least one kv head (``build_attention`` picks the class); called like every
+    kind's module. ``kernel`` is the kind's module for the other heads, or None when every kv head is softmax.
+    """
+
+    runs_softmax_heads = True
+
+    def __init__(self, config: PolyAttnConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 layer_idx: int = 0):
+        super().__init__(config, num_heads, head_dim, num_kv_heads, layer_idx)
+        soft = softmax_heads_of(config, layer_idx)
+        if not soft:
+            raise ValueError(f"HybridAttention needs softmax heads in layer {layer_idx}, and config.softmax_heads "
+                             "names none there: build the kind's own module (hf_polyattn.ops.build_attention)")
+        if soft[-1] >= self.num_kv_heads:
+            raise ValueError(f"softmax_heads names kv head {soft[-1]} of layer {layer_idx}, which has "
+                             f"{self.num_kv_heads} kv heads (0..{self.num_kv_heads - 1})")
+        g = self.groups
+        self.softmax_kv_heads = soft
+        self.kernel_kv_heads = tuple(h for h in range(self.num_kv_heads) if h not in soft)
+        self.softmax_query_heads = _query_heads(soft, g)
+        self.kernel_query_heads = _query_heads(self.kernel_kv_heads, g)
+        self.kernel = None
+        if self.kernel_kv_heads:
+            n = len(self.kernel_kv_heads)
+            self.kernel = config.spec.module_class()(config.replace(softmax_heads=None), n * g, head_dim, n,
+                                                     layer_idx)
+        order = self.softmax_query_heads + self.kernel_query_heads
+        self._heads = {"softmax_q": self.softmax_query_heads, "softmax_kv": soft,
+                       "kernel_q": self.kernel_query_heads, "kernel_kv": self.kernel_kv_heads,
+                       "merge": tuple(order.index(h) for h in range(num_heads))}
+        self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    @property
+    def num_features(self) -> int:
+        return 0 if self.kernel is None else self.kernel.num_features
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.kernel is not None:  # the only holder of tensors
+            self.kernel.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, softmax_kv_heads={list(self.softmax_kv_heads)}"
+
+    def init_state(self) -> HybridState:
+        return HybridState(None if self.kernel is None else self.kernel.init_state(), None, None, None, 0)
+
+    def index(self, part: str, device: torch.device) -> torch.Tensor:
+        """The head indices ``part`` ('softmax_q', 'softmax_kv', 'kernel_q', 'kernel_kv', 'merge') on ``device``,
+        made once per device (a host-to-device copy per layer and token otherwise)."""
+        key = (part, torch.device(device))
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(self._heads[part], dtype=torch.long, device=device)
+        return self._indices[key]
+
+    def split(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """((q, k, v) of the softmax heads, (q, k, v) of the kernel heads or None without a kernel module)."""
+        if self.kernel is None:
+            return (query, key, value), None
+        dev = query.device
+
+        def heads(part: str):
+            q_idx, kv_idx = self.index(f"{part}_q", dev), self.index(f"{part}_kv", dev)
+            return query.index_select(1, q_idx), key.index_select(1, kv_idx), value.index_select(1, kv_idx)
+
+        return heads("softmax"), heads("kernel")
+
+    def merge(self, exact: torch.Tensor, kernel: torch.Tensor | None) -> torch.Tensor:
+        """The layer's (B, H, Lq, D) output in head order from the softmax heads' and the kernel heads' outputs."""
+        if kernel is None:
+            return exact
+        return torch.cat([exact, kernel.to(exact.dtype)], dim=1).index_select(1, self.index("merge", exact.device))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
+                scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                state: HybridState | None = None):
+        """(B, H, Lq, D) in the query's dtype; with ``state`` (causal only, the next Lq tokens) (output, new state)."""
+        _, lk = self.check_call(query, key, value, key_padding_mask, causal, state)
+        if state is not None and not isinstance(state, HybridState):
+            raise TypeError(f"state must be a HybridState (this layer's init_state()), got {type(state).__name__}")
+        scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        (qs, ks, vs), kernel_inputs = self.split(query, key, value)
+        mask = key_padding_mask
+        if state is not None and state.k is not None:
+            mask = join_masks(state.mask, mask, state.k.shape[2], lk, query.shape[0], query.device)
+            ks, vs = torch.cat([state.k, ks], dim=2), torch.cat([state.v, vs], dim=2)
+        exact = softmax_attention(qs, ks, vs, causal=causal, scale=scale, key_padding_mask=mask)
+        kernel_out = kernel_state = None
+        if kernel_inputs is not None:
+            call = dict(causal=causal, scaling=scaling, key_padding_mask=key_padding_mask)
+            if state is None:
+                kernel_out = self.kernel(*kernel_inputs, **call)
+            else:
+                kernel_out, kernel_state = self.kernel(*kernel_inputs, **call, state=state.kernel)
+        out = self.merge(exact, kernel_out)
+        if state is None:
+            return out
+        return out, HybridState(kernel_state, ks, vs, mask, state.length + lk)
+
+
+def layer_module_class(config: PolyAttnConfig, layer_idx: int) -> type:
+    """The module class of layer ``layer_idx``: :class:`HybridAttention` where ``config.softmax_heads`` names any of
+    its kv heads, the kind's own module otherwise."""
+    return HybridAttention if softmax_heads_of(config, layer_idx) else config.spec.module_class()
+
+
+def build_attention(config: PolyAttnConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                    layer_idx: int = 0) -> AttentionBase:
+    """The attention module of one layer for ``config`` (hybrid where it names softmax heads of the layer)."""
+    return layer_module_class(config, layer_idx)(config, num_heads, head_dim, num_kv_heads, layer_idx)
+
+
+def hybrid_reference(module: HybridAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                     scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Naive definition of a hybrid layer, one query head at a time (B, H, Lq, D).
+
+    A query head h whose kv head h // G is softmax: exp(s q.k - max) over the keys it may see (causal bottom-right,
+    key padding), normalised; 0 for a row that sees none. The other heads: the kind's own reference
+    (``KindSpec.reference``) on ``module.kernel`` with those heads' q, k, v gathered head by head.
+    """
+    s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
+    g = module.groups
+    lq, lk = q.shape[2], k.shape[2]
+    pos_q = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    keep = (torch.arange(lk, device=q.device)[None, :] <= pos_q) if causal else torch.ones(lq, lk, dtype=torch.bool)
+    keep = keep[None].to(q.device)
+    if key_padding_mask is not None:
+        keep = keep & key_padding_mask[:, None, :]
+    kernel_heads = [h for h in range(module.num_kv_heads) if h not in module.softmax_kv_heads]
+    kernel_out = None
+    if kernel_heads:
+        reference = module.kernel.config.spec.reference_function()
+        qk = torch.cat([q[:, h * g:(h + 1) * g] for h in kernel_heads], dim=1)
+        kk = torch.cat([k[:, h:h + 1] for h in kernel_heads], dim=1)
+        vk = torch.cat([v[:, h:h + 1] for h in kernel_heads], dim=1)
+        kernel_out = reference(module.kernel, qk, kk, vk, causal=causal, scaling=scaling,
+                               key_padding_mask=key_padding_mask)
+    outs = []
+    for hq in range(module.num_heads):
+        h = hq // g
+        if h in kernel_heads:
+            outs.append(kernel_out[:, kernel_heads.index(h) * g + hq % g])
+            continue
+        x = (q[:, hq] @ k[:, h].transpose(-1, -2)) * s  # (B, Lq, Lk)
+        top = torch.where(keep, x, torch.full_like(x, -math.inf)).amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        w = torch.where(keep, torch.exp(torch.where(keep, x, top) - top), torch.zeros_like(x))
+        den = w.sum(-1, keepdim=True)
+        num = w @ v[:, h]
+        outs.append(torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num)))
+    return torch.stack(outs, dim=1)
