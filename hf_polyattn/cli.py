@@ -140,30 +140,13 @@ def _parse_scalar(name: str, tp, text: str) -> Any:
 
 
 def _parse_pairs(name: str, text: str) -> list:
-    """(layer, head) pairs: "6:0,7:2", a JSON list [[6, 0], [7, 2]], or @FILE: a JSON file holding such a list or
-    the object `score-heads` writes (its "softmax_heads"). PolyAttnConfig validates the pairs."""
-    text = text.strip()
-    where = f"--set {name}={text!r}"
-    if text.startswith("@"):
-        try:
-            data = json.loads(Path(text[1:]).read_text())
-        except (OSError, ValueError) as err:
-            raise UsageError(f"{where}: cannot read a JSON file: {err}") from None
-        return data.get(name) if isinstance(data, dict) and name in data else data
-    if text.startswith("["):
-        try:
-            return json.loads(text)
-        except ValueError as err:
-            raise UsageError(f"{where}: not JSON: {err}") from None
-    pairs = []
-    for item in (t for t in text.split(",") if t.strip()):
-        layer, sep, head = item.partition(":")
-        try:
-            pairs.append([int(layer), int(head)])
-        except ValueError:
-            raise UsageError(f"{where}: expected LAYER:HEAD pairs, e.g. {name}=6:0,7:2 (or a JSON list, or "
-                             "@scores.json)") from None
-    return pairs
+    """(layer, head) pairs of --set NAME=...: ``training.heads.parse_head_pairs``, its errors as usage errors."""
+    from .training.heads import parse_head_pairs
+
+    try:
+        return parse_head_pairs(text, name)
+    except ValueError as err:
+        raise UsageError(f"--set {name}={text.strip()!r}: {err}") from None
 
 
 def parse_value(name: str, tp, text: str) -> Any:

@@ -28,7 +28,7 @@ import torch
 from ..validation import check_int
 from .passkey import PasskeyPrompt, passkey_prompt
 
-__all__ = ["HeadScores", "score_heads", "select_heads"]
+__all__ = ["HeadScores", "parse_head_pairs", "score_heads", "select_heads"]
 
 @dataclass
 class HeadScores:
@@ -191,3 +191,33 @@ def select_heads(scores: torch.Tensor | HeadScores, k: int) -> tuple[tuple[int, 
     heads = scores.shape[1]
     order = torch.sort(-scores.flatten().double(), stable=True).indices[:k]
     return tuple((int(i) // heads, int(i) % heads) for i in order)
+
+
+def parse_head_pairs(text: str, name: str = "softmax_heads") -> list[list[int]]:
+    """(layer, kv head) pairs from text: "6:0,7:2", a JSON list [[6, 0], [7, 2]], or @FILE: a JSON file holding such
+    a list or the object ``hf-polyattn score-heads`` writes (its ``name`` entry). ``PolyAttnConfig`` validates the
+    pairs themselves; ValueError for text that is none of these."""
+    import json
+    from pathlib import Path
+
+    text = text.strip()
+    if text.startswith("@"):
+        try:
+            data = json.loads(Path(text[1:]).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot read a JSON file: {err}") from None
+        return data.get(name) if isinstance(data, dict) and name in data else data
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"not JSON: {err}") from None
+    pairs = []
+    for item in (t for t in text.split(",") if t.strip()):
+        layer, _, head = item.partition(":")
+        try:
+            pairs.append([int(layer), int(head)])
+        except ValueError:
+            raise ValueError(f"expected LAYER:HEAD pairs, e.g. {name}=6:0,7:2 (or a JSON list, or "
+                             "@scores.json)") from None
+    return pairs

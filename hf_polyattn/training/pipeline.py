@@ -84,6 +84,16 @@ class RetrofitArgs:
                 "kernel (0: off); default: the measured best, the model's head_dim for causal_lm, off otherwise"})
     block_size: int = field(default=64, metadata={"help": "PolyAttnConfig.block_size"})
     qk_norm: bool = field(default=True, metadata={"help": "PolyAttnConfig.qk_norm"})
+    sinks: int | None = field(default=None, metadata={"help": "PolyAttnConfig.sinks: sink tokens kept exactly beside "
+                                                              "the window (default: the kind's, 0)"})
+    learned_sinks: int | None = field(default=None, metadata={"help": "PolyAttnConfig.learned_sinks: learnable "
+                                                                      "key/value slots beside the window"})
+    decay: str | None = field(default=None, metadata={"help": "PolyAttnConfig.decay of the kernel state: none, "
+                                                              "scalar or gate"})
+    decay_horizon: float | None = field(default=None, metadata={"help": "PolyAttnConfig.decay_horizon (tokens)"})
+    softmax_heads: str | None = field(default=None, metadata={
+        "help": "PolyAttnConfig.softmax_heads: kv heads kept as exact softmax, 'LAYER:HEAD,...', a JSON list or "
+                "@scores.json (written by `hf-polyattn score-heads`)"})
     polyattn_json: str | None = field(default=None, metadata={"help": "a JSON dict of PolyAttnConfig fields that "
                                                                       "overrides the options above"})
     transfer_steps: int = field(default=0, metadata={"help": "attention-transfer steps (0: none)"})
@@ -278,6 +288,13 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
              "feature_proj": proj}
     d: dict[str, Any] = {"kind": a.attention, "seed": a.seed}
     d.update({name: value for name, value in given.items() if name in reads})
+    # set only when given: a kind that does not read one refuses it by name (PolyAttnConfig)
+    d.update({name: getattr(a, name) for name in ("sinks", "learned_sinks", "decay", "decay_horizon")
+              if getattr(a, name) is not None})
+    if a.softmax_heads:
+        from .heads import parse_head_pairs
+
+        d["softmax_heads"] = parse_head_pairs(a.softmax_heads)
     if "window" in reads and "local_exact" not in reads and not window:  # the window alone: it cannot be off
         del d["window"]
     if a.polyattn_json:

@@ -128,3 +128,29 @@ def test_causal_lm_with_softmax_heads_transfers_and_cards_them(tiny_dirs, text_f
     assert "2 x 3 x 8 = 48 numbers against softmax's 2 x 2 x 8 x 2 = 64 (0.750x)" in card
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert hf_polyattn.get_polyattn_config(model).softmax_heads == ((0, 1), (1, 0), (1, 1))
+
+
+def test_long_context_options_reach_the_config(tmp_path):
+    """--sinks, --learned_sinks, --decay, --decay_horizon and --softmax_heads (pairs or @scores.json) set the
+    PolyAttnConfig; left unset they keep the kind's defaults; a kind that does not read one refuses it."""
+    from transformers import LlamaConfig
+
+    from hf_polyattn.training.pipeline import polyattn_config_from_args
+
+    mc = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"softmax_heads": [[1, 0], [0, 1]]}))
+    cfg = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8, sinks=4,
+                                                 learned_sinks=2, decay="gate", decay_horizon=512.0,
+                                                 softmax_heads=f"@{scores}"), mc)
+    assert (cfg.sinks, cfg.learned_sinks, cfg.decay, cfg.decay_horizon) == (4, 2, "gate", 512.0)
+    assert cfg.softmax_heads == ((0, 1), (1, 0))
+    plain = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8), mc)
+    assert (plain.sinks, plain.decay, plain.softmax_heads) == (0, "none", None)
+    assert polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8,
+                                                  softmax_heads="1:1"), mc).softmax_heads == ((1, 1),)
+    with pytest.raises(ValueError, match="LAYER:HEAD"):
+        polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", softmax_heads="1-1"), mc)
+    with pytest.raises(ValueError, match="decay"):
+        polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="sliding_window", window=8,
+                                                  decay="gate"), mc)
