@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .bench import int_at_least
+from .bench import HelpFormatter, int_at_least
 
 PROG = "hf-polyattn"
 
@@ -46,20 +46,6 @@ def _wrap(text: str) -> str:
 
 class UsageError(Exception):
     """Bad input found after parsing: reported like an argparse error (usage, message, exit code 2)."""
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions kept as written; ``(default: ...)`` appended to every option that has a default."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        default = action.default
-        if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS:
-            return text
-        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
-            return f"{text} (default: {shown})"
-        return text
 
 
 def package_version() -> str:
