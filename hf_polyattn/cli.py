@@ -437,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="swap a checkpoint's attention for a polyattn kind and save it",
                        description=_wrap("Load MODEL, give every attention layer the polyattn kind --kind "
                                    "(hf_polyattn.convert) and save_pretrained it to --out, with its tokenizer when it "
-                                   "has one. Reload it with from_pretrained after `import hf_polyattn`."),
+                                   "has one. Reload it with from_pretrained after `import hf_polyattn`, or with "
+                                   "trust_remote_code=True in a process that does not import it."),
                        formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="checkpoint: a local directory with config.json, a Hub id, or the offline aliases "
