@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["full", "two_stage"])
+@pytest.mark.parametrize("mode", ["full", "two_stage", "window_covers"])
 def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path, mode):
     """accelerate launch --multi_gpu --num_processes 2 (gloo DDP on CPU): both ranks end with the same weights,
     for full fine-tuning and for the two-stage recipe (window + projection transfer, then LoRA)."""
