@@ -4,6 +4,7 @@
     hf-polyattn convert MODEL --kind polysketch --out DIR        # swap the attention of a checkpoint, save it
     hf-polyattn eval MODEL --data FILE                           # held-out perplexity of a causal LM
     hf-polyattn bench [--device cuda]                            # attention speed / memory against SDPA
+    hf-polyattn lm-eval --model hf --model_args pretrained=DIR --tasks TASKS   # lm-eval's own CLI, kinds registered
 
 `hf-polyattn COMMAND --help` documents each command. Bad input (an unknown command, kind or option, a missing
 argument, a path that does not exist, an invalid attention setting) gives a usage message and exit code 2.
@@ -484,12 +485,42 @@ def build_parser() -> argparse.ArgumentParser:
                        description=bench.__doc__, formatter_class=HelpFormatter)
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench, _parser=p)
+    _add_lm_eval_parser(sub)
     return parser
+
+
+# ----------------------------------------------------------------------------------------------- lm-eval
+
+LM_EVAL_HELP = "lm-eval's own command line, with the attention kinds registered and the package's offline tasks"
+
+
+def cmd_lm_eval(argv: list[str]) -> int:
+    """``hf-polyattn lm-eval ARGS...`` = ``lm-eval ARGS...`` after ``import hf_polyattn`` (hf_polyattn.harness).
+
+    Every argument goes to lm-eval's parser untouched (``hf-polyattn lm-eval --help`` is lm-eval's help)."""
+    from .harness import INSTALL, run_cli
+
+    try:
+        return run_cli(argv)
+    except ImportError as err:
+        print(f"{PROG} lm-eval: {err}" if INSTALL in str(err) else f"{PROG} lm-eval: {err!r}", file=sys.stderr)
+        return 2
+
+
+def _add_lm_eval_parser(sub) -> None:
+    """Listed in ``hf-polyattn --help``; ``main`` hands its arguments to lm-eval before parsing anything."""
+    from .harness import TASKS
+
+    sub.add_parser("lm-eval", help=LM_EVAL_HELP, add_help=False, formatter_class=HelpFormatter,
+                   description=_wrap(f"{LM_EVAL_HELP}: {', '.join(TASKS)} (local files; see "
+                                     "hf_polyattn/harness.py). Every argument is lm-eval's."))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``hf-polyattn`` with ``argv`` (default: sys.argv[1:]); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:  # lm-eval parses its own arguments: none of ours may reject them first
+        return cmd_lm_eval(argv[1:])
     parser = build_parser()
     args = None
     try:

@@ -108,6 +108,15 @@ class RetrofitArgs:
     eval_stride: int = field(default=256, metadata={"help": "causal_lm: perplexity window stride"})
     eval_batch_size: int = field(default=8, metadata={"help": "evaluation batch size"})
     eval_before: bool = field(default=True, metadata={"help": "also evaluate right after the swap, before training"})
+    lm_eval_tasks: str | None = field(default=None, metadata={
+        "help": "causal_lm: comma-separated lm-eval tasks scored at every evaluation, besides perplexity (pip "
+                "install 'hf_polyattn[eval]'), e.g. polyattn_tinyshakespeare,polyattn_sst2 (shipped, local files) "
+                "or any lm-eval task the Hub serves"})
+    lm_eval_limit: float | None = field(default=None, metadata={"help": "lm-eval's --limit: documents per task "
+                                                                        "(a count, or a fraction below 1)"})
+    lm_eval_metadata: str | None = field(default=None, metadata={
+        "help": "lm-eval's --metadata, a JSON object, e.g. the shipped tasks' files: "
+                '\'{"tinyshakespeare_file": PATH, "sst2_file": PATH}\' (default: ../shared/data beside a checkout)'})
     mixed_precision: str = field(default="no", metadata={"help": "'no' (fp32) or 'bf16'"})
     fsdp: bool = field(default=False, metadata={
         "help": "shard the model across the launched processes with FSDP2 (each decoder layer, then the whole "
@@ -150,12 +159,31 @@ class RetrofitArgs:
             if not issubclass(registry.get_kind(self.attention).module_class(), PolyAttention):
                 raise ValueError(f"--attn_ce_weight compares attention weights, which only the kernel kinds write out "
                                  f"(ops.reference_weights); attention={self.attention!r} has none: leave it 0")
+        if self.lm_eval_tasks:
+            self._check_lm_eval()
         if self.attention == "softmax" and self.transfer_steps:
             raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
         for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
             v = getattr(self, name)
             if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
                 raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
+
+
+    def _check_lm_eval(self) -> None:
+        if self.task != "causal_lm":
+            raise ValueError("--lm_eval_tasks scores causal LMs (lm-eval's hf model): leave it out for "
+                             f"task={self.task!r}")
+        if self.fsdp:
+            raise ValueError("--lm_eval_tasks with --fsdp: lm-eval would run a sharded model in one process; score "
+                             "the saved folder instead: hf-polyattn lm-eval --model hf --model_args "
+                             "pretrained=OUTPUT_DIR/model --tasks ...")
+        if self.lm_eval_metadata is not None:
+            try:
+                ok = isinstance(json.loads(self.lm_eval_metadata), dict)
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--lm_eval_metadata must be a JSON object, got {self.lm_eval_metadata!r}")
 
 
 # The measured best per task (recipes/results/SECTION_retrofit_window.md, one budget for every row): SmolLM2 at
@@ -419,11 +447,29 @@ class Retrofit:
                                             indices=list(range(i, min(n, i + a.eval_batch_size))))
                        for i in range(0, n, a.eval_batch_size))
             r = accuracy(model, batches, progress=a.progress and self.acc.is_main_process, desc=f"eval {tag}")
+        if a.lm_eval_tasks:
+            r["lm_eval"] = self._lm_eval(model, tag)
         r["wall_s"], r["cpu_s"] = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
         self.results["evaluations"][tag] = r
         main = "perplexity" if a.task == "causal_lm" else "accuracy"
         self.log(f"[eval {tag}] {main} = {r[main]:.4f}")
         return r
+
+    def _lm_eval(self, model, tag: str) -> dict[str, dict[str, float]] | None:
+        """--lm_eval_tasks on the current model, in the main process (the others wait), windows of eval_context."""
+        from .. import harness
+
+        a = self.args
+        scores = None
+        if self.acc.is_main_process:
+            tasks = [t.strip() for t in a.lm_eval_tasks.split(",") if t.strip()]
+            scores = harness.evaluate(model, self.tokenizer, tasks, limit=a.lm_eval_limit, batch_size=a.eval_batch_size,
+                                 max_length=a.eval_context, metadata=json.loads(a.lm_eval_metadata or "{}"))
+            for task, values in scores.items():
+                metric, value = harness.main_metric(values)
+                self.log(f"[eval {tag}] lm-eval {task} {metric} = {value:.4f}")
+        self.acc.wait_for_everyone()
+        return scores
 
     # ------------------------------------------------------------------ stages
     def _batch_fn(self, batch_size: int):
