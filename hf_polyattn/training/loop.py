@@ -1,7 +1,8 @@
 """One small training loop shared by attention transfer and fine-tuning.
 
 * Batches are a pure function of the step (``batch_fn(step, micro, rank)``), so resuming needs
-  no sampler state and each rank of a multi-process run draws its own, reproducible batches.
+  no sampler state; each rank of a multi-process run takes its reproducible slice of one global batch
+  (``data.lm_batch``'s ``world``).
 * Gradient accumulation over ``grad_accum`` micro-batches (no DDP all-reduce until the last).
 * Checkpoints hold only what training changes (trainable parameters, optimizer, scheduler, step,
   loss history) and a *fingerprint* of the run. Resuming checks the fingerprint first, so a
