@@ -168,7 +168,6 @@ class RetrofitArgs:
             if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
                 raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
 
-
     def _check_lm_eval(self) -> None:
         if self.task != "causal_lm":
             raise ValueError("--lm_eval_tasks scores causal LMs (lm-eval's hf model): leave it out for "
@@ -413,9 +412,8 @@ class Retrofit:
         a = self.args
         if a.lora and a.finetune_steps:
             self.peft = self._add_lora(self.model)
-        info = sharding.shard(self.model, self.acc.device, replicated=polyattn_parameters(self.model)
-                              if self.pcfg is not None and any(".polyattn." in n for n, _ in
-                                                               self.model.named_parameters()) else [])
+        replicated = [(n, p) for n, p in self.model.named_parameters() if ".polyattn." in n]
+        info = sharding.shard(self.model, self.acc.device, replicated=replicated)
         self.results["distributed"].update(info)
         self.log(f"[fsdp] {self.acc.num_processes} processes, sharded units {info['fsdp_units']}")
 
@@ -463,8 +461,9 @@ class Retrofit:
         scores = None
         if self.acc.is_main_process:
             tasks = [t.strip() for t in a.lm_eval_tasks.split(",") if t.strip()]
-            scores = harness.evaluate(model, self.tokenizer, tasks, limit=a.lm_eval_limit, batch_size=a.eval_batch_size,
-                                 max_length=a.eval_context, metadata=json.loads(a.lm_eval_metadata or "{}"))
+            scores = harness.evaluate(model, self.tokenizer, tasks, limit=a.lm_eval_limit,
+                                      batch_size=a.eval_batch_size, max_length=a.eval_context,
+                                      metadata=json.loads(a.lm_eval_metadata or "{}"))
             for task, values in scores.items():
                 metric, value = harness.main_metric(values)
                 self.log(f"[eval {tag}] lm-eval {task} {metric} = {value:.4f}")

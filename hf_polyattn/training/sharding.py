@@ -120,8 +120,8 @@ def check_launch(acc, fsdp: bool) -> dict[str, Any]:
 
 def layer_classes(model: nn.Module) -> set[str]:
     """Class names of the layers to shard one by one: ``_no_split_modules`` of the transformers models inside
-    (decoders declare their layer class there), else the class of the longest ``nn.ModuleList`` of one class
-    (BERT, RoBERTa and DistilBERT declare nothing: their ``encoder.layer`` / ``transformer.layer``)."""
+    (``LlamaDecoderLayer``; BERT's inner model names ``BertEmbeddings`` and ``BertLayer``), else the class of the
+    longest ``nn.ModuleList`` of one class (DistilBERT declares nothing: its ``transformer.layer``)."""
     from transformers.modeling_utils import PreTrainedModel
 
     names: set[str] = set()
