@@ -501,7 +501,7 @@ def cmd_lm_eval(argv: list[str]) -> int:
     from .harness import INSTALL, run_cli
 
     try:
-        return run_cli(argv)
+        return run_cli(argv, prog=f"{PROG} lm-eval")
     except ImportError as err:
         print(f"{PROG} lm-eval: {err}" if INSTALL in str(err) else f"{PROG} lm-eval: {err!r}", file=sys.stderr)
         return 2

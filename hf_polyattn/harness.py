@@ -50,9 +50,9 @@ def _task_manager(metadata_json: str):
     return TaskManager(include_path=str(TASKS_DIR), metadata=json.loads(metadata_json))
 
 
-def run_cli(argv: list[str]) -> int:
+def run_cli(argv: list[str], prog: str = "lm-eval") -> int:
     """``lm-eval ARGS...`` in this process, the attention kinds registered and the shipped tasks included; the exit
-    code lm-eval gives (0 on success)."""
+    code lm-eval gives (0 on success). ``prog`` names the command in lm-eval's usage lines."""
     _require_lm_eval()
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
@@ -62,6 +62,7 @@ def run_cli(argv: list[str]) -> int:
     register()
     setup_logging()
     cli = HarnessCLI()
+    cli._parser.prog = prog  # lm-eval 0.4.13 keeps its top-level parser there
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]  # lm-eval's parser reads sys.argv (and inserts `run` when no command is named)
     try:

@@ -77,6 +77,8 @@ OPTIONS = {
              "--max-eval-tokens", "--text-column", "--tokenizer", "--device", "--dtype", "--threads", "--json"],
     "bench": ["--device", "--lengths", "--kinds", "--heads", "--head-dim", "--dtype", "--repeats", "--threads",
               "--timeout", "--out", "--quick"],
+    # lm-eval's own top-level help (its commands; `run` holds --model, --tasks, ...), under our name
+    "lm-eval": ["run", "ls", "validate", "--model", "--tasks"],
 }
 
 
