@@ -7,6 +7,7 @@
                                                                  # long context: curve, passkey, baselines
     hf-polyattn score-heads MODEL --out scores.json              # rank kv heads to keep as softmax (softmax_heads)
     hf-polyattn bench [--device cuda]                            # attention speed / memory against SDPA
+    hf-polyattn lm-eval --model hf --model_args pretrained=DIR --tasks TASKS   # lm-eval's own CLI, kinds registered
 
 `hf-polyattn COMMAND --help` documents each command. Bad input (an unknown command, kind or option, a missing
 argument, a path that does not exist, an invalid attention setting) gives a usage message and exit code 2.
@@ -25,7 +26,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .bench import int_at_least
+from .bench import HelpFormatter, int_at_least
 
 PROG = "hf-polyattn"
 
@@ -51,29 +52,6 @@ def _wrap(text: str) -> str:
 
 class UsageError(Exception):
     """Bad input found after parsing: reported like an argparse error (usage, message, exit code 2)."""
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions kept as written; ``(default: ...)`` appended to every option that has a default."""
-
-    def add_argument(self, action):
-        super().add_argument(action)
-        # argparse measures the command names at their parent's indent, one indent short: the longest one
-        # ('score-heads') had its help wrapped onto the next line
-        if isinstance(action, argparse._SubParsersAction) and action.help is not argparse.SUPPRESS:
-            longest = max(len(self._format_action_invocation(a)) for a in action._get_subactions())
-            self._action_max_length = max(self._action_max_length,
-                                          longest + self._current_indent + self._indent_increment)
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        default = action.default
-        if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS:
-            return text
-        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
-            return f"{text} (default: {shown})"
-        return text
 
 
 def package_version() -> str:
@@ -647,7 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="swap a checkpoint's attention for a polyattn kind and save it",
                        description=_wrap("Load MODEL, give every attention layer the polyattn kind --kind "
                                    "(hf_polyattn.convert) and save_pretrained it to --out, with its tokenizer when it "
-                                   "has one. Reload it with from_pretrained after `import hf_polyattn`."),
+                                   "has one. Reload it with from_pretrained after `import hf_polyattn`, or with "
+                                   "trust_remote_code=True in a process that does not import it."),
                        formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="checkpoint: a local directory with config.json, a Hub id, or the offline aliases "
@@ -737,12 +716,42 @@ def build_parser() -> argparse.ArgumentParser:
                        description=bench.__doc__, formatter_class=HelpFormatter)
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench, _parser=p)
+    _add_lm_eval_parser(sub)
     return parser
+
+
+# ----------------------------------------------------------------------------------------------- lm-eval
+
+LM_EVAL_HELP = "lm-eval's own command line, with the attention kinds registered and the package's offline tasks"
+
+
+def cmd_lm_eval(argv: list[str]) -> int:
+    """``hf-polyattn lm-eval ARGS...`` = ``lm-eval ARGS...`` after ``import hf_polyattn`` (hf_polyattn.harness).
+
+    Every argument goes to lm-eval's parser untouched (``hf-polyattn lm-eval --help`` is lm-eval's help)."""
+    from .harness import INSTALL, run_cli
+
+    try:
+        return run_cli(argv, prog=f"{PROG} lm-eval")
+    except ImportError as err:
+        print(f"{PROG} lm-eval: {err}" if INSTALL in str(err) else f"{PROG} lm-eval: {err!r}", file=sys.stderr)
+        return 2
+
+
+def _add_lm_eval_parser(sub) -> None:
+    """Listed in ``hf-polyattn --help``; ``main`` hands its arguments to lm-eval before parsing anything."""
+    from .harness import TASKS
+
+    sub.add_parser("lm-eval", help=LM_EVAL_HELP, add_help=False, formatter_class=HelpFormatter,
+                   description=_wrap(f"{LM_EVAL_HELP}: {', '.join(TASKS)} (local files; see "
+                                     "hf_polyattn/harness.py). Every argument is lm-eval's."))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``hf-polyattn`` with ``argv`` (default: sys.argv[1:]); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:  # lm-eval parses its own arguments: none of ours may reject them first
+        return cmd_lm_eval(argv[1:])
     parser = build_parser()
     args = None
     try:

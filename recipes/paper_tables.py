@@ -137,7 +137,7 @@ def run_one(kind: str, context: int, data, vocab: int, args) -> dict:
     t0 = time.time()
     summary = train_loop(acc, wrapped, params,
                          lambda s, m, r: lm_batch(data.train_ids, batch_size=batch, context=context, seed=args.seed,
-                                                  step=s, micro=m, rank=r),
+                                                  step=s, micro=m, rank=r, world=acc.num_processes),
                          lambda m, b: m(**b).loss, loop, fp)
     train_wall = time.time() - t0
     model = acc.unwrap_model(wrapped)

@@ -6,6 +6,12 @@ evaluation after each stage -> a Hub-ready folder in OUTPUT_DIR/model. See recip
 
     accelerate launch recipes/retrofit.py --model smollm2 --attention polysketch \\
         --transfer_steps 60 --finetune_steps 40 --output_dir runs/smollm2-polysketch
+
+Sharded over N processes with FSDP2 (CPUs: gloo; GPUs: also `accelerate launch --config_file
+recipes/accelerate_fsdp.yaml`):
+
+    torchrun --nproc_per_node 2 recipes/retrofit.py --model smollm2 --attention polysketch \\
+        --transfer_steps 60 --lora --finetune_steps 40 --fsdp --output_dir runs/smollm2-polysketch-fsdp
 """
 
 from _cli import parser as recipe_parser

@@ -148,3 +148,17 @@ def test_grid_goes_on_after_oom_and_writes_the_cuda_files(tmp_path):
     assert {r["kind"] for r in data["rows"]} == {"sdpa", "polysketch", "performer", "fla-linear-elu"}
     assert (tmp_path / "cuda-bf16.png").stat().st_size > 1000
     assert not (tmp_path / "cpu-fp32.md").exists()
+
+
+def test_bench_never_imports_the_cli():
+    """The CLI depends on bench, never the reverse: building bench's own parser leaves hf_polyattn.cli unimported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, hf_polyattn.bench as b; b.build_parser('bench').format_help(); "
+            "print('hf_polyattn.cli' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"

@@ -81,6 +81,8 @@ OPTIONS = {
                     "--tokenizer", "--device", "--dtype", "--threads"],
     "bench": ["--device", "--lengths", "--kinds", "--heads", "--head-dim", "--dtype", "--repeats", "--threads",
               "--timeout", "--out", "--quick"],
+    # lm-eval's own top-level help (its commands; `run` holds --model, --tasks, ...), under our name
+    "lm-eval": ["run", "ls", "validate", "--model", "--tasks"],
 }
 
 

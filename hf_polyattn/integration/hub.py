@@ -9,7 +9,8 @@ existing README keeps its own text and only our section is replaced.
 ``library_name: transformers``: the checkpoint is a plain transformers checkpoint
 (config.json + safetensors, loaded by ``AutoModel*``), so the Hub's "use this model"
 snippet, download counting and widgets work; the ``hf_polyattn`` tag and the usage
-section say that ``import hf_polyattn`` is required.
+section say what loading gives with ``import hf_polyattn``, with ``trust_remote_code=True``
+(the loader module of ``remote_code.py``, written by every save) and with neither.
 
 ``push_to_hub`` follows the standard path (create the repo, ``save_pretrained`` into a
 folder, upload that folder in one commit); transformers' own ``push_to_hub`` would replace
@@ -28,6 +29,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from torch import nn
 
 from ..config import PolyAttnConfig
+from .remote_code import LOADER_FILE, set_auto_map, write_loader
 from .settings import BASE_MODEL_KEY, hub_model_id
 from .state import HFPolyAttention, get_polyattn_config, sync_config
 
@@ -176,6 +178,8 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         settings=settings,
         memory_note=cfg.spec.memory_note(cfg) if not cfg.softmax_heads else "",
         softmax_heads_note=softmax_heads_note(config, cfg),
+        remote_code=(save_directory / LOADER_FILE).exists(),  # written by the save that precedes the card
+        loader_file=LOADER_FILE,
         eval_rows=rows,
     )
     if existing is not None:
@@ -200,10 +204,16 @@ def _check_all_ready(model) -> None:
 
 
 def _save_checkpoint(model, save_directory, *args, **kwargs):
-    """The stock save_pretrained, after making config.json carry the attention settings."""
+    """The stock save_pretrained, after making config.json carry the attention settings and an ``auto_map`` to
+    the loader module, which is written beside it (``remote_code.py``: loading with ``trust_remote_code=True``)."""
     sync_config(model)
     _check_all_ready(model)
-    return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    kind = get_polyattn_config(model).kind
+    set_auto_map(model.config, kind)
+    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    if model.should_save_on_this_rank(kwargs.get("is_main_process", args[0] if args else True)):
+        write_loader(save_directory, model.config, kind)
+    return result
 
 
 _HUB_KWARGS = ("repo_id", "commit_message", "commit_description", "create_pr", "private", "token", "revision")

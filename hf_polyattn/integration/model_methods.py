@@ -12,6 +12,7 @@ from transformers.modeling_utils import PreTrainedModel
 from . import hub
 from .cache import PolyAttnCache
 from .compatibility import OUTPUT_ATTENTIONS_ERROR
+from .remote_code import forget_auto_class_registration
 from .settings import polyattn_kind
 
 __all__ = ["prepare_model_instance"]
@@ -27,6 +28,8 @@ def prepare_model_instance(model: PreTrainedModel) -> None:
     """
     if model.__dict__.get("_polyattn_prepared"):
         return
+    # loaded with trust_remote_code: transformers marked the stock class for custom_object_save (remote_code.py)
+    forget_auto_class_registration(type(model))
     for name in _OVERRIDES:
         setattr(model, name, _ModelMethod(name, model))
     model.register_forward_pre_hook(_refuse_output_attentions, with_kwargs=True)

@@ -136,7 +136,17 @@ def shifted_lt(fq: torch.Tensor, fk: torch.Tensor, vext: torch.Tensor, shift: in
     n = fq.shape[-2]
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], vext.shape[:-2])
     if shift >= n:
-        return vext.new_zeros(*lead, n, vext.shape[-1])
+        # Every key lies inside the window: the far part is empty, yet it stays in the autograd graph through a
+        # sum over zero rows of each input (exactly 0 forward, zero gradients backward), so the kernel's
+        # parameters get a zero gradient instead of none. DDP's reducer waits for every parameter each step
+        # ("Expected to have finished reduction ... parameters that were not used in producing loss" at
+        # context <= window), and an attention-transfer loss of such layers had no grad_fn at all. Chosen over
+        # DDP's find_unused_parameters, which walks the autograd graph on every step of every run to serve
+        # this one case and would still leave the transfer loss without a grad_fn.
+        empty = fq[..., :0, :].sum() + fk[..., :0, :].sum() + vext[..., :0, :].sum()
+        if decay is not None:  # the decay / gate parameters too
+            empty = empty + decay[..., :0].sum()
+        return vext.new_zeros(*lead, n, vext.shape[-1]) + empty.to(vext.dtype)
     logs = None if decay is None else (decay[..., shift:], decay[..., : n - shift])
     out = lt_product(fq[..., shift:, :], fk[..., : n - shift, :], vext[..., : n - shift, :], block, True, square,
                      backend, tf32, decay=logs)

@@ -135,20 +135,31 @@ def load_text_data(
     return TextData(train_ids, eval_ids, source, eval_fraction, text_column)
 
 
-def _generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
+def _generator(seed: int, step: int, micro: int) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + step * 10_007 + micro * 101 + rank) % (2**63))
+    g.manual_seed((seed * 1_000_003 + step * 10_007 + micro * 101) % (2**63))
     return g
 
 
+def _global_draw(high: int, batch_size: int, seed: int, step: int, micro: int, rank: int, world: int) -> list[int]:
+    """Rank ``rank``'s slice of the global batch of ``batch_size * world`` draws for (seed, step, micro): N
+    processes with B rows each see the rows one process with N * B rows sees (sharded runs are compared with
+    single-process ones this way); one process draws exactly what it drew before ranks took slices."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+    draws = torch.randint(0, high, (batch_size * world,), generator=_generator(seed, step, micro))
+    return draws[rank * batch_size : (rank + 1) * batch_size].tolist()
+
+
 def lm_batch(ids: torch.Tensor, *, batch_size: int, context: int, seed: int, step: int, micro: int = 0,
-             rank: int = 0) -> dict[str, torch.Tensor]:
-    """``batch_size`` random windows of ``context`` tokens (labels = inputs; the model shifts)."""
+             rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    """``batch_size`` random windows of ``context`` tokens (labels = inputs; the model shifts): rank ``rank``'s
+    slice of the global batch of ``world`` processes."""
     n = ids.numel() - context
     if n <= 0:
         raise DataError(f"the text has {ids.numel()} tokens, fewer than the context {context}")
-    starts = torch.randint(0, n, (batch_size,), generator=_generator(seed, step, micro, rank))
-    x = torch.stack([ids[s : s + context] for s in starts.tolist()])
+    starts = _global_draw(n, batch_size, seed, step, micro, rank, world)
+    x = torch.stack([ids[s : s + context] for s in starts])
     return {"input_ids": x, "labels": x.clone(), "attention_mask": torch.ones_like(x)}
 
 
@@ -205,12 +216,13 @@ def load_classification_data(
 
 
 def classification_batch(data: ClassificationData, tokenizer, *, batch_size: int, max_length: int, seed: int,
-                         step: int, micro: int = 0, rank: int = 0, split: str = "train",
+                         step: int, micro: int = 0, rank: int = 0, world: int = 1, split: str = "train",
                          indices: list[int] | None = None) -> dict[str, torch.Tensor]:
-    """A padded batch: random training rows for (seed, step, micro, rank), or the given ``indices``."""
+    """A padded batch: rank ``rank``'s random training rows of the global batch for (seed, step, micro), or the
+    given ``indices``."""
     ds = data.train if split == "train" else data.eval
     if indices is None:
-        indices = torch.randint(0, len(ds), (batch_size,), generator=_generator(seed, step, micro, rank)).tolist()
+        indices = _global_draw(len(ds), batch_size, seed, step, micro, rank, world)
     rows = ds[indices]
     enc = tokenizer(rows[data.text_column], padding=True, truncation=True, max_length=max_length,
                     return_tensors="pt")

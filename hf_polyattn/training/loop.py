@@ -1,7 +1,8 @@
 """One small training loop shared by attention transfer and fine-tuning.
 
 * Batches are a pure function of the step (``batch_fn(step, micro, rank)``), so resuming needs
-  no sampler state and each rank of a multi-process run draws its own, reproducible batches.
+  no sampler state; each rank of a multi-process run takes its reproducible slice of one global batch
+  (``data.lm_batch``'s ``world``).
 * Gradient accumulation over ``grad_accum`` micro-batches (no DDP all-reduce until the last).
 * Checkpoints hold only what training changes (trainable parameters, optimizer, scheduler, step,
   loss history) and a *fingerprint* of the run. Resuming checks the fingerprint first, so a
@@ -9,6 +10,8 @@
   any step is taken. A checkpoint is also written when the run is interrupted (Ctrl-C, SIGTERM),
   so an interrupted run resumes at the step it reached.
 * A metrics JSON (loss history, wall and CPU time) and a loss plot PNG per run.
+* A model sharded with FSDP2 (``sharding.py``) trains the same way: gradient sync, clipping and checkpoints
+  (whole tensors, gathered from every process) go through ``sharding``; accelerate never wraps it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import sharding
 
 __all__ = ["IncompatibleCheckpointError", "LoopConfig", "fingerprint_of", "plot_losses", "train_loop"]
 
@@ -121,6 +126,7 @@ def train_loop(
         raise ValueError("nothing to train: no parameter requires grad")
     out = Path(cfg.output_dir)
     ckpt = out / f"{CKPT_DIR}-{cfg.desc}"
+    sharded = sharding.is_sharded(model)
     opt = torch.optim.AdamW(param_groups or [p for _, p in params], lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
     start_step, history = 0, []
@@ -137,15 +143,19 @@ def train_loop(
         by_name = dict(params)
         if set(state["params"]) != set(by_name):
             raise IncompatibleCheckpointError(f"cannot resume from {ckpt}: trainable parameter names differ")
-        with torch.no_grad():
-            for n, t in state["params"].items():
-                if by_name[n].shape != t.shape:
-                    raise IncompatibleCheckpointError(
-                        f"cannot resume from {ckpt}: {n} has shape {tuple(t.shape)} there, "
-                        f"{tuple(by_name[n].shape)} here"
-                    )
-                by_name[n].copy_(t)
-        opt.load_state_dict(state["optimizer"])
+        for n, t in state["params"].items():
+            if by_name[n].shape != t.shape:
+                raise IncompatibleCheckpointError(
+                    f"cannot resume from {ckpt}: {n} has shape {tuple(t.shape)} there, {tuple(by_name[n].shape)} here"
+                )
+        if sharded:  # every process keeps its shard of the whole tensors the checkpoint holds
+            sharding.load_full_tensors(params, state["params"])
+            sharding.load_optimizer_state(model, opt, state["optimizer"])
+        else:
+            with torch.no_grad():
+                for n, t in state["params"].items():
+                    by_name[n].copy_(t)
+            opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         start_step, history = state["step"], state["history"]
         cpu_before, wall_before = state.get("cpu_s", 0.0), state.get("wall_s", 0.0)
@@ -155,6 +165,10 @@ def train_loop(
     cpu0, wall0 = time.process_time(), time.time()
 
     def save(step: int) -> None:
+        if sharded:  # collective: every process gives its shards, the main process writes whole tensors
+            tensors, optimizer = sharding.full_tensors(params), sharding.optimizer_state(model, opt)
+        elif accelerator.is_main_process:
+            tensors, optimizer = {n: p.detach().cpu().clone() for n, p in params}, opt.state_dict()
         if not accelerator.is_main_process:
             return
         tmp = out / f"{CKPT_DIR}-{cfg.desc}.tmp"
@@ -162,8 +176,8 @@ def train_loop(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         torch.save({
-            "params": {n: p.detach().cpu().clone() for n, p in params},
-            "optimizer": opt.state_dict(),
+            "params": tensors,
+            "optimizer": optimizer,
             "scheduler": sched.state_dict(),
             "step": step,
             "history": history,
@@ -200,14 +214,20 @@ def train_loop(
             for micro in range(cfg.grad_accum):
                 batch = {k: v.to(accelerator.device) for k, v in batch_fn(step, micro, rank).items()}
                 sync = micro == cfg.grad_accum - 1
-                ctx = accelerator.no_sync(model) if not sync and accelerator.num_processes > 1 else _null()
+                if sharded:
+                    sharding.set_gradient_sync(model, sync)
+                ctx = (accelerator.no_sync(model) if not sync and accelerator.num_processes > 1 and not sharded
+                       else _null())
                 with ctx, accelerator.autocast():
                     loss = loss_fn(model, batch) / cfg.grad_accum
                 with ctx:
                     accelerator.backward(loss)
                 total += loss.detach().float().item()
+            if sharded:
+                sharding.sync_replicated_grads(model)
             if cfg.max_grad_norm:
-                accelerator.clip_grad_norm_([p for _, p in params], cfg.max_grad_norm)
+                clip = sharding.clip_grad_norm_ if sharded else accelerator.clip_grad_norm_
+                clip([p for _, p in params], cfg.max_grad_norm)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

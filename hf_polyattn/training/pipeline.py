@@ -28,6 +28,7 @@ import torch
 
 from .. import machine, registry
 from ..config import PolyAttnConfig
+from . import sharding
 from .checkpoints import CheckpointError, check_supported, resolve_checkpoint
 from .data import (
     DataError,
@@ -134,7 +135,20 @@ class RetrofitArgs:
     long_eval_baselines: str = field(default="softmax,streaming", metadata={
         "help": "baseline rows of the long-context evaluation: a comma-separated subset of softmax,streaming, or "
                 "none"})
+    lm_eval_tasks: str | None = field(default=None, metadata={
+        "help": "causal_lm: comma-separated lm-eval tasks scored at every evaluation, besides perplexity (pip "
+                "install 'hf_polyattn[eval]'), e.g. polyattn_tinyshakespeare,polyattn_sst2 (shipped, local files) "
+                "or any lm-eval task the Hub serves"})
+    lm_eval_limit: float | None = field(default=None, metadata={"help": "lm-eval's --limit: documents per task "
+                                                                        "(a count, or a fraction below 1)"})
+    lm_eval_metadata: str | None = field(default=None, metadata={
+        "help": "lm-eval's --metadata, a JSON object, e.g. the shipped tasks' files: "
+                '\'{"tinyshakespeare_file": PATH, "sst2_file": PATH}\' (default: ../shared/data beside a checkout)'})
     mixed_precision: str = field(default="no", metadata={"help": "'no' (fp32) or 'bf16'"})
+    fsdp: bool = field(default=False, metadata={
+        "help": "shard the model across the launched processes with FSDP2 (each decoder layer, then the whole "
+                "model): `torchrun --nproc_per_node N` on CPUs (gloo) or GPUs, or `accelerate launch` with an FSDP "
+                "config on GPUs (recipes/README.md)"})
     output_dir: str = field(default="runs/retrofit", metadata={"help": "where checkpoints, metrics, model/ go"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end and on "
                                                          "interruption only)"})
@@ -172,6 +186,8 @@ class RetrofitArgs:
             if not issubclass(registry.get_kind(self.attention).module_class(), PolyAttention):
                 raise ValueError(f"--attn_ce_weight compares attention weights, which only the kernel kinds write out "
                                  f"(ops.reference_weights); attention={self.attention!r} has none: leave it 0")
+        if self.lm_eval_tasks:
+            self._check_lm_eval()
         if self.attention == "softmax" and self.transfer_steps:
             raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
         if (self.eval_contexts or self.passkey_lengths) and self.task != "causal_lm":
@@ -183,6 +199,22 @@ class RetrofitArgs:
             v = getattr(self, name)
             if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
                 raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
+
+    def _check_lm_eval(self) -> None:
+        if self.task != "causal_lm":
+            raise ValueError("--lm_eval_tasks scores causal LMs (lm-eval's hf model): leave it out for "
+                             f"task={self.task!r}")
+        if self.fsdp:
+            raise ValueError("--lm_eval_tasks with --fsdp: lm-eval would run a sharded model in one process; score "
+                             "the saved folder instead: hf-polyattn lm-eval --model hf --model_args "
+                             "pretrained=OUTPUT_DIR/model --tasks ...")
+        if self.lm_eval_metadata is not None:
+            try:
+                ok = isinstance(json.loads(self.lm_eval_metadata), dict)
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--lm_eval_metadata must be a JSON object, got {self.lm_eval_metadata!r}")
 
 
     def schedule(self, stage: str) -> list[tuple[int, int, int]]:
@@ -311,6 +343,7 @@ def _settings(a: RetrofitArgs) -> dict[str, Any]:
         "transfer_lr": a.transfer_lr, "transfer_batch_size": a.transfer_batch_size, "finetune_lr": a.finetune_lr,
         "batch_size": a.batch_size, "grad_accum": a.grad_accum, "attn_ce_weight": a.attn_ce_weight,
         "transfer_schedule": a.transfer_schedule, "finetune_schedule": a.finetune_schedule,
+        "fsdp": a.fsdp,  # sharded checkpoints hold the optimizer state keyed by names, DDP's by position
     }
 
 
@@ -323,8 +356,10 @@ class Retrofit:
         self.args = args
         if args.threads:
             torch.set_num_threads(args.threads)
+        sharding.check_before_accelerator(args.fsdp)
         # cpu=True without CUDA: otherwise a `--multi_gpu` launch on a CPU machine gives two unconnected processes
         self.acc = accelerator or Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+        self.peft = None  # the LoRA wrapper, when adapters were added before sharding (_shard)
         self.out = Path(args.output_dir)
         self.results: dict[str, Any] = {"args": asdict(args), "evaluations": {}, "stages": {}}
         self.cpu0, self.wall0 = time.process_time(), time.time()
@@ -338,6 +373,8 @@ class Retrofit:
         a = self.args
         from transformers import AutoConfig, AutoTokenizer
 
+        # 0. processes: a launch that would train unconnected or unsharded copies -> LaunchError
+        self.results["distributed"] = sharding.check_launch(self.acc, a.fsdp)
         # 1. data (missing file / column / unreachable dataset id -> DataError)
         # 2. model (unreachable id / unsupported architecture -> CheckpointError)
         path = resolve_checkpoint(a.model)
@@ -359,6 +396,7 @@ class Retrofit:
             self.data = load_classification_data(a.data, text_column=a.text_column, label_column=a.label_column,
                                                   num_eval=a.num_eval, seed=a.seed)
         self.results["data"] = self.data.describe()
+        self._warn_if_window_covers_context()
         # 3. a checkpoint of another run in output_dir -> IncompatibleCheckpointError
         settings = _settings(a)
         rc = self.out / "run_config.json"
@@ -381,7 +419,10 @@ class Retrofit:
             rc.write_text(json.dumps(settings, indent=2))
         self.acc.wait_for_everyone()
         self.settings = settings
+        self.model_config = mcfg
         self.model = self._load_model(path, mcfg)
+        if a.fsdp:
+            self._shard()
         return self
 
     def _load_model(self, path: str, mcfg):
@@ -410,7 +451,7 @@ class Retrofit:
                 raise CheckpointError(f"{path!r} was converted to attention {existing!r}; pass --attention {existing}")
             saved = getattr(model.config, "polyattn", None)
             self.pcfg = PolyAttnConfig.from_dict(saved) if isinstance(saved, dict) else pcfg
-            return model.to(self.acc.device)
+            return self._placed(model)
         if pcfg is not None:
             import hf_polyattn
 
@@ -418,7 +459,64 @@ class Retrofit:
                 raise CheckpointError("hf_polyattn.convert is not available (integration layer missing)")
             model = hf_polyattn.convert(model, pcfg) or model
         self.pcfg = pcfg
-        return model.to(self.acc.device)
+        return self._placed(model)
+
+    def _warn_if_window_covers_context(self) -> None:
+        """Training sequences no longer than the window: the kernel part never sees a key, so attention transfer
+        has nothing to fit (its loss is the window's own, ~0) and fine-tuning leaves the kernel untouched. Legal
+        (the parameters get zero gradients: ops/window.py), but the run is then a softmax-window model."""
+        a = self.args
+        cfg = polyattn_config_from_args(a) if a.attention != "softmax" else None
+        longest = a.context if a.task == "causal_lm" else a.max_length
+        if cfg is not None and cfg.window and longest <= cfg.window:
+            msg = (f"every training sequence ({'--context' if a.task == 'causal_lm' else '--max_length'} {longest}) "
+                   f"fits in the window ({cfg.window}): the {a.attention} kernel part is never used in training")
+            self.results.setdefault("warnings", []).append(msg)
+            self.log(f"warning: {msg}")
+
+    def _placed(self, model):
+        # sharded runs leave the model where it was loaded: fully_shard moves each group to the device as it
+        # shards it, so a GPU never holds the whole model
+        return model if self.args.fsdp else model.to(self.acc.device)
+
+    # ------------------------------------------------------------------ sharding (FSDP2, sharding.py)
+    def _add_lora(self, model):
+        """PEFT LoRA adapters on the attention projections, initialised from the run's seed (the same adapters
+        whether they are added before sharding or at fine-tuning)."""
+        from peft import LoraConfig, get_peft_model
+
+        a = self.args
+        task_type = "CAUSAL_LM" if a.task == "causal_lm" else "SEQ_CLS"
+        config = LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, target_modules=_lora_targets(model),
+                            task_type=task_type, lora_dropout=0.0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(a.seed)
+            return get_peft_model(model, config)
+
+    def _shard(self) -> None:
+        """FSDP2 over the launched processes. LoRA adapters are added first when fine-tuning will use them:
+        fully_shard groups the parameters that exist when it runs, and adapters added to a sharded model would
+        be neither sharded nor synchronised. They start as zero (LoRA's B = 0), so the transfer stage and the
+        evaluations before fine-tuning see the model unchanged."""
+        a = self.args
+        if a.lora and a.finetune_steps:
+            self.peft = self._add_lora(self.model)
+        replicated = [(n, p) for n, p in self.model.named_parameters() if ".polyattn." in n]
+        info = sharding.shard(self.model, self.acc.device, replicated=replicated)
+        self.results["distributed"].update(info)
+        self.log(f"[fsdp] {self.acc.num_processes} processes, sharded units {info['fsdp_units']}")
+
+    def _unsharded(self, state: dict[str, torch.Tensor]):
+        """A whole, unsharded copy of the trained model built on this process from the gathered state dict,
+        LoRA merged: what save_pretrained writes."""
+        copy = self._load_model(self.model_path, self.model_config)
+        target = self._add_lora(copy) if self.peft is not None else copy
+        missing, unexpected = target.load_state_dict(state, strict=False)
+        missing = sorted(k for k in missing if not _is_tied(target, k))
+        if missing or unexpected:
+            raise RuntimeError(f"the gathered checkpoint does not fit the model: missing {missing}, "
+                               f"unexpected {sorted(unexpected)}")
+        return target.merge_and_unload() if self.peft is not None else target
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tag: str) -> dict[str, Any]:
@@ -436,6 +534,8 @@ class Retrofit:
                                             indices=list(range(i, min(n, i + a.eval_batch_size))))
                        for i in range(0, n, a.eval_batch_size))
             r = accuracy(model, batches, progress=a.progress and self.acc.is_main_process, desc=f"eval {tag}")
+        if a.lm_eval_tasks:
+            r["lm_eval"] = self._lm_eval(model, tag)
         r["wall_s"], r["cpu_s"] = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
         self.results["evaluations"][tag] = r
         main = "perplexity" if a.task == "causal_lm" else "accuracy"
@@ -472,10 +572,28 @@ class Retrofit:
         self.results["long_context"] = result
         return result
 
+    def _lm_eval(self, model, tag: str) -> dict[str, dict[str, float]] | None:
+        """--lm_eval_tasks on the current model, in the main process (the others wait), windows of eval_context."""
+        from .. import harness
+
+        a = self.args
+        scores = None
+        if self.acc.is_main_process:
+            tasks = [t.strip() for t in a.lm_eval_tasks.split(",") if t.strip()]
+            scores = harness.evaluate(model, self.tokenizer, tasks, limit=a.lm_eval_limit,
+                                      batch_size=a.eval_batch_size, max_length=a.eval_context,
+                                      metadata=json.loads(a.lm_eval_metadata or "{}"))
+            for task, values in scores.items():
+                metric, value = harness.main_metric(values)
+                self.log(f"[eval {tag}] lm-eval {task} {metric} = {value:.4f}")
+        self.acc.wait_for_everyone()
+        return scores
+
     # ------------------------------------------------------------------ stages
     def _batch_fn(self, stage: str):
         a = self.args
         phases = a.schedule(stage)
+        world = self.acc.num_processes  # each rank its slice of the global batch (data._global_draw)
         if a.task == "causal_lm":
             ids = self.data.train_ids
 
@@ -488,26 +606,29 @@ class Retrofit:
                         phase = p
                         break
                 return lm_batch(ids, batch_size=phase[2], context=phase[0], seed=a.seed, step=step, micro=micro,
-                                rank=rank)
+                                rank=rank, world=world)
 
             return lm
         batch_size = phases[0][2]
         return lambda step, micro, rank: classification_batch(
             self.data, self.tokenizer, batch_size=batch_size, max_length=a.max_length, seed=a.seed, step=step,
-            micro=micro, rank=rank)
+            micro=micro, rank=rank, world=world)
 
     def transfer(self) -> dict[str, Any]:
         a = self.args
         model = self.model
         with distillation(model, attn_ce_weight=a.attn_ce_weight) as coll:
             params = polyattn_parameters(model)
-            base = self.acc.prepare(model.base_model)
+            if a.fsdp:  # every forward through the FSDP root: the whole model, the head on one position only
+                base, extra = model, ({"logits_to_keep": 1} if a.task == "causal_lm" else {})
+            else:
+                base, extra = self.acc.prepare(model.base_model), {}
             cfg = LoopConfig(output_dir=str(self.out), max_steps=a.transfer_steps, lr=a.transfer_lr,
                              warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=1,
                              save_every=a.save_every, resume=a.resume, desc="transfer", progress=a.progress)
             fp = fingerprint_of(params, stage="transfer", **{k: v for k, v in self.settings.items()})
             summary = train_loop(self.acc, base, params, self._batch_fn("transfer"),
-                                 lambda m, b: transfer_loss(m, b, coll), cfg, fp)
+                                 lambda m, b: transfer_loss(m, b, coll, **extra), cfg, fp)
         self.results["stages"]["transfer"] = {k: v for k, v in summary.items() if k != "history"}
         return summary
 
@@ -515,12 +636,7 @@ class Retrofit:
         a = self.args
         model = self.model
         if a.lora:
-            from peft import LoraConfig, get_peft_model
-
-            targets = _lora_targets(model)
-            task_type = "CAUSAL_LM" if a.task == "causal_lm" else "SEQ_CLS"
-            model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, target_modules=targets,
-                                                     task_type=task_type, lora_dropout=0.0))
+            model = self.peft if self.peft is not None else self._add_lora(model)
             for n, p in model.named_parameters():  # the retrofitted attention keeps training under LoRA
                 if ".polyattn." in n:
                     p.requires_grad_(True)
@@ -534,11 +650,11 @@ class Retrofit:
                          warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=a.grad_accum,
                          save_every=a.save_every, resume=a.resume, desc="finetune", progress=a.progress)
         fp = fingerprint_of(params, stage="finetune", **self.settings)
-        wrapped = self.acc.prepare(model)
+        wrapped = model if a.fsdp else self.acc.prepare(model)
         summary = train_loop(self.acc, wrapped, params, self._batch_fn("finetune"),
                              lambda m, b: m(**b).loss, cfg, fp,
                              param_groups=_groups(rest, poly, a.finetune_lr, a.polyattn_lr))
-        if a.lora:
+        if a.lora and not a.fsdp:  # sharded: merged in the whole copy that save() writes (_unsharded)
             model = self.acc.unwrap_model(wrapped).merge_and_unload()
         self.model = model
         self.results["stages"]["finetune"] = {k: v for k, v in summary.items() if k != "history"}
@@ -552,13 +668,15 @@ class Retrofit:
         self.results["polyattn"] = self.pcfg.to_dict() if self.pcfg else None
         self.results["machine"] = machine.summary()
         target = None
+        # sharded: every process gives its shards (collective); the main process saves one whole checkpoint
+        gathered = sharding.full_state_dict(self.model) if a.fsdp and a.save_model else None
         if self.acc.is_main_process:
             (self.out / "results.json").write_text(json.dumps(self.results, indent=2))
             if a.save_model:
                 from .card import eval_results_for_card, write_card
 
                 target = self.out / "model"
-                model = self.acc.unwrap_model(self.model)
+                model = self._unsharded(gathered) if a.fsdp else self.acc.unwrap_model(self.model)
                 if self.pcfg is not None:  # hf_polyattn's save_pretrained also writes the model card
                     model.save_pretrained(target, eval_results=eval_results_for_card(self.results))
                 else:
@@ -592,6 +710,16 @@ def _groups(rest, poly, lr, poly_lr):
     if poly:
         groups.append({"params": poly, "lr": poly_lr if poly_lr is not None else lr})
     return groups
+
+
+def _is_tied(model, key: str) -> bool:
+    """Whether parameter ``key`` shares its storage with another parameter of ``model`` (a tied head): a state
+    dict may hold it under the other name only."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if key not in params:
+        return False
+    ptr = params[key].data_ptr()
+    return any(n != key and p.data_ptr() == ptr for n, p in params.items())
 
 
 def _lora_targets(model) -> list[str]:

@@ -89,7 +89,7 @@ def train_gpt2(a: ScratchArgs) -> dict:
                                                               "context", "batch_size", "lr", "seed")})
     summary = train_loop(acc, wrapped, params,
                          lambda s, m, r: lm_batch(data.train_ids, batch_size=a.batch_size, context=a.context,
-                                                  seed=a.seed, step=s, micro=m, rank=r),
+                                                  seed=a.seed, step=s, micro=m, rank=r, world=acc.num_processes),
                          lambda m, b: m(**b).loss, loop, fp)
     model = acc.unwrap_model(wrapped)
     ev = perplexity(model, data.eval_ids, context=a.context, stride=a.context, progress=a.progress)

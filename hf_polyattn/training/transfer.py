@@ -218,10 +218,16 @@ def distillation(model: torch.nn.Module, attn_ce_weight: float = 0.0) -> Iterato
             p.requires_grad_(prev_grad.get(n, p.requires_grad))
 
 
-def transfer_loss(base_model: torch.nn.Module, batch: dict[str, torch.Tensor], coll: DistillCollector) -> torch.Tensor:
-    """Run the (headless) model on a batch under ``distillation`` and return the mean per-layer loss."""
+def transfer_loss(base_model: torch.nn.Module, batch: dict[str, torch.Tensor], coll: DistillCollector,
+                  **model_kwargs: Any) -> torch.Tensor:
+    """Run the model on a batch under ``distillation`` and return the mean per-layer loss.
+
+    ``base_model`` is the headless model, or the whole one (a sharded model runs every forward through its
+    root) with ``model_kwargs`` such as ``logits_to_keep=1``: the layers' losses do not depend on the head.
+    """
     coll.reset()
     inputs: dict[str, Any] = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    inputs.update(model_kwargs)
     inner = getattr(base_model, "module", base_model)  # DDP wrapper
     if getattr(getattr(inner, "config", None), "model_type", "") in _DECODERS:
         inputs["use_cache"] = False

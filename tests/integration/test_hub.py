@@ -104,6 +104,9 @@ def _check_uploaded_folder(folder: Path, kind: str):
         p.name for p in folder.iterdir()}
     config = json.loads((folder / "config.json").read_text())
     assert config["attn_implementation"] == kind and config["polyattn"]["kind"] == kind
+    # loadable by clients that never import the plugin (trust_remote_code=True: test_remote_code.py)
+    assert (folder / "hf_polyattn_loader.py").exists()
+    assert config["auto_map"]["AutoModelForCausalLM"] == f"hf_polyattn_loader.{config['architectures'][0]}"
     card = ModelCard.load(folder / "README.md")
     assert card.data.library_name == "transformers" and "hf_polyattn" in card.data.tags
     return card

@@ -77,6 +77,8 @@ def test_user_kind_end_to_end(decay_kind, tmp_path):
     model.save_pretrained(tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["attn_implementation"] == "user_decay" and saved["polyattn"]["options"] == {"slope": 0.1}
+    # importing hf_polyattn would not register a user's kind: no trust_remote_code loader that could not load it
+    assert "auto_map" not in saved and not (tmp_path / "saved" / "hf_polyattn_loader.py").exists()
     again = auto_class(arch).from_pretrained(tmp_path / "saved").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, logits, rtol=0, atol=0)

@@ -85,6 +85,26 @@ def test_window_matches_reference(opts, shape):
             torch.testing.assert_close(a, e, rtol=1e-8, atol=1e-9, msg=f"gradient {i}")
 
 
+@pytest.mark.parametrize("opts", [c[1] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_window_covering_every_key_keeps_the_kernel_in_the_graph(opts, causal):
+    """n <= window: no key is beyond the window, the kernel part adds nothing, and every parameter still gets a
+    gradient, zero (not None: DDP's reducer waits for each parameter), also when q, k, v are frozen (attention
+    transfer: the loss must have a grad_fn)."""
+    pa = _module(opts, 4, 2)
+    n = pa.config.window - 1
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, n, D, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    out = pa(q, k, v, causal=causal)
+    torch.testing.assert_close(out, reference_attention(pa, q, k, v, causal=causal), rtol=1e-10, atol=1e-10)
+    params = dict(pa.named_parameters())
+    assert out.grad_fn is not None or not params
+    if params:
+        grads = torch.autograd.grad(out.sum(), list(params.values()))
+        for name, g in zip(params, grads):
+            assert g is not None and not g.abs().any(), name
+
+
 def test_window_is_not_block_diagonal():
     """The first query of a block sees its previous window-1 keys exactly (block-diagonal local_exact
     gave it only itself): the output differs from the block-diagonal variant exactly there."""

@@ -11,13 +11,17 @@ from hf_polyattn.training.pipeline import Retrofit, RetrofitArgs
 
 if __name__ == "__main__":
     model_dir, text_file, out = sys.argv[1:4]
-    # "two_stage": the retrofit recipe's setting (sliding window + learnable projection, then LoRA fine-tuning)
     mode = sys.argv[4] if len(sys.argv) > 4 else "full"
-    two_stage = mode == "two_stage"
-    extra = (dict(window=8, feature_proj=16, lora=True, lora_r=4) if two_stage
-             else dict(window=0, feature_proj=0))  # "full": the block algorithm alone, full fine-tuning
-    if mode == "hybrid":  # "full" with softmax heads: layer 0 runs the kind on kv head 0 only, layer 1 is softmax
-        extra["polyattn_json"] = json.dumps({"softmax_heads": [[0, 1], [1, 0], [1, 1]]})
+    extra = {
+        # the retrofit recipe's setting (sliding window + learnable projection, then LoRA fine-tuning)
+        "two_stage": dict(window=8, feature_proj=16, lora=True, lora_r=4),
+        # context <= window: every key inside the window, the kernel part's parameters get no gradient
+        "window_covers": dict(window=32, feature_proj=16, lora=True, lora_r=4),
+        "full": dict(window=0, feature_proj=0),  # the block algorithm alone, full fine-tuning
+        # "full" with softmax heads: layer 0 runs the kind on kv head 0 only, layer 1 is softmax
+        "hybrid": dict(window=0, feature_proj=0,
+                       polyattn_json=json.dumps({"softmax_heads": [[0, 1], [1, 0], [1, 1]]})),
+    }[mode]
     args = RetrofitArgs(model=model_dir, data=text_file, attention="polysketch", sketch_size=8, block_size=16,
                         transfer_steps=3, finetune_steps=2, context=32, eval_context=32, eval_stride=32,
                         max_eval_tokens=256, eval_before=False, save_model=False, progress=False, output_dir=out,

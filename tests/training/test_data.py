@@ -49,9 +49,15 @@ def test_lm_batches_are_a_function_of_the_step(text_file):
     d = load_text_data(text_file, CharTok())
     a = lm_batch(d.train_ids, batch_size=3, context=16, seed=1, step=5)
     b = lm_batch(d.train_ids, batch_size=3, context=16, seed=1, step=5)
-    c = lm_batch(d.train_ids, batch_size=3, context=16, seed=1, step=5, rank=1)
-    assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], c["input_ids"])
+    assert torch.equal(a["input_ids"], b["input_ids"])
     assert a["input_ids"].shape == (3, 16) and torch.equal(a["labels"], a["input_ids"])
+    # two processes with 3 windows each see the 6 windows of one process: the global batch, in rank order
+    ranks = [lm_batch(d.train_ids, batch_size=3, context=16, seed=1, step=5, rank=r, world=2)["input_ids"]
+             for r in (0, 1)]
+    one = lm_batch(d.train_ids, batch_size=6, context=16, seed=1, step=5)["input_ids"]
+    assert torch.equal(torch.cat(ranks), one) and not torch.equal(ranks[0], ranks[1])
+    with pytest.raises(ValueError, match="rank must be in"):
+        lm_batch(d.train_ids, batch_size=3, context=16, seed=1, step=5, rank=1)
 
 
 def test_classification_split_is_seeded_and_disjoint(tsv_file, tiny_dirs):
@@ -64,5 +70,8 @@ def test_classification_split_is_seeded_and_disjoint(tsv_file, tiny_dirs):
     tok = AutoTokenizer.from_pretrained(tiny_dirs["bert"])
     b = classification_batch(d1, tok, batch_size=4, max_length=32, seed=0, step=0)
     assert b["input_ids"].shape[0] == 4 and b["labels"].shape == (4,)
+    halves = [classification_batch(d1, tok, batch_size=2, max_length=32, seed=0, step=0, rank=r, world=2)["labels"]
+              for r in (0, 1)]
+    assert torch.equal(torch.cat(halves), b["labels"])  # the global batch, split between the ranks
     with pytest.raises(DataError, match="leaves no training rows"):
         load_classification_data(tsv_file, num_eval=300)

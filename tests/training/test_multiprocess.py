@@ -5,14 +5,29 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from .conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(ROOT / "tests" / "training" / "fsdp_worker.py")
+
+
+def _launch(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+
+
+def _torchrun(port: int, *args: str) -> subprocess.CompletedProcess:
+    return _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(port), WORKER, *args])
+
+
+def _losses(folder: Path, stage: str) -> list[float]:
+    return [h["loss"] for h in json.loads((folder / f"{stage}_metrics.json").read_text())["history"]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["full", "two_stage", "hybrid"])
+@pytest.mark.parametrize("mode", ["full", "two_stage", "hybrid", "window_covers"])
 def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path, mode):
     """accelerate launch --multi_gpu --num_processes 2 (gloo DDP on CPU): both ranks end with the same weights,
     for full fine-tuning, for the two-stage recipe (window + projection transfer, then LoRA) and with softmax heads
@@ -31,3 +46,60 @@ def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path, mode):
     assert metrics["num_processes"] == 2 and metrics["steps"] == 2
     transfer = json.loads((tmp_path / "transfer_metrics.json").read_text())
     assert transfer["steps"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_fsdp_two_processes_match_one_process(tiny_dirs, text_file, tmp_path, mode):
+    """torchrun --nproc_per_node 2 with --fsdp (FSDP2 over gloo: each decoder layer and the model sharded, the
+    polyattn parameters whole): transfer then LoRA / full fine-tuning give the losses, evaluations and saved weights
+    of one unsharded process on the same global batch (4 sequences: 2 per process, 4 in one). Tolerance: relative
+    1e-5 (measured: the transfer losses agree to 1e-7 relative, fine-tuning's to every printed digit; the saved
+    weights to 6e-7). The saved folder is one whole checkpoint that reloads; a second launch resumes from the
+    sharded runs' checkpoints (whole tensors) and evaluates the same."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_polyattn  # noqa: F401  (reloads the saved folders)
+    from hf_polyattn.training.pipeline import run
+
+    from .fsdp_worker import args
+
+    sharded, single = tmp_path / "fsdp", tmp_path / "single"
+    proc = _torchrun(29531 if mode == "lora" else 29533, tiny_dirs["llama"], text_file, str(sharded), mode, "2",
+                     "fsdp")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref = run(args(tiny_dirs["llama"], text_file, str(single), mode, 1, False))
+    res = json.loads((sharded / "results.json").read_text())
+    assert res["distributed"]["processes"] == 2 and res["distributed"]["sharding"] == "fsdp2"
+    assert res["distributed"]["fsdp_units"] == {"LlamaDecoderLayer": 2, "root": 1}
+    assert res["distributed"]["replicated_parameters"] > 0  # the polyattn parameters, kept whole
+    assert ref["distributed"]["processes"] == 1 and ref["distributed"]["sharding"] == "none"
+    for stage in ("transfer", "finetune"):
+        assert _losses(sharded, stage) == pytest.approx(_losses(single, stage), rel=1e-5), stage
+    for tag in ("after_transfer", "after_finetune"):
+        assert res["evaluations"][tag]["perplexity"] == pytest.approx(ref["evaluations"][tag]["perplexity"], rel=1e-5)
+    got = AutoModelForCausalLM.from_pretrained(sharded / "model").state_dict()
+    want = AutoModelForCausalLM.from_pretrained(single / "model").state_dict()
+    assert set(got) == set(want) and not any("lora" in k for k in got)  # merged, as the unsharded run saves it
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+    if mode == "full":  # resume: whole tensors back into the shards, then nothing left to train
+        again = _torchrun(29535, tiny_dirs["llama"], text_file, str(sharded), mode, "2", "fsdp")
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert "[transfer] resumed" in again.stdout and "[finetune] resumed" in again.stdout
+        res2 = json.loads((sharded / "results.json").read_text())
+        assert res2["evaluations"]["after_finetune"]["perplexity"] == pytest.approx(
+            res["evaluations"]["after_finetune"]["perplexity"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp_launch_without_fsdp_is_refused(tiny_dirs, text_file, tmp_path):
+    """`accelerate launch --use_fsdp --fsdp_version 2` on CPUs gives MULTI_CPU (plain data parallel: every process the
+    whole model): without --fsdp the run is refused, by name, before any training."""
+    launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    proc = _launch([launcher, "launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", "2",
+                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                    "29537", WORKER, tiny_dirs["llama"], text_file, str(tmp_path), "lora", "2", "nofsdp"])
+    assert proc.returncode != 0
+    assert "LaunchError" in proc.stderr and "add --fsdp" in proc.stderr and "MULTI_CPU" in proc.stderr
+    assert not (tmp_path / "transfer_metrics.json").exists()

@@ -154,3 +154,35 @@ def test_long_context_options_reach_the_config(tmp_path):
     with pytest.raises(ValueError, match="decay"):
         polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="sliding_window", window=8,
                                                   decay="gate"), mc)
+
+
+def test_lm_eval_tasks_are_scored_at_every_evaluation(tiny_dirs, text_file, tmp_path):
+    """--lm_eval_tasks: lm-eval's number beside perplexity after each stage, the one lm-eval gives the saved model
+    (windows of --eval_context tokens)."""
+    pytest.importorskip("lm_eval")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_polyattn import harness
+
+    metadata = json.dumps({"tinyshakespeare_file": text_file})
+    res = run(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="polysketch", sketch_size=8,
+                           window=8, feature_proj=0, transfer_steps=1, context=32, eval_context=32, eval_stride=32,
+                           max_eval_tokens=128, lm_eval_tasks="polyattn_tinyshakespeare", lm_eval_limit=1,
+                           lm_eval_metadata=metadata, progress=False, output_dir=str(tmp_path)))
+    scores = {tag: e["lm_eval"]["polyattn_tinyshakespeare"]["bits_per_byte,none"]
+              for tag, e in res["evaluations"].items()}
+    assert set(scores) == {"swapped", "after_transfer"} and scores["swapped"] != scores["after_transfer"]
+    folder = tmp_path / "model"
+    again = harness.evaluate(AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder),
+                             ["polyattn_tinyshakespeare"], limit=1, max_length=32, metadata=json.loads(metadata))
+    assert again["polyattn_tinyshakespeare"]["bits_per_byte,none"] == pytest.approx(scores["after_transfer"],
+                                                                                     rel=1e-6)
+
+
+def test_lm_eval_tasks_are_refused_where_they_cannot_run():
+    with pytest.raises(ValueError, match="scores causal LMs"):
+        RetrofitArgs(model="x", data="y", task="classification", lm_eval_tasks="polyattn_sst2")
+    with pytest.raises(ValueError, match="score the saved folder instead"):
+        RetrofitArgs(model="x", data="y", lm_eval_tasks="polyattn_sst2", fsdp=True)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        RetrofitArgs(model="x", data="y", lm_eval_tasks="polyattn_sst2", lm_eval_metadata="[1]")

@@ -1,0 +1,61 @@
+"""The long-context study's inputs: one budget, one entry per row (``RetrofitArgs`` fields of the retrofit pipeline).
+
+Every row is SmolLM2-135M-Instruct on Tiny Shakespeare, evaluated the same way (``EVAL``): perplexity at 256 ...
+8,192 tokens on the first 12,288 held-out tokens and passkey retrieval at 1k / 2k / 4k (10 depths, seed 0), through
+the pipeline's long-context stage. The baseline rows ('softmax', 'streaming') train nothing. A row's
+``softmax_heads`` may name a count ("top:22": the 22 best kv heads of ``HEAD_SCORES`` by retrieval score;
+"per_layer:1": the best kv head of every layer) that ``run_rows.py`` turns into pairs; the scores file comes from
+``hf-polyattn score-heads`` (seed 1, so the scoring prompts' keys are not the evaluation's).
+"""
+
+from __future__ import annotations
+
+from _defaults import RESULTS, TINY_SHAKESPEARE
+
+HEAD_SCORES = RESULTS / "long_context" / "head_scores_smollm2.json"
+
+EVAL = dict(eval_contexts="256,1024,2048,4096,8192", passkey_lengths="1024,2048,4096", passkey_depths=10,
+            long_eval_tokens=12288, long_eval_baselines="none", eval_before=False, eval_context=256, eval_stride=256,
+            max_eval_tokens=2048)
+COMMON = dict(model="smollm2", data=TINY_SHAKESPEARE, threads=2, progress=False, resume=False, save_model=False,
+              **EVAL)
+
+# the kernel part of the demo before this study: learned polysketch r = 16 after a learnable projection + qk LayerNorm
+POLYSKETCH = dict(attention="polysketch", sketch="learned", sketch_size=16, block_size=64, qk_norm=True,
+                  feature_proj=64, local_exact=False)
+
+ROWS: dict[str, dict] = {
+    # baselines (no training)
+    "softmax": dict(attention="softmax"),
+    "streaming": dict(attention="sliding_window", polyattn={"window": 128, "sinks": 4}),
+    "streaming_top22": dict(attention="sliding_window", polyattn={"window": 128, "sinks": 4},
+                            softmax_heads="top:22"),
+}
+
+# one transfer budget for every trained row: 60 steps of 2,048 tokens (the length varies, the tokens do not)
+TRANSFER = {256: "256:60:8", 1024: "1024:60:2", 2048: "2048:60:1"}
+
+
+def transfer(length: int = 1024, **extra) -> dict:
+    return dict(transfer_steps=60, transfer_lr=1e-2, transfer_schedule=TRANSFER[length], **extra)
+
+
+ROWS.update({
+    # the demo's attention as it was (window 128, no sinks), transferred at 1k
+    "ps_w128_t1k": dict(**POLYSKETCH, window=128, **transfer(1024)),
+    # + 4 sink tokens
+    "ps_w128_s4_t1k": dict(**POLYSKETCH, window=128, polyattn={"sinks": 4}, **transfer(1024)),
+    # + the 22 best retrieval heads as softmax
+    "ps_w128_s4_top22_t1k": dict(**POLYSKETCH, window=128, polyattn={"sinks": 4}, softmax_heads="top:22",
+                                 **transfer(1024)),
+})
+
+ROWS.update({
+    # decay of the kernel state: a learnable scalar per kv head, or a gate per token read from the value vector
+    "ps_w128_s4_top22_dscalar_t1k": dict(**POLYSKETCH, window=128, polyattn={"sinks": 4, "decay": "scalar"},
+                                         softmax_heads="top:22", **transfer(1024)),
+    "ps_w128_s4_top22_dgate_t1k": dict(**POLYSKETCH, window=128, polyattn={"sinks": 4, "decay": "gate"},
+                                       softmax_heads="top:22", **transfer(1024)),
+    "ps_w128_s4_dgate_t1k": dict(**POLYSKETCH, window=128, polyattn={"sinks": 4, "decay": "gate"},
+                                 **transfer(1024)),
+})
