@@ -93,8 +93,9 @@ class RetrofitArgs:
                                                               "scalar or gate"})
     decay_horizon: float | None = field(default=None, metadata={"help": "PolyAttnConfig.decay_horizon (tokens)"})
     softmax_heads: str | None = field(default=None, metadata={
-        "help": "PolyAttnConfig.softmax_heads: kv heads kept as exact softmax, 'LAYER:HEAD,...', a JSON list or "
-                "@scores.json (written by `hf-polyattn score-heads`)"})
+        "help": "PolyAttnConfig.softmax_heads: kv heads kept as exact softmax, 'LAYER:HEAD,...', a JSON list, "
+                "@scores.json (written by `hf-polyattn score-heads`), or 'auto' / 'auto:K': the checkpoint's own "
+                "top quarter / top K kv heads by retrieval score, measured before conversion (causal_lm)"})
     polyattn_json: str | None = field(default=None, metadata={"help": "a JSON dict of PolyAttnConfig fields that "
                                                                       "overrides the options above"})
     transfer_steps: int = field(default=0, metadata={"help": "attention-transfer steps (0: none)"})
@@ -193,6 +194,8 @@ class RetrofitArgs:
         if (self.eval_contexts or self.passkey_lengths) and self.task != "causal_lm":
             raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
         self.long_context_settings()  # bad lists fail here, before anything loads
+        if auto_heads(self.softmax_heads) is not None and self.task != "causal_lm":
+            raise ValueError("--softmax_heads auto scores heads on passkey prompts: causal_lm only; pass pairs")
         for stage in ("transfer", "finetune"):
             self.schedule(stage)
         for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
@@ -323,7 +326,7 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
     # set only when given: a kind that does not read one refuses it by name (PolyAttnConfig)
     d.update({name: getattr(a, name) for name in ("sinks", "learned_sinks", "decay", "decay_horizon")
               if getattr(a, name) is not None})
-    if a.softmax_heads:
+    if a.softmax_heads and auto_heads(a.softmax_heads) is None:  # 'auto' is scored on the model (_load_model)
         from .heads import parse_head_pairs
 
         d["softmax_heads"] = parse_head_pairs(a.softmax_heads)
@@ -332,6 +335,23 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
     if a.polyattn_json:
         d.update(json.loads(a.polyattn_json))
     return PolyAttnConfig.from_dict(d)
+
+
+# --softmax_heads auto: the retrieval scores of the loaded checkpoint on AUTO_PROMPTS passkey prompts of AUTO_LENGTH
+# tokens (training.heads.score_heads, seed AUTO_SEED: not the long-context evaluation's keys, which use --seed).
+# SmolLM2-135M: 4 prompts of 1,024 tokens chose 21 of the 22 heads that 8 prompts of 2,048 chose, in 38 s of one
+# CPU thread instead of 8 minutes (recipes/results/long_context/head_scores_smollm2.json).
+AUTO_PROMPTS, AUTO_LENGTH, AUTO_SEED = 4, 1024, 1
+
+
+def auto_heads(text: str | None) -> float | int | None:
+    """'auto' -> 0.25 (a quarter of the kv heads), 'auto:K' -> K heads, anything else -> None."""
+    if not text or not text.strip().startswith("auto"):
+        return None
+    head, _, k = text.strip().partition(":")
+    if head != "auto" or (k and not k.isdigit()):
+        raise ValueError(f"softmax_heads must be 'auto', 'auto:K' (K kv heads), pairs or @scores.json, got {text!r}")
+    return int(k) if k else 0.25
 
 
 def _settings(a: RetrofitArgs) -> dict[str, Any]:
@@ -457,9 +477,31 @@ class Retrofit:
 
             if not hasattr(hf_polyattn, "convert"):
                 raise CheckpointError("hf_polyattn.convert is not available (integration layer missing)")
+            if auto_heads(a.softmax_heads) is not None:
+                pcfg = pcfg.replace(softmax_heads=self._score_heads(model, auto_heads(a.softmax_heads)))
             model = hf_polyattn.convert(model, pcfg) or model
         self.pcfg = pcfg
         return self._placed(model)
+
+    def _score_heads(self, model, k: float | int) -> tuple[tuple[int, int], ...]:
+        """--softmax_heads auto: the top ``k`` kv heads (a fraction: of all) of the softmax ``model`` by retrieval
+        score (``training.heads.score_heads``); the scores go to results.json."""
+        from .heads import score_heads, select_heads
+
+        t0 = time.time()
+        limit = getattr(model.config, "max_position_embeddings", None) or AUTO_LENGTH
+        scores = score_heads(model, self.tokenizer, num_prompts=AUTO_PROMPTS, length=min(AUTO_LENGTH, limit),
+                             seed=AUTO_SEED)
+        total = scores.retrieval.numel()
+        count = round(total * k) if isinstance(k, float) else k
+        if count > total:
+            raise ValueError(f"--softmax_heads auto:{count}: the model has {total} kv heads")
+        pairs = tuple(sorted(select_heads(scores, count)))
+        self.results["head_scores"] = {**scores.to_dict(), "selected": [list(p) for p in pairs],
+                                       "wall_s": round(time.time() - t0, 1)}
+        self.log(f"[softmax heads] {count} of {total} kv heads by retrieval score: "
+                 + ", ".join(f"{layer}:{head}" for layer, head in pairs))
+        return pairs
 
     def _warn_if_window_covers_context(self) -> None:
         """Training sequences no longer than the window: the kernel part never sees a key, so attention transfer

@@ -186,3 +186,26 @@ def test_lm_eval_tasks_are_refused_where_they_cannot_run():
         RetrofitArgs(model="x", data="y", lm_eval_tasks="polyattn_sst2", fsdp=True)
     with pytest.raises(ValueError, match="must be a JSON object"):
         RetrofitArgs(model="x", data="y", lm_eval_tasks="polyattn_sst2", lm_eval_metadata="[1]")
+
+
+def test_softmax_heads_auto_scores_the_checkpoint(tiny_dirs, text_file, tmp_path):
+    """--softmax_heads auto:K keeps the checkpoint's K best kv heads by retrieval score, measured before conversion
+    (the same pairs score_heads + select_heads give); the scores are recorded; bad forms are refused early."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_polyattn.training.heads import score_heads, select_heads
+    from hf_polyattn.training.pipeline import AUTO_PROMPTS, AUTO_SEED
+
+    res = run(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="linear", window=8, feature_proj=0,
+                           context=32, eval_context=32, eval_stride=32, max_eval_tokens=128, transfer_steps=1,
+                           softmax_heads="auto:2", save_model=False, progress=False, output_dir=str(tmp_path / "a")))
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    scores = score_heads(model, AutoTokenizer.from_pretrained(tiny_dirs["llama"]), num_prompts=AUTO_PROMPTS,
+                         length=256, seed=AUTO_SEED)
+    expected = sorted(list(p) for p in select_heads(scores, 2))
+    assert res["polyattn"]["softmax_heads"] == expected == res["head_scores"]["selected"]
+    for bad in ("auto:x", "automatic"):
+        with pytest.raises(ValueError, match="auto"):
+            RetrofitArgs(model="x", data="y", softmax_heads=bad)
+    with pytest.raises(ValueError, match="causal_lm only"):
+        RetrofitArgs(model="x", data="y", task="classification", softmax_heads="auto")
