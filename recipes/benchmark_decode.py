@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,11 @@ class BenchArgs:
     kv_heads: int = field(default=4, metadata={"help": "key/value heads"})
     sketch_size: int = field(default=32, metadata={"help": "polysketch sketch size r"})
     local_exact: bool = field(default=False, metadata={"help": "polysketch with exact local blocks"})
+    polyattn_json: str | None = field(default=None, metadata={
+        "help": "a JSON dict of PolyAttnConfig fields for the polyattn model instead of plain polysketch, e.g. the "
+                "long-context default; softmax_heads may be 'quarter': a quarter of the kv heads, spread over the "
+                "layers (which heads does not change the cost)"})
+    name: str | None = field(default=None, metadata={"help": "result file name (default: cpu-<threads>threads)"})
     prefill_chunk: int = field(default=4096, metadata={"help": "prefill in chunks of this many tokens"})
     quick: bool = field(default=False, metadata={"help": "contexts 256 1024, 8 steps: a smoke run"})
     out: str = field(default=str(RESULTS / "benchmark_decode"), metadata={"help": "where the table goes ('' = none)"})
@@ -58,6 +65,18 @@ def build(args: BenchArgs) -> LlamaForCausalLM:
                          attn_implementation="sdpa")
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
+
+
+def poly_config(args: BenchArgs) -> PolyAttnConfig:
+    """Plain polysketch (sketch_size, local_exact), or the fields of --polyattn_json."""
+    if not args.polyattn_json:
+        return PolyAttnConfig(kind="polysketch", sketch_size=args.sketch_size, local_exact=args.local_exact)
+    fields = json.loads(args.polyattn_json)
+    if fields.get("softmax_heads") == "quarter":
+        # a quarter of the kv heads, spread over the layers and heads
+        total = args.layers * args.kv_heads
+        fields["softmax_heads"] = [[i * 4 // args.kv_heads, i * 4 % args.kv_heads] for i in range(total // 4)]
+    return PolyAttnConfig.from_dict({"kind": "polysketch", **fields})
 
 
 def cache_bytes(cache) -> int:
@@ -103,12 +122,12 @@ def main(args: BenchArgs) -> list[dict]:
     torch.set_num_threads(args.threads)
     softmax = build(args)
     poly = build(args)
-    hf_polyattn.convert(poly, PolyAttnConfig(kind="polysketch", sketch_size=args.sketch_size,
-                                             local_exact=args.local_exact))
+    cfg = poly_config(args)
+    hf_polyattn.convert(poly, cfg)
+    label = cfg.spec.table_label(cfg) + (f", {len(cfg.softmax_heads)} softmax kv heads" if cfg.softmax_heads else "")
     print(f"machine: {describe()}")
     print(f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv heads "
-          f"(head_dim {args.hidden // args.heads}); polysketch degree 4, sketch {args.sketch_size}, "
-          f"local_exact={args.local_exact}; median of {args.steps} decode steps")
+          f"(head_dim {args.hidden // args.heads}); {label}; median of {args.steps} decode steps")
     rows = []
     for context in args.contexts:
         res = decode_latency({"sdpa": (softmax, DynamicCache()), "poly": (poly, PolyAttnCache(poly))}, context, args)
@@ -117,10 +136,9 @@ def main(args: BenchArgs) -> list[dict]:
     lines = [f"machine: {describe()}; load average before the run: "
              f"{load_before:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
              f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv "
-             f"heads; polysketch degree 4, sketch {args.sketch_size}, local_exact={args.local_exact}; median of "
-             f"{args.steps} decode steps", "",
-             "| context | sdpa+DynamicCache ms/token | polysketch+PolyAttnCache ms/token | speed-up | "
-             "sdpa cache | polysketch cache | cache ratio |",
+             f"heads; {label}; median of {args.steps} decode steps", "",
+             "| context | sdpa+DynamicCache ms/token | polyattn+PolyAttnCache ms/token | speed-up | "
+             "sdpa cache | polyattn cache | cache ratio |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         speedup = r["sdpa_ms"] / r["poly_ms"]
@@ -132,10 +150,10 @@ def main(args: BenchArgs) -> list[dict]:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = f"cpu-{args.threads}threads{'-quick' if args.quick else ''}"
+        name = args.name or f"cpu-{args.threads}threads{'-quick' if args.quick else ''}"
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        (out / f"{name}.md").write_text(f"Run {stamp}: `python recipes/benchmark_decode.py --threads {args.threads}"
-                                        f"{' --quick' if args.quick else ''}`\n\n" + "\n".join(lines) + "\n")
+        command = " ".join(["python", "recipes/benchmark_decode.py", *map(shlex.quote, sys.argv[1:])])
+        (out / f"{name}.md").write_text(f"Run {stamp}: `{command}`\n\n" + "\n".join(lines) + "\n")
         (out / f"{name}.json").write_text(json.dumps({"date": stamp, "rows": rows}, indent=1))
     return rows
 
