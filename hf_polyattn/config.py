@@ -35,7 +35,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "decay": DECAYS,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
-_SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "sinks", "learned_sinks", "qk_norm", "feature_proj",
+_SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init",
+             "sinks", "learned_sinks", "qk_norm", "feature_proj",
              "alpha", "beta", "denominator_offset", "poly_coefficients", "learn_coefficients", "feature_map", "decay",
              "decay_horizon")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
@@ -112,6 +113,14 @@ class PolyAttnConfig:
     window_mix: bool = field(
         default=False, metadata={"help": "learnable per-head factor on the kernel part of a window (init 1)"}
     )
+    window_mix_init: float = field(
+        default=1.0,
+        metadata={"help": "initial value of the window_mix factors (>= 0; the factor is used as |m|, so the kernel "
+                          "part never turns negative). 1 = the plain sum; a small value starts the model as its window "
+                          "(+ sinks) alone and lets training add the kernel part where it helps: SmolLM2-135M with 22 "
+                          "softmax kv heads, 4 sinks, a 128 window and a gated polysketch kernel, 30 transfer steps at "
+                          "1k tokens ended at per-layer MSE 0.046 (1k perplexity 56.2) from mix 1, while the window "
+                          "alone has MSE 0.0068 (33.2)"})
     sinks: int = field(
         default=0,
         metadata={
@@ -231,6 +240,10 @@ class PolyAttnConfig:
                              "chunk_linear_attn (backend='fla') has no decay")
         if self.window_mix and not self.window:
             raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
+        if self.window_mix_init < 0:
+            raise ValueError(f"window_mix_init must be a real number >= 0, got {self.window_mix_init}")
+        if self.window_mix_init != 1.0 and not self.window_mix:
+            raise ValueError("window_mix_init sets the window_mix factors: it needs window_mix=True")
         for name in ("sinks", "learned_sinks"):
             if getattr(self, name) and not self.window:
                 raise ValueError(f"{name}={getattr(self, name)} needs window > 0 (sink keys are attended exactly "

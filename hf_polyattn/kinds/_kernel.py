@@ -7,7 +7,8 @@ from __future__ import annotations
 KERNEL_FIELDS = ("qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 # sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
-LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "sinks", "learned_sinks", "causal_algorithm")
+LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "learned_sinks",
+                "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon")
 

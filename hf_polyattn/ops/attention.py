@@ -159,7 +159,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                 self.register_buffer("coefficients", coeffs)
         if config.window_mix:
             # LoLCATs' per-head factor on the far part (init 1 = today's plain sum)
-            self.window_mix = nn.Parameter(torch.ones(num_kv_heads, self.groups, 1, 1))
+            self.window_mix = nn.Parameter(torch.full((num_kv_heads, self.groups, 1, 1), config.window_mix_init))
         if config.learned_sinks:
             # Lizard's meta-memory: m key/value slots per kv head, shared by its query heads, scored with the model's
             # own q like the window's keys. Zero keys and values (reset_parameters): a slot then adds nothing to any
@@ -191,7 +191,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         if self.config.poly_coefficients is not None:
             self.coefficients.copy_(torch.tensor(self.config.poly_coefficients, dtype=torch.float64, device="cpu"))
         if self.config.window_mix:
-            self.window_mix.fill_(1.0)
+            self.window_mix.fill_(self.config.window_mix_init)
         if self.config.learned_sinks:
             self.sink_k.zero_()
             self.sink_v.zero_()

@@ -109,7 +109,7 @@ class LocalExactMixin:
                 shifted_lt(flip(fq), flip(fk), flip(vext), w, block, square, backend, tf32))
         loc, far_scale = self._window_local(qs, k5, vext, mask, causal, scale, q_log_scale, tf32, sinks)
         if self.config.window_mix:
-            mix = self.window_mix.to(loc.dtype)
+            mix = self.window_mix.abs().to(loc.dtype)  # |m|: the kernel part never turns negative
             far_scale = mix if far_scale is None else far_scale * mix
         if far_scale is not None and far_scale.shape[-2] > 1:  # per row (not window_mix alone): the query rows
             far_scale = far_scale[..., lk - lq :, :]

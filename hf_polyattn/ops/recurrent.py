@@ -109,7 +109,7 @@ class RecurrentMixin:
             if scale_far is not None:
                 far = scale_far * far
             if cfg.window_mix:
-                far = self.window_mix.to(far.dtype) * far
+                far = self.window_mix.abs().to(far.dtype) * far
             num = num + far
         raw_k = key if state.k is None else torch.cat([state.k, key], dim=2)
         raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)

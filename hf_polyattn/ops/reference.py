@@ -138,7 +138,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
                 lk, device=q.device)[None, :]
             inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
             if cfg.window_mix:
-                w = w * module.window_mix.to(w.dtype)
+                w = w * module.window_mix.abs().to(w.dtype)
             w = torch.where(inside | sink, exact(x_raw, local), w)
         elif local is not None:
             pos_q = torch.arange(lq, device=q.device) + (lk - lq if causal else 0)

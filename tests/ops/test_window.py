@@ -183,3 +183,32 @@ def test_shifted_lt_and_window_scores_definitions():
         scores, allowed = window_scores(q, q, 4, causal, 1.0, None)
         assert int(allowed.sum()) == (sum(min(4, j + 1) for j in range(11)) if causal
                                       else sum(len(range(max(0, j - 3), min(11, j + 4))) for j in range(11)))
+
+
+@pytest.mark.parametrize("kind", ["polysketch", "linear"])
+def test_window_mix_init_zero_is_the_window_alone_and_the_factor_is_its_magnitude(kind):
+    """window_mix_init=0 starts a kernel kind as its window (+ sinks) alone, i.e. kind='sliding_window' with the same
+    window and sinks; the factor acts as |m| (a negative factor never makes the kernel part negative), in the module
+    and in its reference."""
+    torch.manual_seed(0)
+    opts = dict(window=6, sinks=2, block_size=4)
+    extra = dict(sketch_size=8) if kind == "polysketch" else {}
+    cfg = PolyAttnConfig(kind=kind, window_mix=True, window_mix_init=0.0, **opts, **extra)
+    pa = PolyAttention(cfg, 4, D, 2).double()
+    sw = PolyAttention(PolyAttnConfig(kind="sliding_window", **opts), 4, D, 2).double()
+    q, k, v = torch.randn(2, 4, 23, D).double(), torch.randn(2, 2, 23, D).double(), torch.randn(2, 2, 23, D).double()
+    mask = _padding_mask(2, 23, "left")
+    torch.testing.assert_close(pa(q, k, v, causal=True, key_padding_mask=mask),
+                               sw(q, k, v, causal=True, key_padding_mask=mask), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        pa.window_mix.fill_(0.3)
+    pos = pa(q, k, v, causal=True, key_padding_mask=mask)
+    with torch.no_grad():
+        pa.window_mix.fill_(-0.3)
+    torch.testing.assert_close(pa(q, k, v, causal=True, key_padding_mask=mask), pos, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(reference_attention(pa, q, k, v, causal=True, key_padding_mask=mask), pos,
+                               rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="window_mix_init"):
+        PolyAttnConfig(kind=kind, window=6, window_mix=True, window_mix_init=-1.0)
+    with pytest.raises(ValueError, match="needs window_mix=True"):
+        PolyAttnConfig(kind=kind, window=6, window_mix_init=0.1)
