@@ -1,21 +1,26 @@
-"""`make demo`: SmolLM2-135M with PolySketch attention, a short attention transfer, a perplexity table.
+"""`make demo`: SmolLM2-135M retrofitted for long context, judged at 256 ... 4,096 tokens beside softmax and
+StreamingLLM.
 
-1. resolves SmolLM2-135M-Instruct (the first time: de-quantises the packaged GGUF into a cached
-   safetensors checkpoint, ~30 s; online users may pass --model HuggingFaceTB/SmolLM2-135M-Instruct),
-2. evaluates the softmax checkpoint on a held-out tail of Tiny Shakespeare,
-3. swaps in polysketch attention (learned sketch r=16 after a learnable per-head projection and
-   qk LayerNorm for the kernel part, plus an exact softmax 128-token sliding window: each query
-   sees its previous 128 keys through the model's own softmax, LoLCATs' hybrid),
-4. runs a short attention transfer (only the polyattn parameters train) and evaluates again,
-5. prints the softmax-vs-polysketch table and writes a Hub-ready folder (weights, config,
-   tokenizer, model card with the results) to runs/demo/polysketch/model.
+1. resolves SmolLM2-135M-Instruct (the first time: de-quantises the packaged GGUF into a cached safetensors
+   checkpoint, ~30 s; online users may pass --model HuggingFaceTB/SmolLM2-135M-Instruct),
+2. scores its kv heads on passkey prompts and keeps the best quarter as exact softmax heads (DuoAttention's
+   retrieval heads; ``--softmax_heads auto``),
+3. swaps every other head for polysketch (learned sketch r=16 after a learnable projection + qk LayerNorm, a gated
+   decay of its state) beside an exact softmax 128-token window and 4 sink tokens, the kernel part starting nearly
+   off (``window_mix_init``),
+4. runs a short attention transfer on 1,024-token sequences (only the polyattn parameters train),
+5. evaluates perplexity at 256 ... 4,096 tokens on the same held-out tokens and passkey retrieval at 1k and 2k,
+   beside the softmax checkpoint and StreamingLLM (4 sinks + 128 window, no training), and writes the table, the
+   plot (``long_context.png``) and a Hub-ready folder (weights, config, tokenizer, model card with the curve) to
+   runs/demo/polysketch.
 
 Push it with --push_to_hub --hub_model_id you/smollm2-polysketch-demo (needs a Hub token).
-Finishes in a few minutes on a 2-core CPU; see recipes/README.md for the measured time.
+See recipes/README.md for the measured time on a 2-core CPU.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +28,7 @@ from pathlib import Path
 from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
 
-from hf_polyattn.training.compare import compare_runs, table_markdown, write_table
+from hf_polyattn.training.long_context import long_context_markdown
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 
@@ -31,55 +36,54 @@ from hf_polyattn.training.pipeline import RetrofitArgs, run
 class DemoArgs:
     model: str = field(default="smollm2", metadata={"help": "'smollm2' (offline package) or a Hub id / local dir"})
     data: str = field(default=TINY_SHAKESPEARE, metadata={"help": "text file or Hub id"})
-    transfer_steps: int = field(default=60, metadata={"help": "attention-transfer steps (4 x 256 tokens each)"})
-    eval_tokens: int = field(default=2048, metadata={"help": "held-out tokens evaluated (context 256, stride 256)"})
-    output_dir: str = field(default="runs/demo", metadata={"help": "where the two runs and the table go"})
+    transfer_steps: int = field(default=30, metadata={
+        "help": "attention-transfer steps of one 1,024-token sequence each"})
+    contexts: str = field(default="256,1024,2048,4096", metadata={"help": "perplexity contexts"})
+    passkey: str = field(default="1024,2048", metadata={"help": "passkey prompt lengths"})
+    eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens evaluated at every context"})
+    output_dir: str = field(default="runs/demo", metadata={"help": "where the run goes"})
     threads: int = field(default=2, metadata={"help": "torch threads"})
-    push_to_hub: bool = field(default=False, metadata={"help": "push the polysketch folder to the Hub"})
+    push_to_hub: bool = field(default=False, metadata={"help": "push the folder to the Hub"})
     hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
+
+
+# the demo's attention besides what RetrofitArgs' defaults give: the long-context study's choices
+# (recipes/results/SECTION_long_context.md)
+DEMO_ATTENTION = dict(attention="polysketch", sketch="learned", sketch_size=16, block_size=64, qk_norm=True,
+                      window=128, sinks=4, decay="gate", softmax_heads="auto",
+                      polyattn_json=json.dumps({"window_mix": True, "window_mix_init": 0.01}))
 
 
 def main(d: DemoArgs) -> None:
     t0 = time.time()
-    out = Path(d.output_dir)
-    common = dict(model=d.model, data=d.data, context=256, eval_context=256, eval_stride=256,
-                  max_eval_tokens=d.eval_tokens, threads=d.threads, resume=False, transfer_batch_size=4)
-    print("== 1/2 softmax checkpoint", flush=True)
-    run(RetrofitArgs(**common, attention="softmax", save_model=False, output_dir=str(out / "softmax")))
-    print("== 2/2 polysketch: swap, attention transfer, evaluate", flush=True)
-    # sketch size 16 (136 features per head) instead of 32 (528): ~2.5x cheaper per layer on CPU.
-    # The window and the projection: recipes/results/retrofit_window/demo_budget.md measured this budget
-    # with block-diagonal exact blocks (the demo before), a sliding window, and the window + projection.
-    run(RetrofitArgs(**common, attention="polysketch", sketch="learned", sketch_size=16, local_exact=False,
-                     window=DEMO_WINDOW, block_size=64, qk_norm=True, polyattn_json=DEMO_EXTRA,
-                     transfer_steps=d.transfer_steps, transfer_lr=1e-2,
-                     output_dir=str(out / "polysketch"), push_to_hub=d.push_to_hub, hub_model_id=d.hub_model_id))
-    table = compare_runs([out / "softmax", out / "polysketch"])
-    j, md = write_table(table, out / "table")
-    print("\nHeld-out perplexity on Tiny Shakespeare (exp mean token NLL, context 256, stride 256):\n")
-    print(table_markdown(table))
-    print(_summary(out / "polysketch"))
-    print(f"\nHub-ready folder: {out / 'polysketch' / 'model'} (README.md = model card); table: {md}, {j}")
+    out = Path(d.output_dir) / "polysketch"
+    results = run(RetrofitArgs(
+        model=d.model, data=d.data, **DEMO_ATTENTION, transfer_steps=d.transfer_steps, transfer_lr=1e-2,
+        transfer_schedule=f"1024:{d.transfer_steps}:1", eval_before=False, eval_context=256, eval_stride=256,
+        max_eval_tokens=2048, eval_contexts=d.contexts, passkey_lengths=d.passkey, long_eval_tokens=d.eval_tokens,
+        long_eval_baselines="softmax,streaming", threads=d.threads, resume=False, output_dir=str(out),
+        push_to_hub=d.push_to_hub, hub_model_id=d.hub_model_id))
+    print("\n" + long_context_markdown(results["long_context"]))
+    print(_summary(results))
+    print(f"\nHub-ready folder: {out / 'model'} (README.md = model card with the curve); table and plot: "
+          f"{out / 'long_context.md'}, {out / 'long_context.png'}")
     print(f"demo wall time: {time.time() - t0:.0f} s")
 
 
-DEMO_WINDOW = 128
-DEMO_EXTRA = '{"feature_proj": 64}'
-
-
-def _summary(run_dir: Path) -> str:
+def _summary(r: dict) -> str:
     """What was retrofitted and what it cost, from the run's own record."""
-    import json
-
-    r = json.loads((run_dir / "results.json").read_text())
     t = r["stages"]["transfer"]
     c = r["polyattn"]
-    return (f"\nRetrofitted: every attention layer -> {c['kind']} ({c['sketch']} sketch r={c['sketch_size']}, degree "
-            f"{c['degree']}, learnable projection to {c['feature_proj']} + qk LayerNorm for the kernel, exact "
-            f"softmax {c['window']}-token sliding window); only the polyattn parameters trained "
-            f"({t['steps']} attention-transfer steps of 4 x 256 tokens, the model's own weights frozen).\n"
-            f"Cost: transfer {t['cpu_s']:.0f} CPU-s ({t['wall_s']:.0f} s wall) on {r['machine']}; decoding keeps a "
-            f"constant-size state (kernel state + the last {c['window']} keys) instead of a growing KV cache.")
+    scores = r["head_scores"]
+    total = len(scores["retrieval"]) * len(scores["retrieval"][0])
+    return (f"\nRetrofitted: {len(c['softmax_heads'])} of {total} kv heads kept exact softmax (the best by retrieval "
+            f"score, {scores['wall_s']} s to score); the "
+            f"others -> {c['kind']} (learned r={c['sketch_size']}, gated decay) beside an exact softmax "
+            f"{c['window']}-token window and {c['sinks']} sink tokens; only the polyattn parameters trained "
+            f"({t['steps']} attention-transfer steps of 1 x 1,024 tokens, the model's own weights frozen).\n"
+            f"Cost: transfer {t['cpu_s']:.0f} CPU-s ({t['wall_s']:.0f} s wall) on {r['machine']}; decoding keeps the "
+            f"softmax heads' keys and values and, for the other heads, a constant-size state (kernel state + "
+            f"{c['sinks']} sinks + the last {c['window']} keys).")
 
 
 if __name__ == "__main__":
