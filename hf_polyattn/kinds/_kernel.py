@@ -7,15 +7,22 @@ from __future__ import annotations
 KERNEL_FIELDS = ("qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 # sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
-LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "sinks", "learned_sinks", "causal_algorithm")
+LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "sinks", "sink_position", "learned_sinks",
+                "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon")
 
 
+# where the sinks are scored (PolyAttnConfig.sink_position), in a label
+_SINK_POSITION_LABELS = {"window": "positions within the window", "own": "own positions"}
+
+
 def sink_label(config) -> str:
-    """' + 4 sink tokens + 8 learned sink slots': what a window attends exactly besides its keys ('' for none)."""
-    return "".join(f" + {n} {what}{'s' if n > 1 else ''}" for n, what in (
-        (config.sinks, "sink token"), (config.learned_sinks, "learned sink slot")) if n)
+    """' + 4 sink tokens (positions within the window) + 8 learned sink slots': what a window attends exactly besides
+    its keys ('' for none)."""
+    return "".join(f" + {n} {what}{'s' if n > 1 else ''}{detail}" for n, what, detail in (
+        (config.sinks, "sink token", f" ({_SINK_POSITION_LABELS[config.sink_position]})"),
+        (config.learned_sinks, "learned sink slot", "")) if n)
 
 
 def window_memory(config) -> str:
