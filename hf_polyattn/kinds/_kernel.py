@@ -14,7 +14,7 @@ DECAY_FIELDS = ("decay", "decay_horizon")
 
 
 # where the sinks are scored (PolyAttnConfig.sink_position), in a label
-_SINK_POSITION_LABELS = {"window": "positions within the window", "own": "own positions"}
+_SINK_POSITION_LABELS = {"window": "positions within the window", "own": "their own positions"}
 
 
 def sink_label(config) -> str:
@@ -30,7 +30,8 @@ def window_memory(config) -> str:
     keys = f"the last {config.window} keys and values (the exact sliding window)"
     if config.sinks:
         keys = (f"the first {config.sinks} and the last {config.window} keys and values ({config.sinks} attention "
-                f"sinks + the exact sliding window: {config.sinks + config.window} keys)")
+                f"sinks, scored at {_SINK_POSITION_LABELS[config.sink_position]}, + the exact sliding window: "
+                f"{config.sinks + config.window} keys)")
     return keys
 
 

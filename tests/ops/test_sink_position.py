@@ -227,7 +227,9 @@ def test_labels_and_round_trip():
     assert cfg.spec.table_label(cfg) == ("sliding_window (exact softmax 128-token sliding window + 4 sink tokens "
                                          "(positions within the window): StreamingLLM, training-free)")
     own = cfg.replace(sink_position="own")
-    assert "+ 4 sink tokens (own positions)" in own.spec.table_label(own)
+    assert "+ 4 sink tokens (their own positions)" in own.spec.table_label(own)
+    assert "4 attention sinks, scored at positions within the window, + the exact" in cfg.spec.memory_note(cfg)
+    assert "4 attention sinks, scored at their own positions, + the exact" in own.spec.memory_note(own)
     assert PolyAttnConfig.from_dict(own.to_dict()) == own
     cfg = PolyAttnConfig(kind="polysketch", window=64, sinks=1, learned_sinks=8)
     assert ("64-token sliding window + 1 sink token (positions within the window) + 8 learned sink slots"
