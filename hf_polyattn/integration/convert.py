@@ -17,7 +17,7 @@ from ..config import PolyAttnConfig
 from .compatibility import check_attention_module, check_model_options, find_attention_modules, mark_checked
 from .model_methods import prepare_model_instance
 from .settings import check_supported_config, persist_settings
-from .state import attach_polyattn, get_polyattn_config, sync_config
+from .state import attach_polyattn, get_polyattn_config, sink_rope, sync_config
 
 __all__ = ["convert", "get_polyattn_config"]
 
@@ -83,6 +83,7 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     check_model_options(list(configs.values()), cfg, owner)
     for _, mod, _ in found:
         check_attention_module(mod, cfg, owner)
+        sink_rope(mod, cfg)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
     for _, mod, idx in found:
         ref = next((p for p in mod.parameters() if p.is_floating_point()), None)
         device = ref.device if ref is not None else None

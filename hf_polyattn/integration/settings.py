@@ -68,12 +68,19 @@ def resolve_polyattn_config(config: PreTrainedConfig) -> PolyAttnConfig | None:
 
     ``config.polyattn`` (from config.json or ``convert``) when its kind matches
     ``config._attn_implementation``; otherwise the kind's defaults (a stock checkpoint
-    loaded with ``attn_implementation=KIND``).
+    loaded with ``attn_implementation=KIND``). Settings saved with sinks before ``sink_position`` existed read as
+    ``sink_position='own'``, what they were saved with.
     """
     kind = polyattn_kind(config)
     if kind is None:
         return None
     stored = getattr(config, CONFIG_KEY, None)
+    if isinstance(stored, dict) and stored.get("sinks") and "sink_position" not in stored:
+        # saved before sink_position existed, when sinks were always scored at their own positions: a reload keeps
+        # the attention it was saved (and maybe trained) with
+        logger.info("config.json's polyattn settings predate sink_position: its %s sinks keep their own positions "
+                    "(sink_position='own')", stored["sinks"])
+        stored = {**stored, "sink_position": "own"}
     if isinstance(stored, (PolyAttnConfig, dict)):
         try:  # a PolyAttnConfig is validated again: fields assigned after construction skipped __post_init__
             cfg = stored.replace() if isinstance(stored, PolyAttnConfig) else PolyAttnConfig.from_dict(stored)

@@ -35,11 +35,13 @@ from transformers.modeling_utils import PreTrainedModel
 from ..config import PolyAttnConfig
 from ..ops.base import AttentionBase
 from ..ops.hybrid import layer_module_class
+from ..ops.rotary import RopeRotation
 from .cache import polyattn_layer_of
 from .compatibility import is_cross_attention_call
+from .rope import model_rope, reads_rope
 from .settings import BASE_MODEL_KEY, hub_model_id, persist_settings, polyattn_kind, resolve_polyattn_config
 
-__all__ = ["HFPolyAttention", "attach_polyattn", "get_polyattn_config", "sync_config"]
+__all__ = ["HFPolyAttention", "attach_polyattn", "get_polyattn_config", "sink_rope", "sync_config"]
 
 
 def _dims(module: nn.Module) -> tuple[int, int, int]:
@@ -179,9 +181,17 @@ def _cache_post_hook(module, args, output):
     return None
 
 
+def sink_rope(module: nn.Module, cfg: PolyAttnConfig) -> RopeRotation | None:
+    """The RoPE the ``polyattn`` module of attention ``module`` re-rotates its sinks' queries with
+    (``sink_position='window'``), or None (no sinks there, or a model without RoPE); ValueError for a RoPE it cannot
+    read (``rope.model_rope``)."""
+    return model_rope(module.config, _dims(module)[1]) if reads_rope(cfg) else None
+
+
 def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, device=None, dtype=None) -> None:
     """Give ``module`` its own ``polyattn`` submodule (replacing an existing one) and the cache hooks."""
     heads, head_dim, kv_heads = _dims(module)
+    rope = sink_rope(module, cfg)  # before anything changes: a RoPE it cannot read is refused here
     if device is None and dtype is None:
         pa = HFPolyAttention(cfg, heads, head_dim, kv_heads, layer_idx)  # ambient device/dtype (from_pretrained)
     else:
@@ -189,6 +199,7 @@ def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, d
             pa = HFPolyAttention(cfg, heads, head_dim, kv_heads, layer_idx)
         if dtype is not None:
             pa = pa.to(dtype)
+    pa.rope = rope
     module.polyattn = pa
     if not getattr(module, "_polyattn_hooked", False):
         module.register_forward_pre_hook(_cache_pre_hook, with_kwargs=True)

@@ -7,16 +7,23 @@ from __future__ import annotations
 KERNEL_FIELDS = ("qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 # sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
-LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "learned_sinks",
+LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
+                "learned_sinks",
                 "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon")
 
 
+# where the sinks are scored (PolyAttnConfig.sink_position), in a label
+_SINK_POSITION_LABELS = {"window": "positions within the window", "own": "their own positions"}
+
+
 def sink_label(config) -> str:
-    """' + 4 sink tokens + 8 learned sink slots': what a window attends exactly besides its keys ('' for none)."""
-    return "".join(f" + {n} {what}{'s' if n > 1 else ''}" for n, what in (
-        (config.sinks, "sink token"), (config.learned_sinks, "learned sink slot")) if n)
+    """' + 4 sink tokens (positions within the window) + 8 learned sink slots': what a window attends exactly besides
+    its keys ('' for none)."""
+    return "".join(f" + {n} {what}{'s' if n > 1 else ''}{detail}" for n, what, detail in (
+        (config.sinks, "sink token", f" ({_SINK_POSITION_LABELS[config.sink_position]})"),
+        (config.learned_sinks, "learned sink slot", "")) if n)
 
 
 def window_memory(config) -> str:
@@ -24,7 +31,8 @@ def window_memory(config) -> str:
     keys = f"the last {config.window} keys and values (the exact sliding window)"
     if config.sinks:
         keys = (f"the first {config.sinks} and the last {config.window} keys and values ({config.sinks} attention "
-                f"sinks + the exact sliding window: {config.sinks + config.window} keys)")
+                f"sinks, scored at {_SINK_POSITION_LABELS[config.sink_position]}, + the exact sliding window: "
+                f"{config.sinks + config.window} keys)")
     return keys
 
 

@@ -7,6 +7,7 @@ from .feature_maps import FEATURE_MAPS, FeatureMap, register_feature_map
 from .hybrid import HybridAttention, HybridState, build_attention, softmax_attention
 from .reference import reference_attention, reference_weights
 from .rope_fft import rope_attention_reference, rope_fft_attention
+from .rotary import RopeRotation
 from .sketches import PolynomialSketch, symmetric_power, symmetric_square
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "PolyAttention",
     "PolynomialSketch",
     "RecurrentState",
+    "RopeRotation",
     "build_attention",
     "layer_seed",
     "lt_multiply",

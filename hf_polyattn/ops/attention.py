@@ -25,6 +25,7 @@ measured yet). The exact local part is never decayed.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -52,6 +53,7 @@ from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
 from .sketches import project, symmetric_square
 from .state import RecurrentState
+from .window import sink_shifts
 
 __all__ = ["HeadLayerNorm", "HeadProjection", "PolyAttention", "RecurrentState", "layer_seed"]
 
@@ -110,6 +112,11 @@ class HeadProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight)
+
+
+def _seeing(state: RecurrentState, seen: torch.Tensor | None) -> RecurrentState:
+    """``state`` with the real keys each row has seen (``PolyAttention._sink_queries``), when counted."""
+    return state if seen is None else replace(state, seen=seen)
 
 
 class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
@@ -304,24 +311,43 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             kv0 = state.kv
 
         raw = (q5, k5)  # the model's own q, k: a sliding window's exact part scores with them
+        sink_q, seen = self._sink_queries(q5, key_padding_mask, lk, state)
         if not self._maps_with_features(path, state):
             q5, k5 = self.kernel_inputs(q5, k5)
         q5, k5, v5 = self.path_inputs(path, q5, k5, v5)
         if state is not None and lq == 1 and self.decodes_by_step(path):
-            out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw)
-            return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), new_state
+            out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw, sink_q)
+            return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), _seeing(new_state, seen)
         # half-precision models: the Triton kernels' dots take tf32 operands (fp32 accumulation)
         tf32 = True if out_dtype in HALF else None
-        sinks = self._window_sinks(raw[1], v5, mask, None if state is None else state.sinks)
+        sinks = self._window_sinks(raw[1], v5, mask, None if state is None else state.sinks, sink_q=sink_q)
         extra = {} if sinks is None else {"sinks": sinks}  # a kind's own run_path without sinks keeps its signature
         out, fk, vext, kv_end = self.run_path(path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32, **extra)
         out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
         if state is None:
             return out
         if kv_end is not None:  # the path computed the state after its last key itself
-            return out, RecurrentState(kv_end, None, None, None, state.length + lk)
-        return out, self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path,
-                                     None if sinks is None else sinks.flags)
+            return out, _seeing(RecurrentState(kv_end, None, None, None, state.length + lk), seen)
+        return out, _seeing(self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path,
+                                             None if sinks is None else sinks.flags), seen)
+
+    def _sink_queries(self, q5: torch.Tensor, key_mask: torch.Tensor | None, lk: int,
+                      state: RecurrentState | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the queries q5 (the model's own) re-rotated to where they score the sinks, or None; the real keys of each
+        row after this call for the state, or None: every key so far was real, ``length`` counts them).
+
+        Only with ``sinks``, ``sink_position='window'`` and a RoPE model's rotation (``rope``, set by the
+        integration): query i turns by delta_i = min(0, w + s - 1 - p_i), p_i the real keys before it in its row
+        (``window.sink_shifts``; a state's ``seen`` or ``length`` and the call's key padding mask)."""
+        cfg = self.config
+        if not (cfg.sinks and cfg.sink_position == "window" and self.rope is not None):
+            return None, None
+        seen = 0 if state is None else (state.length if state.seen is None else state.seen)
+        shifts = sink_shifts(key_mask, q5.shape[3], lk, seen, cfg.window + cfg.sinks - 1, q5.device)
+        sink_q = self.rope.rotate(q5, shifts[:, None, None, :])
+        if state is None or (key_mask is None and state.seen is None):
+            return sink_q, None
+        return sink_q, seen + (lk if key_mask is None else key_mask.sum(-1))  # one of the two is a (B,) tensor
 
     def _half_on_triton(self, path: str, causal: bool, device: torch.device) -> bool:
         """Whether half-precision q, k, v go to this call's kernels as they are, without fp32 copies: on the

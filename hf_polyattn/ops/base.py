@@ -71,6 +71,10 @@ class AttentionBase(nn.Module):
                              f"{type(self).__name__} would run as kind={config.kind!r}: build the layer with "
                              "hf_polyattn.ops.build_attention (or hf_polyattn.convert)")
         self.config = config
+        # The model's RoPE (``ops.rotary.RopeRotation``), set by the integration for a RoPE model whose sinks are
+        # scored at positions within the window (``sink_position='window'``); None: q and k carry no rotary
+        # positions (GPT-2, BERT) or nothing reads them.
+        self.rope = None
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.groups = num_heads // num_kv_heads
         self.layer_idx = layer_idx

@@ -149,6 +149,18 @@ class HybridAttention(AttentionBase):
     def num_features(self) -> int:
         return 0 if self.kernel is None else self.kernel.num_features
 
+    @property
+    def rope(self):
+        """The model's RoPE (``AttentionBase.rope``); setting it sets the kind's module's too, whose sinks read it."""
+        return self.__dict__.get("_rope")
+
+    @rope.setter
+    def rope(self, value) -> None:
+        self.__dict__["_rope"] = value
+        kernel = self._modules.get("kernel")
+        if kernel is not None:
+            kernel.rope = value
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         if self.kernel is not None:  # the only holder of tensors

@@ -49,6 +49,13 @@ def _warn_if_misaligned_left_padding(mask: torch.Tensor, block: int) -> None:
         )
 
 
+def _aligned(q_sinks: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """``Sinks.q`` (the call's Lq queries) with the rows of ``qs`` (causal rows bottom-right aligned: Lk rows when a
+    call has fewer queries than keys, the first Lk - Lq zero like qs's)."""
+    pad = qs.shape[-2] - q_sinks.shape[-2]
+    return F.pad(q_sinks, (0, 0, pad, 0)) if pad else q_sinks
+
+
 def far_scale(log_far: torch.Tensor | None, q_log_scale: torch.Tensor | None) -> torch.Tensor | None:
     """exp(log_far + q_log_scale): the factor on the kernel part that puts it on the exact weights' scale
     (None: 1). FAVOR+ query features come divided by exp(c) (q_log_scale = c)."""
@@ -125,19 +132,27 @@ class LocalExactMixin:
         if triton is not None:
             return triton
         qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
-        sink_k, sink_v, sink_pos = (None, None, None) if sinks is None else (*to_work(sinks.k, sinks.v), sinks.pos)
+        sink_k = sink_v = sink_pos = sink_q = None
+        if sinks is not None:
+            sink_k, sink_v, sink_pos = *to_work(sinks.k, sinks.v), sinks.pos
+            if sinks.q is not None:
+                (sink_q,) = to_work(_aligned(sinks.q, qs))
         grad = torch.is_grad_enabled() and (
-            any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale, sink_k, sink_v))
+            any(t is not None and t.requires_grad for t in (qs, ks, vext, q_log_scale, sink_k, sink_v, sink_q))
             or any(p.requires_grad for p in self.parameters()))
         args = (qs, ks, vext, mask, causal, scale, q_log_scale, sink_k, sink_v, sink_pos)
+        if sink_q is not None:  # a call without re-rotated queries keeps its arguments
+            args += (sink_q, sinks.learned)
         return checkpoint(self._window_exact, *args, use_reentrant=False) if grad else self._window_exact(*args)
 
-    def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale, sink_k=None, sink_v=None, sink_pos=None):
-        """Exact weights on each query's window (and on the ``Sinks`` given as sink_k, sink_v, sink_pos) and the
-        factor that puts the far part on their scale (before ``window_mix``)."""
+    def _window_exact(self, qs, ks, vext, mask, causal, scale, q_log_scale, sink_k=None, sink_v=None, sink_pos=None,
+                      sink_q=None, learned=0):
+        """Exact weights on each query's window (and on the ``Sinks`` given as sink_k, sink_v, sink_pos, scored by
+        sink_q from slot ``learned`` on when given) and the factor that puts the far part on their scale (before
+        ``window_mix``)."""
         w = self.config.window
         n = qs.shape[3]
-        sinks = None if sink_k is None else Sinks(sink_k, sink_v, sink_pos)
+        sinks = None if sink_k is None else Sinks(sink_k, sink_v, sink_pos, q=sink_q, learned=learned)
         scores, allowed = window_scores(qs, ks, w, causal, scale, mask, sinks)  # (B, Hkv, G, tiles, w, span [+ E])
         values = window_tiles(vext, w, causal)
         weights, log_far = self.exact_weights(scores, allowed, self.config.resolved_local_kernel)
@@ -148,11 +163,11 @@ class LocalExactMixin:
         loc = loc.flatten(3, 4)[..., :n, :]
         return loc, far_scale(None if log_far is None else log_far.flatten(3, 4)[..., :n, :], q_log_scale)
 
-    def _window_sinks(self, k5, v5, mask, kept=None, in_sequence=True) -> Sinks | None:
+    def _window_sinks(self, k5, v5, mask, kept=None, in_sequence=True, sink_q=None) -> Sinks | None:
         """The ``Sinks`` of a windowed call on keys k5, v5 (B, Hkv, 1, L, d: the model's own, after the state's
         window keys), or None without any: the learned slots, the sinks a state kept (``kept`` = its ``sinks``:
         they left the window, every query sees them), and (``in_sequence``) the first real keys of k5 the row
-        still lacks as sinks."""
+        still lacks as sinks. ``sink_q``: the call's queries re-rotated for the sinks (``Sinks.q``)."""
         cfg = self.config
         b, device = k5.shape[0], k5.device
         parts = []  # (k, [v, 1], pos) of each group of slots
@@ -178,7 +193,8 @@ class LocalExactMixin:
         ks, vs, pos = zip(*parts)
         return Sinks(torch.cat([t.expand(b, *t.shape[1:]) for t in ks], dim=3),
                      torch.cat([t.expand(b, *t.shape[1:]) for t in vs], dim=3),
-                     torch.cat([t.expand(b, -1) for t in pos], dim=1), flags)
+                     torch.cat([t.expand(b, -1) for t in pos], dim=1), flags,
+                     q=sink_q, learned=cfg.learned_sinks)
 
     def _local_exact(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale=None, tf32=None):
         """The exact diagonal blocks, a group of blocks at a time (``_LOCAL_GROUP``), each group rematerialised.
@@ -236,6 +252,8 @@ class LocalExactMixin:
         from .triton import local_blocks_triton
 
         extra = {} if sinks is None else {"sinks": (sinks.k, sinks.v, sinks.pos)}
+        if sinks is not None and sinks.q is not None:  # a call without re-rotated queries keeps its arguments
+            extra.update(sink_q=_aligned(sinks.q, qs), learned=sinks.learned)
         loc, log_far = local_blocks_triton(qs, ks, vext, cfg.block_size, causal, scale, kernel, mask,
                                            self._exact_power, cfg.alpha, cfg.beta, tf32, window, **extra)
         return loc, far_scale(log_far, q_log_scale)

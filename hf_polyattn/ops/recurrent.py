@@ -9,7 +9,7 @@ from .common import _with_normaliser, read_state
 from .local import far_scale
 from .sketches import symmetric_square
 from .state import RecurrentState
-from .window import keep_sinks, sink_flags
+from .window import keep_sinks, sink_flags, slot_scores
 
 __all__ = ["RecurrentMixin"]
 
@@ -17,13 +17,13 @@ __all__ = ["RecurrentMixin"]
 class RecurrentMixin:
     """Methods of ``PolyAttention`` for generation with a ``RecurrentState``."""
 
-    def _decode_step(self, q5, k5, v5, mask, scale, state, key, value, raw):
+    def _decode_step(self, q5, k5, v5, mask, scale, state, key, value, raw, sink_q=None):
         """One new token with a recurrent state: O(F d) work, no block machinery.
 
-        q5 is the new query, k5/v5 the unfolded keys (the current block's buffer when
-        local_exact, else just the new key) followed by the new one. The generic chunk path
-        gives the same numbers (tested) but costs ~5 ms per layer for a single token in
-        small-op overheads; this path is a handful of matmuls.
+        q5 is the new query, k5/v5 the unfolded keys (the current block's buffer when local_exact, else just the new
+        key) followed by the new one; ``sink_q`` the query re-rotated for the sinks (``Sinks.q``) or None. The
+        generic chunk path gives the same numbers (tested) but costs ~5 ms per layer for a single token in small-op
+        overheads; this path is a handful of matmuls.
         """
         cfg = self.config
         vext = _with_normaliser(v5, mask)
@@ -38,7 +38,7 @@ class RecurrentMixin:
         total = state.length + 1
         if cfg.window:
             return self._decode_window(raw[0], raw[1], k_in, vext, fq, q_log_scale, mask, scale, state, key, value,
-                                       total, logs)
+                                       total, logs, sink_q)
         if local is None:
             kv = self._fold(state.kv, self.feature_map(k_in, False), vext, logs, k5.shape[3])
             num = torch.matmul(fq, kv)
@@ -59,13 +59,15 @@ class RecurrentMixin:
         raw_v = value if state.v is None else torch.cat([state.v, value], dim=2)
         return self._normalise(num), RecurrentState(state.kv, raw_k, raw_v, mask, total)
 
-    def _decode_window(self, q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total, logs=None):
+    def _decode_window(self, q5, k5, k_in, vext, fq, q_log_scale, mask, scale, state, key, value, total, logs=None,
+                       sink_q=None):
         """One token with a sliding window: fold the key that leaves the window, exact on the rest.
 
         The state keeps the last ``window`` raw keys/values (constant size) and the kernel
         state of every key before them; with ``sinks`` the leaving key goes to the state's sink slots
         instead of the kernel state when it is one of its row's first ``sinks`` real keys, and the
-        query attends exactly to the sink slots and the learned slots too, under the same normaliser.
+        query attends exactly to the sink slots (scored by ``sink_q`` when given: ``Sinks.q``) and the learned slots
+        too, under the same normaliser.
         With decay (``logs``: G of the window's keys and the new one, from the state's reference) the state moves
         its reference to the folded key and the query reads it times exp(G_i - G_fold): the product of the gates
         of the keys in its window, recomputed from the values the state keeps (nothing else is stored).
@@ -92,9 +94,10 @@ class RecurrentMixin:
         allowed = None if mask is None else mask[:, None, None, None, fold:]
         # the learned slots and the sinks that left the window (a sink still inside it is one of its keys)
         sinks = self._window_sinks(k5, vext[..., :-1], mask, None if sink_k is None else (sink_k, sink_v, sink_mask),
-                                   in_sequence=False)
+                                   in_sequence=False, sink_q=sink_q)
         if sinks is not None:
-            x = torch.cat([x, torch.matmul(q5 * scale, sinks.k.transpose(-1, -2))], dim=-1)
+            x = torch.cat([x, slot_scores(q5 * scale, sinks.k, None if sinks.q is None else sinks.q * scale,
+                                          sinks.learned)], dim=-1)
             if allowed is None:
                 allowed = torch.ones(1, 1, 1, 1, kw.shape[3], dtype=torch.bool, device=x.device)
             seen = sinks.visible(torch.full((1,), k5.shape[3] - 1, device=x.device))  # (B, 1, 1, 1, E)

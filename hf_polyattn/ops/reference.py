@@ -6,7 +6,8 @@ for 'polynomial', phi(q) . phi(k) for the feature kinds (the sketch / random fea
 with ``local_exact``, inside the sliding window and at the attention sinks with ``window`` /
 ``sinks`` — masks it (causal bottom-right aligned, key padding) and normalises. Learned sink
 slots (``learned_sinks`` m) are m extra keys and values in front of the sequence's, never masked:
-the weights are then (B, H, Lq, m + Lk).
+the weights are then (B, H, Lq, m + Lk). With ``sink_position='window'`` and a RoPE module (``module.rope``) the sink
+columns are scored by each query re-rotated to position min(p_i, w + s - 1), p_i its row's real keys before it.
 Slow and memory-hungry on purpose: no blocks, no prefix sums, no shared code paths with
 ``attention.py`` beyond the module's parameters.
 """
@@ -87,6 +88,30 @@ def _sink_keys(cfg, key_padding_mask: torch.Tensor | None, batch: int, lk: int, 
     return sink[:, None, None, None, :]
 
 
+def _sink_queries(module: PolyAttention, q_raw: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                  lk: int) -> torch.Tensor:
+    """The queries (B, Hkv, G, Lq, d) that score the sink columns: q_raw itself, or with ``sink_position='window'``
+    and ``module.rope`` each query i rotated from p_i to min(p_i, w + s - 1), p_i = the unpadded keys of its row
+    before it (query i is key lk - lq + i), one row and query at a time; pairs (t, t + F) of the first 2F dims turn
+    by the angle (P_i - p_i) f_t."""
+    cfg, rope = module.config, module.rope
+    if not cfg.sinks or cfg.sink_position != "window" or rope is None:
+        return q_raw
+    b, lq, f = q_raw.shape[0], q_raw.shape[3], rope.inv_freq.numel()
+    out = q_raw.clone()
+    for row in range(b):
+        for i in range(lq):
+            key = lk - lq + i
+            p = key if key_padding_mask is None else int(key_padding_mask[row, :key].sum())
+            delta = min(p, cfg.window + cfg.sinks - 1) - p
+            angle = delta * rope.inv_freq.to(torch.float64)
+            cos, sin = angle.cos().to(q_raw.dtype), angle.sin().to(q_raw.dtype)
+            x = q_raw[row, :, :, i]
+            out[row, :, :, i, :f] = x[..., :f] * cos - x[..., f : 2 * f] * sin
+            out[row, :, :, i, f : 2 * f] = x[..., f : 2 * f] * cos + x[..., :f] * sin
+    return out
+
+
 def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
                       scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
                       value: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,8 +134,12 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
             return sum(a[i] * xx**i for i in range(a.shape[0])) ** 2
         return ((xx + cfg.alpha) / cfg.beta) ** cfg.degree  # alpha, beta: kind='polynomial' only (validated)
 
-    # exact beside the window: the attention sinks (the future ones are masked below, as every key)
+    # exact beside the window: the attention sinks (the future ones are masked below, as every key), scored by the
+    # queries of sink_position (a query that still has a sink in its window sits at p_i < w + s - 1: not rotated)
     sink = _sink_keys(cfg, key_padding_mask, q.shape[0], lk, q.device) if cfg.sinks else False
+    if cfg.sinks:
+        x_raw = torch.where(sink, (_sink_queries(module, q_raw, key_padding_mask, lk) @ k_raw.transpose(-1, -2)) * s,
+                            x_raw)
     if module.exact_everywhere:
         w = exact(x, "polynomial")
     elif module.feature_map is None:  # the window alone

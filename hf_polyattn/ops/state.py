@@ -24,6 +24,9 @@ class RecurrentState:
     (``PolyAttnConfig.sinks``) that have left the window, the first real keys of each row, raw as the
     model made them; a slot is filled (``sink_mask`` True) in order as the row's sinks leave the window.
     None until a key first leaves the window. The state then keeps sinks + window keys: constant size.
+    ``seen`` (B,) int64: the real (unpadded) keys each row has seen, where the sinks are scored at positions within
+    the window (``PolyAttnConfig.sink_position``: a query's position counts them) and a key was padded; None: every
+    key was real (``length`` counts them) or nothing needs them.
     """
 
     kv: torch.Tensor | None
@@ -34,6 +37,7 @@ class RecurrentState:
     sink_k: torch.Tensor | None = None
     sink_v: torch.Tensor | None = None
     sink_mask: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
 
     @property
     def sinks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -31,6 +31,16 @@ window too: the window and the kernel part read the sinks as padding (``Sinks.re
 both parts read one [v, 1] (no second copy for the kernel part). Decoding keeps the s sinks beside the w window
 keys (``RecurrentState.sink_k``): constant size.
 
+Where the sinks are scored (``sink_position``): the keys arrive rotated by RoPE at their own positions 0..s-1, so a
+query at position 8,000 scores them as if they were 8,000 tokens away, a role the model never saw them in. With
+'window' (StreamingLLM's positions within the cache, its Section 3.2) the sink slots are scored by the query
+re-rotated to position P_i = min(p_i, w + s - 1) (``Sinks.q``, ``rotary.RopeRotation``), so sink j sits w + s - 1 - j
+positions before it, just beyond the window's oldest key; the window's keys, the learned slots and the kernel part keep
+the real query. p_i counts the real keys before query i in its row (``sink_shifts``): the distance from the row's
+first real key, which is what transformers' position_ids give it whenever a row's real tokens have consecutive
+positions (generate's cumsum(mask) - 1, a forward's arange, left or right padded) and which left padding does not
+move. A query with p_i <= w + s - 1 is not rotated: the sinks still in its window are scored as window keys were.
+
 Linear time: the far part is the ordinary causal product with queries shifted by w
 (``lt(phi(Q)[w:], phi(K)[:-w]) V[:-w]``: row i sums keys j <= i - w), so it runs on every
 backend of ``backend.lt_product``; the window is computed in tiles of w queries against
@@ -47,8 +57,8 @@ from torch.nn import functional as F
 
 from .backend import lt_product
 
-__all__ = ["OUTSIDE", "Sinks", "first_true", "gather_keys", "keep_sinks", "shifted_lt", "sink_flags",
-           "window_scores", "window_tiles"]
+__all__ = ["OUTSIDE", "Sinks", "first_true", "gather_keys", "keep_sinks", "shifted_lt", "sink_flags", "sink_shifts",
+           "slot_scores", "window_scores", "window_tiles"]
 
 # The position of a ``Sinks`` slot that has none: learned slots sit at -OUTSIDE (every query sees them), empty
 # sink slots at +OUTSIDE (no query does). Sequences and windows stay far below 2**30 keys.
@@ -64,12 +74,17 @@ class Sinks:
     the call when pos_u <= i (causal: the sink's own position; learned slots and the sinks a decoding state kept at
     -OUTSIDE, empty slots at +OUTSIDE). ``flags`` (B or 1, n) bool or None: which of the call's own n keys are sinks;
     the window and the kernel part read them as padding (``rest``), their slots stand in for them.
+    ``q`` (B, Hkv, G, Lq, d) or None: the call's queries re-rotated to where they score the sinks
+    (``sink_position='window'``, RoPE models), used for every slot from ``learned`` on (the learned slots come first
+    and are not positions: the real queries score them); None: the real queries score every slot.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     pos: torch.Tensor
     flags: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    learned: int = 0
 
     def rest(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The key padding mask (B, n) or None of what the window and the kernel part read: the real keys that are
@@ -82,6 +97,30 @@ class Sinks:
         """(B, 1, 1, *qpos.shape, E) bool: which slots the queries at key positions ``qpos`` see."""
         pos = self.pos.view(self.pos.shape[0], 1, 1, *(1,) * qpos.dim(), self.pos.shape[-1])
         return pos <= qpos.unsqueeze(-1)
+
+
+def sink_shifts(key_mask: torch.Tensor | None, lq: int, lk: int, seen: int | torch.Tensor, span: int,
+                device) -> torch.Tensor:
+    """(B or 1, lq) int64: the rotation delta_i = min(0, span - p_i) (``span`` = w + s - 1) that moves each query of a
+    causal call to where it scores the sinks, p_i = the real keys of its row before it: ``seen`` (an int, or (B,)) of
+    the calls before, then the call's own keys (``key_mask`` (B, lk), None: all real) before query i's key lk - lq + i
+    (rows bottom-right aligned)."""
+    if key_mask is None:
+        before = torch.arange(lk - lq, lk, device=device).unsqueeze(0)
+    else:
+        real = key_mask.long()
+        before = (real.cumsum(-1) - real)[:, lk - lq :]
+    before = before + (seen.view(-1, 1) if isinstance(seen, torch.Tensor) else seen)
+    return (span - before).clamp(max=0)
+
+
+def slot_scores(q: torch.Tensor, k: torch.Tensor, q_sinks: torch.Tensor | None = None, learned: int = 0):
+    """q . k over the slots k (..., E, d) for queries q (..., n, d): (..., n, E). With ``q_sinks`` (q's shape) the
+    slots from ``learned`` on are scored by q_sinks instead (``Sinks.q``)."""
+    kt = k.transpose(-1, -2)
+    if q_sinks is None:
+        return torch.matmul(q, kt)
+    return torch.cat([torch.matmul(q, kt[..., :learned]), torch.matmul(q_sinks, kt[..., learned:])], dim=-1)
 
 
 def sink_flags(mask: torch.Tensor | None, n: int, need: int | torch.Tensor, device) -> torch.Tensor:
@@ -175,12 +214,16 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, window: int, causal: bool, s
     q (B, Hkv, G, n, d), k (B, Hkv, 1, n, d), key_mask (B, n) bool or None.
     Returns scores (B, Hkv, G, tiles, w, span) and allowed (broadcastable bool): j in W(i),
     0 <= j < n and not padded. With ``sinks`` their E slots follow the span's candidates in both
-    (last dim span + E; allowed as ``Sinks.visible``): one softmax over both (``key_mask`` is then ``Sinks.rest``,
-    which leaves the sinks to their slots).
+    (last dim span + E; allowed as ``Sinks.visible``; scored by ``Sinks.q`` where given, aligned with q): one softmax
+    over both (``key_mask`` is then ``Sinks.rest``, which leaves the sinks to their slots).
     """
     n = q.shape[-2]
     tiles = -(-n // window)
-    qt = F.pad(q, (0, 0, 0, tiles * window - n)).unflatten(-2, (tiles, window)) * scale
+
+    def query_tiles(x):
+        return F.pad(x, (0, 0, 0, tiles * window - n)).unflatten(-2, (tiles, window)) * scale
+
+    qt = query_tiles(q)
     kt = window_tiles(k, window, causal)
     scores = torch.matmul(qt, kt.transpose(-1, -2))
     span = kt.shape[-2]
@@ -194,7 +237,8 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, window: int, causal: bool, s
         km = window_tiles(key_mask[:, None, None, :, None].to(q.dtype), window, causal)[..., 0] > 0
         allowed = allowed & km.unsqueeze(-2)
     if sinks is not None:
-        extra = torch.matmul(qt, sinks.k.unsqueeze(3).transpose(-1, -2))  # (B, Hkv, G, tiles, w, E): small
+        # (B, Hkv, G, tiles, w, E): small
+        extra = slot_scores(qt, sinks.k.unsqueeze(3), None if sinks.q is None else query_tiles(sinks.q), sinks.learned)
         seen = sinks.visible(qpos[..., 0]) & (qpos < n)
         lead = torch.broadcast_shapes(allowed.shape[:-1], seen.shape[:-1])
         scores = torch.cat([scores, extra], dim=-1)

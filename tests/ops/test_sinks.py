@@ -11,12 +11,15 @@ from hf_polyattn import PolyAttnConfig
 from hf_polyattn.ops import PolyAttention, reference_attention
 from hf_polyattn.ops.backend import ENV_VAR
 from hf_polyattn.ops.reference import reference_weights
+from hf_polyattn.ops.rotary import RopeRotation
 from hf_polyattn.ops.window import first_true, keep_sinks, sink_flags
 
 from .test_attention import _padding_mask
 from .test_window import SHAPES, _module
 
 D = 8
+# a RoPE with a small base: angles of order 1 per position on every pair, so that a wrong rotation shows
+ROPE = RopeRotation(1.0 / 10.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D), D)
 
 CONFIGS = [
     ("ps4-softmax-w5-s3", dict(kind="polysketch", sketch_size=8, window=5, sinks=3)),
@@ -49,21 +52,29 @@ def _assert_grads_match(out, ref, inputs, what=""):
             torch.testing.assert_close(a, e, rtol=1e-8, atol=1e-9, msg=f"{what} gradient {i}")
 
 
+def assert_matches_reference(pa, shape) -> None:
+    """``pa`` on the inputs of one of test_window's SHAPES against ``reference_attention``: values, and the gradients
+    of q, k, v and every parameter (float64)."""
+    _, b, h, hkv, lq, lk, causal, pad = shape
+    q, k, v = _qkv(b, h, hkv, lq, lk, seed=lq * 7 + lk)
+    mask = _padding_mask(b, lk, pad)
+    out = pa(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_attention(pa, q, k, v, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    _assert_grads_match(out, ref, (q, k, v, *pa.parameters()))
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("opts", [c[1] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
 def test_sinks_match_reference(opts, shape):
     _, b, h, hkv, lq, lk, causal, pad = shape
     pa = _module(opts, h, hkv)
-    q, k, v = _qkv(b, h, hkv, lq, lk, seed=lq * 7 + lk)
-    mask = _padding_mask(b, lk, pad)
     if opts.get("sinks") and not causal:
+        q, k, v = _qkv(b, h, hkv, lq, lk, seed=0)
         with pytest.raises(ValueError, match=r"^sinks=\d+ is defined for causal attention only"):
-            pa(q, k, v, causal=causal, key_padding_mask=mask)
+            pa(q, k, v, causal=causal, key_padding_mask=_padding_mask(b, lk, pad))
         return
-    out = pa(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_attention(pa, q, k, v, causal=causal, key_padding_mask=mask)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    _assert_grads_match(out, ref, (q, k, v, *pa.parameters()))
+    assert_matches_reference(pa, shape)
 
 
 def test_reference_weights_definition():
@@ -99,12 +110,19 @@ def test_sinks_change_what_they_should(opts):
     assert same[:w].all() and not same[w:].any(), same
 
 
-@pytest.mark.parametrize("opts", [c[1] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
-def test_causal_and_chunked_equal_full(opts):
+# every config; with a RoPE (sink_position='window' re-rotating the queries of the sinks) those with sinks
+CHUNKED_CASES = [pytest.param(opts, None, id=name) for name, opts in CONFIGS]
+CHUNKED_CASES += [pytest.param(opts, ROPE, id=f"rope-{name}") for name, opts in CONFIGS if opts.get("sinks")]
+
+
+@pytest.mark.parametrize("opts,rope", CHUNKED_CASES)
+def test_causal_and_chunked_equal_full(opts, rope):
     """Future keys change no earlier output; chunked prefill (chunks shorter and longer than the window, the first
     one all padding in row 0) then token-by-token decoding give the full forward, left-padded rows included, with
-    a state of constant size (the last w keys, the s sinks)."""
+    a state of constant size (the last w keys, the s sinks); with a RoPE the state counts each row's real keys
+    (``seen``) once a key was padded, and the sequence reaches beyond w + s."""
     pa = _module(opts, 4, 2)
+    pa.rope = rope
     n = 26
     q, k, v = _qkv(2, 4, 2, n, n, seed=1, grad=False)
     mask = torch.ones(2, n, dtype=torch.bool)
@@ -122,6 +140,7 @@ def test_causal_and_chunked_equal_full(opts):
                           key_padding_mask=None if m is None else m[:, a:b])
             outs.append(o)
             assert state.k.shape[2] == min(w, b)
+            assert state.seen is None if rope is None or m is None else torch.equal(state.seen, m[:, :b].sum(-1))
             if s and b > w:  # sink slots exist once a key has left the window, always s of them
                 assert state.sink_k.shape == (2, 2, s, D) and state.sink_mask.shape == (2, s)
             elif s:
@@ -189,13 +208,17 @@ def test_untrained_slots_stay_near_the_model(kernel):
     assert not slots.sink_k.abs().any() and not slots.sink_v.abs().any()
 
 
+@pytest.mark.parametrize("rope", [None, "rope"], ids=["own-positions", "rope"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("opts", [dict(kind="polysketch", sketch_size=8, window=8, sinks=4, learned_sinks=4),
                                   dict(kind="sliding_window", window=8, sinks=4, learned_sinks=4)],
                          ids=["polysketch", "sliding"])
-def test_half_inputs_finite(opts, dtype):
-    """Scores of +-60 (q, k scaled by 8): exp would overflow fp16 without the float32 compute and the stabiliser."""
+def test_half_inputs_finite(opts, dtype, rope):
+    """Scores of +-60 (q, k scaled by 8): exp would overflow fp16 without the float32 compute and the stabiliser; also
+    with the sinks scored by queries re-rotated with a RoPE (``sink_position='window'``) beyond w + s = 12."""
     pa = PolyAttention(PolyAttnConfig(block_size=16, **opts), 4, D, 2).to(dtype)
+    if rope:
+        pa.rope = RopeRotation(1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D), D)
     with torch.no_grad():
         pa.sink_k.normal_()
         pa.sink_v.normal_()
@@ -243,12 +266,13 @@ def test_config_validation(opts, match):
 
 def test_labels_and_memory_notes():
     cfg = PolyAttnConfig(kind="sliding_window", window=128, sinks=4)
-    assert cfg.spec.table_label(cfg) == ("sliding_window (exact softmax 128-token sliding window + 4 sink tokens: "
-                                         "StreamingLLM, training-free)")
+    assert cfg.spec.table_label(cfg) == ("sliding_window (exact softmax 128-token sliding window + 4 sink tokens "
+                                         "(positions within the window): StreamingLLM, training-free)")
     assert "the first 4 and the last 128 keys and values" in cfg.spec.memory_note(cfg)
     assert "132 keys" in cfg.spec.memory_note(cfg)
     cfg = PolyAttnConfig(kind="polysketch", window=64, sinks=1, learned_sinks=8)
-    assert "64-token sliding window + 1 sink token + 8 learned sink slots" in cfg.spec.table_label(cfg)
+    assert "64-token sliding window + 1 sink token (positions within the window) + 8 learned sink slots" in \
+        cfg.spec.table_label(cfg)
     assert "65 keys" in cfg.spec.memory_note(cfg)
     assert "sink" not in PolyAttnConfig(kind="linear", window=4).spec.memory_note(PolyAttnConfig(kind="linear",
                                                                                                 window=4))

@@ -14,13 +14,17 @@ from hf_polyattn.ops import PolyAttention
 from hf_polyattn.ops.backend import ENV_VAR
 from hf_polyattn.ops.common import _with_normaliser
 from hf_polyattn.ops.reference import reference_attention
+from hf_polyattn.ops.rotary import RopeRotation
 from hf_polyattn.ops.triton import local_blocks_triton
+from hf_polyattn.ops.window import sink_shifts
 from tests.ops.test_triton_local import HALF_REL, _inputs, _mask, _normwise
 from tests.ops.test_triton_window import _compare, _module
 from tests.ops.triton_setup import DEVICE  # sets TRITON_INTERPRET before the kernels load
 
 N = 37
 D = 8
+# a RoPE with a small base: angles of order 1 per position on every pair, so that a wrong rotation shows
+ROPE = RopeRotation(1.0 / 10.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D), D)
 
 
 @pytest.mark.parametrize("mask_kind", [None, "right", "left"], ids=["nomask", "right", "left"])
@@ -46,28 +50,36 @@ def test_two_slot_tiles_several_row_tiles_large_scores(causal, monkeypatch):
              sinks=6 if causal else 0, learned_sinks=13)
 
 
+@pytest.mark.parametrize("rotated", [False, True], ids=["own-positions", "rotated"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_inputs(dtype):
-    """Half q, k, v and sinks: fp32 outputs, finite, within HALF_REL (normwise) of the fp32 PyTorch window."""
+def test_half_inputs(dtype, rotated):
+    """Half q, k, v and sinks (and the queries re-rotated for them, ``sink_q``): fp32 outputs, finite, within HALF_REL
+    (normwise) of the fp32 PyTorch window; every gradient in its input's dtype."""
     mod = _module("softmax", 2, 7, sinks=3, learned_sinks=2)
     q, k, v, _ = _inputs(dtype=dtype)
     mask = _mask("left")
     found = mod._window_sinks(k, v, mask, None)
     rest = found.rest(mask)
     # what a bf16 model hands over, as inputs of their own (the gathered sinks' path back into k is PyTorch's gather)
-    sink_k, sink_v = (x.detach().to(dtype).requires_grad_() for x in (found.k, found.v))
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (found.k, found.v)]
+    extra = {}
+    if rotated:
+        shifts = sink_shifts(mask, N, N, 0, 7 + 3 - 1, q.device)
+        leaves.append(ROPE.rotate(q.detach(), shifts[:, None, None, :]).requires_grad_())
+        extra = dict(sink_q=leaves[-1], learned=2)
     loc, log_far = local_blocks_triton(q, k, _with_normaliser(v, rest), 16, True, D ** -0.5, "softmax", rest,
-                                       window=7, sinks=(sink_k, sink_v, found.pos))
+                                       window=7, sinks=(*leaves[:2], found.pos), **extra)
     assert loc.dtype == torch.float32
-    f32 = [x.detach().float().requires_grad_() for x in (q, k, v, sink_k, sink_v)]
+    f32 = [x.detach().float().requires_grad_() for x in (q, k, v, *leaves)]
     ref, ref_far = mod._window_exact(f32[0], f32[1], _with_normaliser(f32[2], rest), rest, True, D ** -0.5, None,
-                                     f32[3], f32[4], found.pos)
+                                     f32[3], f32[4], found.pos, *((f32[5], 2) if rotated else ()))
     _normwise(loc, ref, HALF_REL, "loc")
     _normwise(log_far.exp(), ref_far, HALF_REL, "exp(log_far)")
     g = torch.randn_like(ref)
-    inputs = (q, k, v, sink_k, sink_v)
-    for name, a, b, x in zip(["q", "k", "v", "sink_k", "sink_v"], torch.autograd.grad((loc * g).sum(), inputs),
-                             torch.autograd.grad((ref * g).sum(), f32), inputs):
+    inputs = (q, k, v, *leaves)
+    for name, a, b, x in zip(["q", "k", "v", "sink_k", "sink_v", "sink_q"],
+                             torch.autograd.grad((loc * g).sum(), inputs), torch.autograd.grad((ref * g).sum(), f32),
+                             inputs):
         assert a.dtype == x.dtype and torch.isfinite(a).all()
         _normwise(a.float(), b, HALF_REL, f"d{name}")
 
@@ -86,6 +98,16 @@ def test_sinks_argument_checks():
                        ((good[0], good[1][:, :, :, :2], good[2]), "^sink keys and values need shapes")):
         with pytest.raises(ValueError, match=match):
             local_blocks_triton(q, k, v, 4, True, 1.0, "softmax", window=3, sinks=bad)
+    # the queries re-rotated for the sinks (sink_position='window'), and the learned slots before them
+    with pytest.raises(ValueError, match=r"^sink_q needs sinks"):
+        local_blocks_triton(q, k, v, 4, True, 1.0, "softmax", window=3, sink_q=q)
+    for sink_q, match in ((q[..., :9, :], r"^sink_q needs q's shape \(1, 2, 2, 10, 4\), got \(1, 2, 2, 9, 4\)"),
+                          (q.double(), r"^sink_q must be a float32, bfloat16 or float16 tensor")):
+        with pytest.raises(ValueError, match=match):
+            local_blocks_triton(q, k, v, 4, True, 1.0, "softmax", window=3, sinks=good, sink_q=sink_q)
+    for bad in (-1, 4, True, 1.0):
+        with pytest.raises(ValueError, match=r"^learned must be an int in \[0, 3\]"):
+            local_blocks_triton(q, k, v, 4, True, 1.0, "softmax", window=3, sinks=good, sink_q=q, learned=bad)
 
 
 # ------------------------------------------------------------------ through the attention module
@@ -99,27 +121,31 @@ MODULE_KINDS = [
 
 
 def _spied(monkeypatch):
-    """The number of slots of each Triton window call (0 without sinks)."""
+    """(the number of slots (0 without sinks), whether re-rotated queries came) of each Triton window call."""
     import hf_polyattn.ops.triton as triton_pkg
 
     calls = []
     real = triton_pkg.local_blocks_triton
 
     def spy(*a, **kw):
-        calls.append(0 if kw.get("sinks") is None else kw["sinks"][0].shape[3])
+        calls.append((0 if kw.get("sinks") is None else kw["sinks"][0].shape[3], kw.get("sink_q") is not None))
         return real(*a, **kw)
 
     monkeypatch.setattr(triton_pkg, "local_blocks_triton", spy)
     return calls
 
 
-def _module_pair(opts):
+def _module_pair(opts, rope=None):
+    """The same module on the 'loop' and the 'triton' backends; ``rope``: the RoPE it re-rotates the queries that
+    score its sinks with (``sink_position='window'``)."""
     mods = {which: PolyAttention(PolyAttnConfig(block_size=16, backend=which, **opts), 4, 8, 2).to(DEVICE)
             for which in ("loop", "triton")}
     with torch.no_grad():
         for p in mods["loop"].parameters():  # slots and mixing factor away from their start
             p.add_(0.3 * torch.randn_like(p))
     mods["triton"].load_state_dict(mods["loop"].state_dict())
+    for mod in mods.values():
+        mod.rope = rope
     return mods
 
 
@@ -128,18 +154,22 @@ def _name(opts) -> str:
     return "-".join(str(v) for v in opts.values())
 
 
-MODULE_CASES = [pytest.param(opts, True, id=f"causal-{_name(opts)}") for opts in MODULE_KINDS]
-MODULE_CASES += [pytest.param({**opts, "sinks": 0}, False, id=f"bidir-{_name(opts)}")
+MODULE_CASES = [pytest.param(opts, True, None, id=f"causal-{_name(opts)}") for opts in MODULE_KINDS]
+MODULE_CASES += [pytest.param({**opts, "sinks": 0}, False, None, id=f"bidir-{_name(opts)}")
                  for opts in MODULE_KINDS if opts.get("learned_sinks")]
+# sinks at positions within the window (sink_position='window') of a RoPE model: the kernels score them with the
+# re-rotated queries, whose gradient the host turns back into q's
+MODULE_CASES += [pytest.param(opts, True, ROPE, id=f"rope-{_name(opts)}") for opts in MODULE_KINDS
+                 if opts.get("learned_sinks") or opts.get("local_kernel")]
 
 
-@pytest.mark.parametrize("opts,causal", MODULE_CASES)
-def test_attention_module_on_triton_backend(opts, causal, monkeypatch):
+@pytest.mark.parametrize("opts,causal,rope", MODULE_CASES)
+def test_attention_module_on_triton_backend(opts, causal, rope, monkeypatch):
     """Backend 'triton' equals 'loop' and the O(n^2) reference (values; q, k, v and slot gradients), causal also with
     fewer queries than keys (a prefill after a cached prefix); bidirectional with the learned slots alone."""
     calls = _spied(monkeypatch)
     monkeypatch.delenv(ENV_VAR, raising=False)
-    mods = _module_pair(opts)
+    mods = _module_pair(opts, rope)
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, h, N, 8, generator=gen).to(DEVICE).requires_grad_() for h in (4, 2, 2))
     mask = torch.ones(2, N, dtype=torch.bool, device=DEVICE)
@@ -156,15 +186,18 @@ def test_attention_module_on_triton_backend(opts, causal, monkeypatch):
         torch.testing.assert_close(results["triton"][0], ref, rtol=1e-4, atol=1e-4)
         for i, (g_t, g_l) in enumerate(zip(results["triton"][1], results["loop"][1])):
             torch.testing.assert_close(g_t, g_l, rtol=1e-4, atol=1e-5 * g_l.abs().max().item(), msg=f"gradient {i}")
-    assert calls and all(c == opts.get("sinks", 0) + opts.get("learned_sinks", 0) for c in calls), calls
+    slots = opts.get("sinks", 0) + opts.get("learned_sinks", 0)
+    assert calls and all(c == (slots, rope is not None) for c in calls), calls
 
 
-def test_chunked_equals_full_on_triton_backend(monkeypatch):
+@pytest.mark.parametrize("rope", [None, ROPE], ids=["own-positions", "rope"])
+def test_chunked_equals_full_on_triton_backend(rope, monkeypatch):
     """Prefill in chunks and token-by-token decoding on the 'triton' backend: the state's sink slots reach the
-    kernels with every later chunk (sliding_window decodes through its window path, one kernel call a token)."""
+    kernels with every later chunk (sliding_window decodes through its window path, one kernel call a token); with
+    a RoPE (lengths beyond w + s) the state's count of real keys (``seen``) places each chunk's queries."""
     calls = _spied(monkeypatch)
     monkeypatch.delenv(ENV_VAR, raising=False)
-    mod = _module_pair(dict(kind="sliding_window", window=4, sinks=2, learned_sinks=1))["triton"]
+    mod = _module_pair(dict(kind="sliding_window", window=4, sinks=2, learned_sinks=1), rope)["triton"]
     gen = torch.Generator().manual_seed(8)
     n = 14
     q, k, v = (torch.randn(2, h, n, 8, generator=gen).to(DEVICE) for h in (4, 2, 2))
@@ -179,4 +212,6 @@ def test_chunked_equals_full_on_triton_backend(monkeypatch):
             outs.append(o)
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-5, atol=1e-5)
     assert state.sink_mask.all() and len(calls) == 1 + 2 + (n - 9)
-    assert calls[-1] == 1 + 2 + 2  # the learned slot, the state's 2 sinks, 2 (empty) sink slots of the chunk
+    # the learned slot, the state's 2 sinks, 2 (empty) sink slots of the chunk
+    assert calls[-1] == (1 + 2 + 2, rope is not None)
+    assert state.seen is None if rope is None else state.seen.tolist() == [n - 3, n]

@@ -20,9 +20,12 @@ Sinks (``SINKS``, window mode only): NE extra keys per (batch row, kv head), ``o
 (attention sinks gathered from the sequence, learned slots), each with a position: the query at row i sees the
 slot when pos <= i (the caller leaves the sinks out of the window's keys by the key padding mask). They share the
 row's weights, stabiliser and normaliser column with the window; the forward and the dq kernel read them in tiles
-of BS slots before the window's keys. Their gradients are summed by
-the dq kernel's programs, each writing its row tile's share (NT x NE x (D + E1 + 1) floats per query head, summed
-on the host): every query of the sequence may see a slot, so a program per slot tile would walk all n rows alone.
+of BS slots before the window's keys. Their gradients are summed by the dq kernel's programs, each writing its row
+tile's share (NT x NE x (D + E1 + 1) floats per query head, summed on the host): every query of the sequence may see
+a slot, so a program per slot tile would walk all n rows alone. With ``SINK_Q`` a second query tensor (the queries
+re-rotated to where they score the sinks, ``PolyAttnConfig.sink_position='window'``) scores the slots from NL on
+(the first NL, learned slots, keep the real queries); the dq kernel then writes that tensor's gradient too, which the
+host's autograd rotates back into q's.
 
 Like flash attention, nothing b x b is stored: the forward keeps m (n floats per query head) for
 the softmax, the backward recomputes the weights tile by tile from q and k. Three kernels, one
@@ -111,6 +114,14 @@ def _sink_tile(sk_base, sv_base, sp_base, slots, rows, rmask, NE, ds, dmask, es,
 
 
 @triton.jit
+def _rows_tile(x_ptr, g, hh, bb, rows, rmask, ds, dmask, sxb, sxh, sxg, sxn, sxd):
+    """The rows ``rows`` of head (bb, hh, g) of a (B, Hkv, G, n, d) tensor, fp32, zero beyond rmask / dmask."""
+    base = x_ptr + bb.to(tl.int64) * sxb + hh.to(tl.int64) * sxh + g.to(tl.int64) * sxg
+    return tl.load(base + rows[:, None] * sxn + ds[None, :] * sxd, mask=rmask[:, None] & dmask[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _query_tile(pid_q, bhg, n, T, QPC, G, HKV, BQ: tl.constexpr):
     """(query group g, kv head hh, batch bb) of program row ``bhg``; the block start, the tile's first row,
     the block end, the tile's rows and which of them exist."""
@@ -131,9 +142,7 @@ def _query_operands(q_ptr, k_ptr, v_ptr, g, hh, bb, rows, rmask, D, E1, scale, s
     dmask = ds < D
     es = tl.arange(0, BE)
     emask = es < E1
-    q_base = q_ptr + bb.to(tl.int64) * sqb + hh.to(tl.int64) * sqh + g.to(tl.int64) * sqg
-    qs = tl.load(q_base + rows[:, None] * sqn + ds[None, :] * sqd,
-                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+    qs = _rows_tile(q_ptr, g, hh, bb, rows, rmask, ds, dmask, sqb, sqh, sqg, sqn, sqd) * scale
     k_base = k_ptr + bb.to(tl.int64) * skb + hh.to(tl.int64) * skh
     v_base = v_ptr + bb.to(tl.int64) * svb + hh.to(tl.int64) * svh
     return ds, dmask, es, emask, k_base, v_base, qs
@@ -189,14 +198,14 @@ def _key_range(start, q0, c_end, n, W, BQ: tl.constexpr, CAUSAL: tl.constexpr, W
 
 
 @triton.jit
-def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, sk_ptr, sv_ptr, sp_ptr,
-                      n, T, QPC, HKV, G, D, E1, W, NE, scale, alpha, inv_beta,
+def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, sk_ptr, sv_ptr, sp_ptr, qr_ptr,
+                      n, T, QPC, HKV, G, D, E1, W, NE, NL, scale, alpha, inv_beta,
                       sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
                       smb, smn, sob, soh, sog, son, soe, smob, smoh, smog, smon,
-                      sskb, sskh, sskn, sskd, ssvb, ssvh, ssvn, ssve, sspb, sspn,
+                      sskb, sskh, sskn, sskd, ssvb, ssvh, ssvn, ssve, sspb, sspn, sqrb, sqrh, sqrg, sqrn, sqrd,
                       CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
-                      WINDOW: tl.constexpr, SINKS: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr,
-                      BE: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+                      WINDOW: tl.constexpr, SINKS: tl.constexpr, SINK_Q: tl.constexpr, BQ: tl.constexpr,
+                      BD: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
     """out[rows] = sum over the block's (window's, sinks') allowed keys of w_ij [v_j, 1]; softmax: also m[rows]."""
     g, hh, bb, start, q0, c_end, rows, rmask = _query_tile(tl.program_id(0), tl.program_id(1), n, T, QPC, G, HKV,
                                                            BQ)
@@ -208,10 +217,15 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, sk_ptr, sv_pt
     if SINKS:
         sk_base = sk_ptr + bb.to(tl.int64) * sskb + hh.to(tl.int64) * sskh
         sv_base = sv_ptr + bb.to(tl.int64) * ssvb + hh.to(tl.int64) * ssvh
+        if SINK_Q:
+            qrs = _rows_tile(qr_ptr, g, hh, bb, rows, rmask, ds, dmask, sqrb, sqrh, sqrg, sqrn, sqrd) * scale
         for s0 in range(0, NE, BS):
-            allowed, kt, vt, vn = _sink_tile(sk_base, sv_base, sp_ptr + bb.to(tl.int64) * sspb, s0 + tl.arange(0, BS),
-                                             rows, rmask, NE, ds, dmask, es, emask, E1, sskn, sskd, ssvn, ssve, sspn)
+            slots = s0 + tl.arange(0, BS)
+            allowed, kt, vt, vn = _sink_tile(sk_base, sv_base, sp_ptr + bb.to(tl.int64) * sspb, slots, rows, rmask,
+                                             NE, ds, dmask, es, emask, E1, sskn, sskd, ssvn, ssve, sspn)
             x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
+            if SINK_Q:  # the slots from NL on: scored by the re-rotated queries
+                x = tl.where(slots[None, :] < NL, x, tl.dot(qrs, tl.trans(kt), input_precision=PREC))
             acc, acc_n, m_i = _accumulate(acc, acc_n, m_i, x, allowed, vt, vn, alpha, inv_beta, SOFTMAX, P, PREC)
     lo, hi, k_end = _key_range(start, q0, c_end, n, W, BQ, CAUSAL, WINDOW)
     for j0 in range(lo, hi, BQ):
@@ -231,16 +245,19 @@ def _local_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, sk_ptr, sv_pt
 
 @triton.jit
 def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr, sk_ptr, sv_ptr, sp_ptr, dsk_ptr, dsv_ptr,
-                     n, T, QPC, HKV, G, D, E1, W, NE, scale, alpha, inv_beta,
+                     qr_ptr, dqr_ptr,
+                     n, T, QPC, HKV, G, D, E1, W, NE, NL, scale, alpha, inv_beta,
                      sqb, sqh, sqg, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, sve,
                      smb, smn, smob, smoh, smog, smon, sgb, sgh, sgg, sgn, sge, sdb, sdh, sdg, sdn, sdd,
                      sskb, sskh, sskn, sskd, ssvb, ssvh, ssvn, ssve, sspb, sspn,
                      sdst, sdsb, sdsh, sdsg, sdsn, sdsd, sdvt, sdvb, sdvh, sdvg, sdvn, sdve,
+                     sqrb, sqrh, sqrg, sqrn, sqrd, sdrb, sdrh, sdrg, sdrn, sdrd,
                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTMAX: tl.constexpr, P: tl.constexpr,
-                     WINDOW: tl.constexpr, SINKS: tl.constexpr, SINK_GRADS: tl.constexpr, BQ: tl.constexpr,
-                     BD: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+                     WINDOW: tl.constexpr, SINKS: tl.constexpr, SINK_GRADS: tl.constexpr, SINK_Q: tl.constexpr,
+                     BQ: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
     """dq[rows] = s sum_j dx_ij k_j over the block's (window's, sinks') allowed keys (weights recomputed); with
-    SINK_GRADS also this row tile's share of the sink slots' dk, dv (summed over the tiles and heads by the host)."""
+    SINK_GRADS also this row tile's share of the sink slots' dk, dv (summed over the tiles and heads by the host);
+    with SINK_Q the slots from NL on add to the re-rotated queries' gradient dqr instead of dq."""
     g, hh, bb, start, q0, c_end, rows, rmask = _query_tile(tl.program_id(0), tl.program_id(1), n, T, QPC, G, HKV,
                                                            BQ)
     ds, dmask, es, emask, k_base, v_base, qs = _query_operands(
@@ -256,6 +273,9 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr, sk_pt
         m_i = tl.zeros((BQ,), dtype=tl.float32)
     acc = tl.zeros((BQ, BD), dtype=tl.float32)
     if SINKS:
+        if SINK_Q:
+            qrs = _rows_tile(qr_ptr, g, hh, bb, rows, rmask, ds, dmask, sqrb, sqrh, sqrg, sqrn, sqrd) * scale
+            acc_r = tl.zeros((BQ, BD), dtype=tl.float32)
         sk_base = sk_ptr + bb.to(tl.int64) * sskb + hh.to(tl.int64) * sskh
         sv_base = sv_ptr + bb.to(tl.int64) * ssvb + hh.to(tl.int64) * ssvh
         tile = tl.program_id(0).to(tl.int64)
@@ -266,13 +286,23 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr, sk_pt
             allowed, kt, vt, vn = _sink_tile(sk_base, sv_base, sp_ptr + bb.to(tl.int64) * sspb, slots, rows, rmask,
                                              NE, ds, dmask, es, emask, E1, sskn, sskd, ssvn, ssve, sspn)
             x = tl.dot(qs, tl.trans(kt), input_precision=PREC)
+            if SINK_Q:
+                own = slots[None, :] < NL
+                x = tl.where(own, x, tl.dot(qrs, tl.trans(kt), input_precision=PREC))
             w, slope = _weights_and_slope(x, allowed, m_i, alpha, inv_beta, SOFTMAX, P)
             dx = (tl.dot(go, tl.trans(vt), input_precision=PREC) + gn[:, None] * vn[None, :]) * slope
+            if SINK_Q:  # split by the queries that scored each slot
+                dxr = tl.where(own, 0.0, dx)
+                dx = tl.where(own, dx, 0.0)
+                acc_r += tl.dot(dxr, kt, input_precision=PREC)
             acc += tl.dot(dx, kt, input_precision=PREC)
             if SINK_GRADS:
                 smask = slots < NE
-                tl.store(dsk_base + slots[:, None] * sdsn + ds[None, :] * sdsd,
-                         tl.dot(tl.trans(dx), qs, input_precision=PREC), mask=smask[:, None] & dmask[None, :])
+                dks = tl.dot(tl.trans(dx), qs, input_precision=PREC)
+                if SINK_Q:
+                    dks += tl.dot(tl.trans(dxr), qrs, input_precision=PREC)
+                tl.store(dsk_base + slots[:, None] * sdsn + ds[None, :] * sdsd, dks,
+                         mask=smask[:, None] & dmask[None, :])
                 tl.store(dsv_base + slots[:, None] * sdvn + es[None, :] * sdve,
                          tl.dot(tl.trans(w), go, input_precision=PREC), mask=smask[:, None] & emask[None, :])
                 tl.store(dsv_base + slots * sdvn + E1 * sdve, tl.sum(w * gn[:, None], axis=0), mask=smask)
@@ -288,6 +318,11 @@ def _local_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, do_ptr, dq_ptr, sk_pt
         acc += tl.dot(dw * slope, kt, input_precision=PREC)
     d_base = dq_ptr + bb.to(tl.int64) * sdb + hh.to(tl.int64) * sdh + g.to(tl.int64) * sdg
     tl.store(d_base + rows[:, None] * sdn + ds[None, :] * sdd, acc * scale, mask=rmask[:, None] & dmask[None, :])
+    if SINKS:
+        if SINK_Q:
+            dr_base = dqr_ptr + bb.to(tl.int64) * sdrb + hh.to(tl.int64) * sdrh + g.to(tl.int64) * sdrg
+            tl.store(dr_base + rows[:, None] * sdrn + ds[None, :] * sdrd, acc_r * scale,
+                     mask=rmask[:, None] & dmask[None, :])
 
 
 @triton.jit

@@ -19,7 +19,9 @@ candidate keys and kept the (n x 2w) scores and weights for backward (under chec
 Sinks (window mode): ``sinks`` = (k, v, pos) of ``ops/window.py``'s ``Sinks``, NE slots per batch row and kv
 head attended under the window's weights and normaliser (the forward's and dq's first key tiles); their gradients
 come from the dq kernel's programs as per-row-tile shares (NT x NE x (d + e + 1) floats per query head: 1/64 of
-NE q-sized tensors at 64-row tiles), summed here.
+NE q-sized tensors at 64-row tiles), summed here. ``sink_q``: a second query tensor, the queries re-rotated to where
+they score the sinks (``PolyAttnConfig.sink_position='window'``, made by the caller, whose autograd rotates its
+gradient back), scoring the slots from ``learned`` on; the dq kernel writes its gradient beside dq.
 
 Launches: 1 forward, 2 backward (dq; dk and dv together), whatever n; dk and dv are summed over the
 G query heads of a kv head inside the kernel (keys and values are never repeated G times).
@@ -49,8 +51,10 @@ def _is_interpreted() -> bool:
     return type(K._local_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_sinks(q, v, window, sinks) -> None:
+def _check_sinks(q, v, window, sinks, sink_q=None, learned=0) -> None:
     if sinks is None:
+        if sink_q is not None:
+            raise ValueError("sink_q needs sinks (it scores their slots)")
         return
     if not window:
         raise ValueError("sinks need window > 0 (they are attended beside the sliding window)")
@@ -73,6 +77,17 @@ def _check_sinks(q, v, window, sinks) -> None:
     for name, t in (("sink keys", sk), ("sink values", sv)):
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if sink_q is None:
+        return
+    if not isinstance(sink_q, torch.Tensor) or sink_q.shape != q.shape:
+        shape = tuple(sink_q.shape) if isinstance(sink_q, torch.Tensor) else type(sink_q).__name__
+        raise ValueError(f"sink_q needs q's shape {tuple(q.shape)}, got {shape}")
+    if sink_q.device != q.device or sink_q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"sink_q must be a float32, bfloat16 or float16 tensor on {q.device}, got {sink_q.dtype} on "
+                         f"{sink_q.device}")
+    if isinstance(learned, bool) or not isinstance(learned, int) or not 0 <= learned <= sk.shape[3]:
+        raise ValueError(f"learned must be an int in [0, {sk.shape[3]}] (the slots the real q scores), got "
+                         f"{learned!r}")
 
 
 def _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32, window=0) -> None:
@@ -129,7 +144,7 @@ class _Plan:
     """Shapes, tiles and broadcast views of one call."""
 
     def __init__(self, q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window=0,
-                 sinks=None):
+                 sinks=None, sink_q=None, learned=0):
         self.B, self.HKV, self.G = torch.broadcast_shapes(q.shape[:3], k.shape[:3], v.shape[:3])
         self.n, self.D, self.E1 = q.shape[3], q.shape[4], v.shape[4] - 1
         self.W = window
@@ -151,6 +166,7 @@ class _Plan:
             self.mask = m8.expand(self.B, self.n)
         self.sinks = None
         self.NE, self.BS = 0, 16
+        self.sink_q, self.NL = sink_q, learned
         if sinks is not None:
             sk, sv, sp = sinks
             self.NE = sk.shape[3]
@@ -177,13 +193,21 @@ class _Plan:
         ks, vs = _s5(sk), _s5(sv)
         return self.sinks, (ks[0], ks[1], ks[3], ks[4], vs[0], vs[1], vs[3], vs[4], sp.stride(0), sp.stride(1))
 
+    def sink_q_args(self, x=None):
+        """The re-rotated queries' pointer (``x``: their gradient's buffer; a placeholder without them) and its
+        strides."""
+        if self.sink_q is None:
+            return torch.zeros(1, dtype=torch.float32, device=self.device), (0,) * 5
+        x = self.sink_q.expand(self.B, self.HKV, self.G, self.n, self.D) if x is None else x
+        return x, _s5(x)
+
     def common(self):
         return (self.n, self.T, self.QPC, self.HKV, self.G, self.D, self.E1, self.W, self.scale, self.alpha,
                 self.inv_beta)
 
     def with_slots(self, common):
-        """``common`` with the slot count after the window W (the fwd and dq kernels' order)."""
-        return (*common[:8], self.NE, *common[8:])
+        """``common`` with the slot counts (all, learned) after the window W (the fwd and dq kernels' order)."""
+        return (*common[:8], self.NE, self.NL, *common[8:])
 
     def consts(self):
         return dict(CAUSAL=self.causal, HAS_MASK=self.mask is not None, SOFTMAX=self.softmax, P=self.P,
@@ -191,7 +215,7 @@ class _Plan:
                     BQ=self.BQ, BD=self.BD, BE=self.BE, PREC=self.prec, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
 
     def slot_consts(self):
-        return dict(self.consts(), SINKS=self.sinks is not None, BS=self.BS)
+        return dict(self.consts(), SINKS=self.sinks is not None, SINK_Q=self.sink_q is not None, BS=self.BS)
 
 
 def _s5(x):
@@ -211,21 +235,22 @@ def _forward(p: _Plan, q, k, v):
     mask, smb, smn = p.mask_args()
     so, sm = _s5(out), tuple(m.stride())
     slots, slot_strides = p.sink_args()
+    qr, qr_strides = p.sink_q_args()
     K._local_fwd_kernel[(p.NB * p.QPC, p.B * p.HKV * p.G)](
-        q, k, v, mask, out, m, *slots, *p.with_slots(p.common()), *_qkv_strides(q, k, v), smb, smn, *so, *sm,
-        *slot_strides, **p.slot_consts())
+        q, k, v, mask, out, m, *slots, qr, *p.with_slots(p.common()), *_qkv_strides(q, k, v), smb, smn, *so, *sm,
+        *slot_strides, *qr_strides, **p.slot_consts())
     return out, (m if p.softmax else None)
 
 
-def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv, need_sinks=False, sinks0=None):
-    """(dq, dk, dv, d sink keys, d sink values), None where not needed."""
+def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv, need_sinks=False, sinks0=None, need_sink_q=False):
+    """(dq, dk, dv, d sink keys, d sink values, d sink_q), None where not needed."""
     q, k, v = p.views(q0, k0, v0)
     mask, smb, smn = p.mask_args()
     if m is None:
         m = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=p.device)
     sm, sg = tuple(m.stride()), _s5(grad)
-    dq = dk = dv = dsk = dsv = None
-    if need_q or need_sinks:
+    dq = dk = dv = dsk = dsv = dqr = None
+    if need_q or need_sinks or need_sink_q:
         buf = _grad_buffer((p.B, p.HKV, p.G, p.n, p.D), q0)
         slots, slot_strides = p.sink_args()
         tiles = p.NB * p.QPC
@@ -235,11 +260,18 @@ def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv, need_sinks=False, 
             shares = [torch.empty(tiles, p.B, p.HKV, p.G, p.NE, cols, dtype=torch.float32, device=p.device)
                       for cols in (p.D, p.E1 + 1)]
         share_strides = [s for t in shares for s in (tuple(t.stride()) if need_sinks else (0,) * 6)]
+        qr, qr_strides = p.sink_q_args()
+        # the re-rotated queries' gradient (written whenever they exist: the kernel's sums are computed anyway)
+        dqr_buf, dqr_strides = p.sink_q_args(None if p.sink_q is None else
+                                             _grad_buffer((p.B, p.HKV, p.G, p.n, p.D), p.sink_q))
         K._local_dq_kernel[(tiles, p.B * p.HKV * p.G)](
-            q, k, v, mask, m, grad, buf, *slots, *shares, *p.with_slots(p.common()), *_qkv_strides(q, k, v), smb,
-            smn, *sm, *sg, *_s5(buf), *slot_strides, *share_strides, **p.slot_consts(), SINK_GRADS=need_sinks)
+            q, k, v, mask, m, grad, buf, *slots, *shares, qr, dqr_buf, *p.with_slots(p.common()),
+            *_qkv_strides(q, k, v), smb, smn, *sm, *sg, *_s5(buf), *slot_strides, *share_strides, *qr_strides,
+            *dqr_strides, **p.slot_consts(), SINK_GRADS=need_sinks)
         if need_q:
             dq = buf.sum_to_size(q0.shape).to(q0.dtype)
+        if need_sink_q:
+            dqr = dqr_buf.sum_to_size(p.sink_q.shape).to(p.sink_q.dtype)
         if need_sinks:  # over the row tiles and the G query heads of a kv head: (B, Hkv, 1, NE, cols)
             dsk, dsv = (t.sum(0).sum(2, keepdim=True).sum_to_size(x.shape).to(x.dtype)
                         for t, x in zip(shares, sinks0[:2]))
@@ -252,17 +284,19 @@ def _backward(p: _Plan, q0, k0, v0, m, grad, need_q, need_kv, need_sinks=False, 
             sk[0], sk[1], sk[3], sk[4], sv[0], sv[1], sv[3], sv[4], **dict(p.consts(), num_stages=DKV_STAGES))
         dk = dkb.sum_to_size(k0.shape).to(k0.dtype)
         dv = dvb.sum_to_size(v0.shape).to(v0.dtype)
-    return dq, dk, dv, dsk, dsv
+    return dq, dk, dv, dsk, dsv, dqr
 
 
 
 class _LocalBlocksTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, block_size, causal, scale, kernel, power, alpha, beta, tf32, window,  # noqa: D102
-                sink_k, sink_v, sink_pos):
+                sink_k, sink_v, sink_pos, sink_q, learned):
         sinks = None if sink_k is None else (sink_k, sink_v, sink_pos)
-        p = _Plan(q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window, sinks)
+        p = _Plan(q, k, v, block_size, causal, scale, kernel, mask, power, alpha, beta, tf32, window, sinks, sink_q,
+                  learned)
         ctx.args = (block_size, causal, scale, kernel, power, alpha, beta, tf32, window)
+        ctx.learned = learned
         if p.n == 0 or p.B * p.HKV * p.G == 0:
             out = torch.zeros(p.B, p.HKV, p.G, p.n, p.E1 + 1, dtype=torch.float32, device=q.device)
             m = torch.zeros(p.B, p.HKV, p.G, p.n, dtype=torch.float32, device=q.device)
@@ -270,26 +304,29 @@ class _LocalBlocksTriton(torch.autograd.Function):
             out, m = _forward(p, q, k, v)
             if m is None:
                 m = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device).expand(p.B, p.HKV, p.G, p.n)
-        ctx.save_for_backward(q, k, v, mask, m if p.softmax else None, sink_k, sink_v, sink_pos)
+        ctx.save_for_backward(q, k, v, mask, m if p.softmax else None, sink_k, sink_v, sink_pos, sink_q)
         ctx.mark_non_differentiable(m)
         return out, m
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_m):  # noqa: D102  (m is detached, as in PyTorch: grad_m is unused)
-        q, k, v, mask, m, sink_k, sink_v, sink_pos = ctx.saved_tensors
+        q, k, v, mask, m, sink_k, sink_v, sink_pos, sink_q = ctx.saved_tensors
         sinks = None if sink_k is None else (sink_k, sink_v, sink_pos)
         need = ctx.needs_input_grad
         need_q, need_kv, need_sinks = need[0], need[1] or need[2], sinks is not None and (need[13] or need[14])
-        p = _Plan(q, k, v, ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3], mask, *ctx.args[4:], sinks)
+        need_sink_q = sink_q is not None and need[16]
+        p = _Plan(q, k, v, ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3], mask, *ctx.args[4:], sinks, sink_q,
+                  ctx.learned)
         none = (None,) * 10
         if p.n == 0 or p.B * p.HKV * p.G == 0 or grad_out is None:
             zeros = [torch.zeros_like(x) if x is not None and need[i] else None
-                     for i, x in ((0, q), (1, k), (2, v), (13, sink_k), (14, sink_v))]
-            return (*zeros[:3], *none, *zeros[3:], None)
-        dq, dk, dv, dsk, dsv = _backward(p, q, k, v, m, grad_out.float(), need_q, need_kv, need_sinks, sinks)
+                     for i, x in ((0, q), (1, k), (2, v), (13, sink_k), (14, sink_v), (16, sink_q))]
+            return (*zeros[:3], *none, *zeros[3:5], None, zeros[5], None)
+        dq, dk, dv, dsk, dsv, dqr = _backward(p, q, k, v, m, grad_out.float(), need_q, need_kv, need_sinks, sinks,
+                                              need_sink_q)
         return (dq if need_q else None, dk if need[1] else None, dv if need[2] else None, *none,
-                dsk if need[13] else None, dsv if need[14] else None, None)
+                dsk if need[13] else None, dsv if need[14] else None, None, dqr, None)
 
 
 def local_blocks_triton(
@@ -307,6 +344,8 @@ def local_blocks_triton(
     tf32: bool | None = None,
     window: int = 0,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sink_q: torch.Tensor | None = None,
+    learned: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact weights on the block_size x block_size diagonal blocks (aligned at 0) times [v, 1]; with
     ``window`` > 0 on each query's sliding window instead (query i sees the keys j with
@@ -326,10 +365,13 @@ def local_blocks_triton(
     ``sinks`` (window only): (k (B, Hkv, 1, NE, d), v (B, Hkv, 1, NE, e + 1), pos (B, NE) int) of
     ``ops.window.Sinks`` (leading dims may broadcast): slot u joins row i's weights, stabiliser and [v, 1] sums
     when pos_u <= i (the sinks among the keys are the caller's to mask). Differentiable in its k and v too.
+    ``sink_q`` (q's shape) scores the slots from ``learned`` on instead of q (``ops.window.Sinks.q``: the queries
+    re-rotated to where they score the sinks); differentiable in it too.
     """
     _check(q, k, v, block_size, causal, scale, kernel, mask, power, beta, tf32, window)
-    _check_sinks(q, v, window, sinks)
+    _check_sinks(q, v, window, sinks, sink_q, learned)
     sink_k, sink_v, sink_pos = (None, None, None) if sinks is None else sinks
     loc, m = _LocalBlocksTriton.apply(q, k, v, mask, block_size, bool(causal), float(scale), kernel, int(power),
-                                      float(alpha), float(beta), tf32, window, sink_k, sink_v, sink_pos)
+                                      float(alpha), float(beta), tf32, window, sink_k, sink_v, sink_pos, sink_q,
+                                      learned)
     return loc, (-m.unsqueeze(-1) if kernel == "softmax" else None)

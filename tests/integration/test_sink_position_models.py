@@ -1,0 +1,210 @@
+"""Sinks scored at positions within the window (``sink_position='window'``) through transformers models: the module
+gets the model's own RoPE frequencies (Llama, Mistral, Qwen2, GPT-NeoX's partial rotary, scaled rope types), generate()
+with the recurrent cache equals the uncached forward at lengths beyond w + s, left-padded rows equal themselves
+alone (generate, and a forward without position_ids), 'window' changes exactly the positions beyond w + s - 1 of a
+RoPE model and nothing of GPT-2, a RoPE the code cannot read is refused at convert / from_pretrained naming
+sink_position='own', softmax_heads pass the rotation on, config.json from before sink_position reloads as 'own'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from integration_helpers import ARCHS, VOCAB, check_greedy_steps, check_left_padded_generation, perturb_polyattn
+
+import hf_polyattn
+from hf_polyattn import PolyAttnConfig
+from hf_polyattn.integration.rope import model_rope, uses_rope
+
+W, S = 4, 2
+STREAMING = PolyAttnConfig(kind="sliding_window", window=W, sinks=S)
+POLYSKETCH = PolyAttnConfig(kind="polysketch", sketch="learned", sketch_size=8, window=W, sinks=S, learned_sinks=2,
+                            block_size=4)
+ROPE_ARCHS = ["llama", "mistral", "qwen2", "gpt_neox"]
+
+
+def _config(arch: str, **changes):
+    config = ARCHS[arch].make_config()
+    for name, value in changes.items():
+        setattr(config, name, value)
+    return config
+
+
+def _model(arch: str = "llama", cfg: PolyAttnConfig = STREAMING, **changes):
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, ARCHS[arch].model_cls)(_config(arch, **changes)).eval()
+    hf_polyattn.convert(model, cfg)
+    perturb_polyattn(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _layers(model):
+    return [m for m in model.modules() if isinstance(m, hf_polyattn.integration.state.HFPolyAttention)]
+
+
+def _prompt(batch=1, length=12, seed=0):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _rotary_emb(model):
+    return next(m for name, m in model.named_modules() if name.endswith("rotary_emb"))
+
+
+SCALED = {"linear": dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+          "llama3": dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=32),
+          "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)}
+
+
+@pytest.mark.parametrize("arch,rope", [*((a, None) for a in ROPE_ARCHS), *(("llama", t) for t in SCALED)],
+                         ids=[*ROPE_ARCHS, *(f"llama-{t}" for t in SCALED)])
+def test_module_gets_the_models_frequencies(arch, rope):
+    """The frequencies the module re-rotates with are the model's rotary embedding's, every layer; GPT-NeoX rotates
+    a quarter of its 16-dim heads."""
+    changes = {} if rope is None else {"rope_parameters": SCALED[rope]}
+    model = _model(arch, **changes)
+    want = _rotary_emb(model).inv_freq
+    for layer in _layers(model):
+        assert torch.equal(layer.rope.inv_freq, want.cpu()) and layer.rope.rotary_dim == 2 * want.numel()
+    assert _layers(model)[0].rope.rotary_dim == (4 if arch == "gpt_neox" else 16)
+
+
+@pytest.mark.parametrize("arch", ROPE_ARCHS)
+@pytest.mark.parametrize("cfg", [STREAMING, POLYSKETCH], ids=["streaming", "polysketch"])
+def test_greedy_equals_full_forward_every_step(arch, cfg):
+    """A 12-token prompt (beyond w + s = 6) and 8 decoded tokens: cache = no cache at every step."""
+    check_greedy_steps(_model(arch, cfg), _prompt())
+
+
+@pytest.mark.parametrize("cfg", [STREAMING, POLYSKETCH], ids=["streaming", "polysketch"])
+def test_left_padded_generation_equals_rows(cfg):
+    """Left padding moves no position (generate's position_ids and the module's count agree); row 1's 3 tokens reach
+    beyond w + s while decoding."""
+    check_left_padded_generation(_model("llama", cfg), [_prompt(1, 12, seed=1)[0], _prompt(1, 3, seed=2)[0]], 12)
+
+
+def test_left_padded_forward_without_position_ids_equals_row():
+    """transformers then numbers positions from the padding on (a RoPE softmax model does not mind: all of a row's
+    distances stay); the module counts the real keys before a query, so the sinks of a padded row sit where they sit
+    alone. (Exact attention only: a kernel part's features of rotated q, k are not translation invariant.)"""
+    model = _model("llama", STREAMING)
+    ids = _prompt(2, 15, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).logits
+        alone = model(ids[:1, 5:]).logits
+    torch.testing.assert_close(batch[0, 5:], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_window_changes_exactly_the_positions_beyond_w_plus_s():
+    """Same weights, 'window' against 'own' on a Llama: the logits of positions 0..w + s - 1 are the same (no query
+    there is rotated, and later ones cannot reach them), every later one differs."""
+    ids = _prompt(1, 16, seed=4)
+    logits = {}
+    for where in ("window", "own"):
+        with torch.no_grad():
+            logits[where] = _model("llama", STREAMING.replace(sink_position=where))(ids).logits[0]
+    diff = (logits["window"] - logits["own"]).abs().amax(-1)
+    assert (diff[: W + S] < 1e-6).all() and (diff[W + S :] > 1e-4).all(), diff
+
+
+def test_gpt2_window_equals_own():
+    """Positions added to the input embeddings: nothing to re-rotate, 'window' computes what 'own' computes."""
+    ids = _prompt(2, 20, seed=5)
+    out = {}
+    for where in ("window", "own"):
+        model = _model("gpt2", STREAMING.replace(sink_position=where))
+        assert all(layer.rope is None for layer in _layers(model))
+        with torch.no_grad():
+            out[where] = model(ids).logits
+    assert torch.equal(out["window"], out["own"])
+    assert not uses_rope(ARCHS["gpt2"].make_config()) and uses_rope(ARCHS["llama"].make_config())
+
+
+UNREADABLE = {
+    "dynamic": dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+    "longrope": dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8,
+                     original_max_position_embeddings=64),
+}
+MATCH = r"sink_position='window' re-rotates .*Pass sink_position='own'"
+
+
+@pytest.mark.parametrize("rope", list(UNREADABLE))
+def test_unreadable_rope_is_refused(rope, tmp_path):
+    """Frequencies that change with the length: convert raises before changing anything, from_pretrained with the
+    settings in its config raises while building; sink_position='own' (or no sinks) converts."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(_config("llama", rope_parameters=UNREADABLE[rope])).eval()
+    with pytest.raises(ValueError, match=MATCH):
+        hf_polyattn.convert(model, STREAMING)
+    assert not _layers(model) and model.config._attn_implementation != "sliding_window"
+    model.save_pretrained(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    config.polyattn = STREAMING.to_dict()
+    with pytest.raises(ValueError, match=MATCH):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, config=config,
+                                                          attn_implementation="sliding_window")
+    config.polyattn = STREAMING.replace(sink_position="own").to_dict()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, config=config,
+                                                               attn_implementation="sliding_window")
+    assert _layers(loaded) and all(layer.rope is None for layer in _layers(loaded))
+
+
+@pytest.mark.parametrize("rope_parameters,why", [
+    (dict(rope_type="mystery", rope_theta=10000.0), r"rope_type='mystery' is not one it can read"),
+    (dict(full_attention=dict(rope_type="default", rope_theta=1e4)), r"names no single rope_type"),
+])
+def test_unknown_rope_parameters_are_refused(rope_parameters, why):
+    """(transformers' own Llama cannot be built with them either: the reading itself, on a config)"""
+    config = _config("llama")
+    config.rope_parameters = rope_parameters
+    with pytest.raises(ValueError, match=why + r".*sink_position='own'"):
+        model_rope(config, 16)
+
+
+def test_other_rotation_layouts_are_refused():
+    """A model type whose RoPE this code does not know (GPT-J rotates interleaved pairs) is refused by name."""
+    from transformers import GPTJConfig
+
+    with pytest.raises(ValueError, match=r"model_type='gptj'.*sink_position='own'"):
+        model_rope(GPTJConfig(n_embd=64, n_head=4, rotary_dim=8), 16)
+
+
+def test_softmax_heads_pass_the_rotation_on():
+    """A hybrid layer (kv head 0 of layer 1 softmax): the kind's module of the other heads re-rotates too."""
+    model = _model("llama", STREAMING.replace(softmax_heads=((1, 0),)))
+    hybrid = _layers(model)[1]
+    assert hybrid.kernel is not None and hybrid.kernel.rope is hybrid.rope and hybrid.rope is not None
+    check_greedy_steps(model, _prompt())
+
+
+def test_reload_keeps_the_setting_and_reads_old_configs_as_own(tmp_path):
+    """save -> reload keeps sink_position; a config.json written before the field existed (sinks, no sink_position)
+    reloads as 'own', the attention it was saved with."""
+    import transformers
+
+    model = _model("llama")
+    ids = _prompt(1, 14, seed=6)
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf_polyattn.get_polyattn_config(again).sink_position == "window"
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=0)
+    path = tmp_path / "config.json"
+    stored = json.loads(path.read_text())
+    del stored["polyattn"]["sink_position"]
+    path.write_text(json.dumps(stored))
+    old = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf_polyattn.get_polyattn_config(old).sink_position == "own"
+    with torch.no_grad():
+        own = _model("llama", STREAMING.replace(sink_position="own"))(ids).logits
+        torch.testing.assert_close(old(ids).logits, own, rtol=0, atol=0)
