@@ -59,3 +59,14 @@ ROWS.update({
     "ps_w128_s4_dgate_t1k": dict(**POLYSKETCH, window=128, polyattn={"sinks": 4, "decay": "gate"},
                                  **transfer(1024)),
 })
+
+# the kernel part starts nearly off (window_mix_init 0.01): from 1 the transfer never got back to the window alone
+GATED_MIX = {"sinks": 4, "decay": "gate", "window_mix": True, "window_mix_init": 0.01}
+LORA = dict(lora=True, lora_r=8, finetune_lr=1e-4, finetune_steps=40, finetune_schedule="1024:40:1")
+ROWS.update({
+    "ps_w128_s4_top22_dgate_mix_t1k": dict(**POLYSKETCH, window=128, polyattn=GATED_MIX, softmax_heads="top:22",
+                                           **transfer(1024)),
+    "ps_w128_s4_top22_dgate_mix_t1k_lora1k": dict(**POLYSKETCH, window=128, polyattn=GATED_MIX,
+                                                  softmax_heads="top:22", **transfer(1024), **LORA),
+    "ps_w128_s4_dgate_mix_t1k": dict(**POLYSKETCH, window=128, polyattn=GATED_MIX, **transfer(1024)),
+})
