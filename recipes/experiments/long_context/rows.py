@@ -70,3 +70,21 @@ ROWS.update({
                                                   softmax_heads="top:22", **transfer(1024), **LORA),
     "ps_w128_s4_dgate_mix_t1k": dict(**POLYSKETCH, window=128, polyattn=GATED_MIX, **transfer(1024)),
 })
+# (rows above this line that have sinks ran before sink_position existed: their sinks sat at their own positions,
+# which is sink_position="own"; rows run since score them at positions within the window, the default)
+
+# LoRA over a length curriculum (1k then 2k); the folder is kept for the held-out check (heldout_licenses.py)
+LORA_CURRICULUM = dict(lora=True, lora_r=8, finetune_lr=1e-4, finetune_steps=40,
+                       finetune_schedule="1024:20:1,2048:20:1", save_model=True)
+ROWS.update({
+    # StreamingLLM as published: sinks at positions within the cache (sink_position="window", the default now)
+    "streaming_cachepos": dict(attention="sliding_window", polyattn={"window": 128, "sinks": 4}),
+    "streaming_cachepos_top22": dict(attention="sliding_window", polyattn={"window": 128, "sinks": 4},
+                                     softmax_heads="top:22"),
+    "ps_w128_s4w_top22_dgate_mix_t1k": dict(**POLYSKETCH, window=128, polyattn=GATED_MIX, softmax_heads="top:22",
+                                            **transfer(1024)),
+    "ps_w128_s4w_top22_dgate_mix_t1k_lora1k2k": dict(**POLYSKETCH, window=128, polyattn=GATED_MIX,
+                                                     softmax_heads="top:22", **transfer(1024), **LORA_CURRICULUM),
+    # the same LoRA budget on the softmax checkpoint: how much of a LoRA row's gain is adaptation to the corpus
+    "softmax_lora1k2k": dict(attention="softmax", **LORA_CURRICULUM),
+})
