@@ -28,7 +28,6 @@ from pathlib import Path
 from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
 
-from hf_polyattn.training.long_context import long_context_markdown
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 
@@ -63,8 +62,7 @@ def main(d: DemoArgs) -> None:
         max_eval_tokens=2048, eval_contexts=d.contexts, passkey_lengths=d.passkey, long_eval_tokens=d.eval_tokens,
         long_eval_baselines="softmax,streaming", threads=d.threads, resume=False, output_dir=str(out),
         push_to_hub=d.push_to_hub, hub_model_id=d.hub_model_id))
-    print("\n" + long_context_markdown(results["long_context"]))
-    print(_summary(results))
+    print(_summary(results))  # the table came just before, from the pipeline's long-context stage
     print(f"\nHub-ready folder: {out / 'model'} (README.md = model card with the curve); table and plot: "
           f"{out / 'long_context.md'}, {out / 'long_context.png'}")
     print(f"demo wall time: {time.time() - t0:.0f} s")

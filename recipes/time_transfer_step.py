@@ -1,14 +1,15 @@
 """Time the demo's attention-transfer step at this checkout: the CPU-cost check of `make demo` without running it.
 
-Builds what ``recipes/demo.py`` trains (SmolLM2-135M-Instruct, every attention layer -> the demo's polysketch +
-128-token window + projection + qk LayerNorm, only the polyattn parameters trainable) and times ``--steps`` transfer
-steps (forward under ``distillation`` + backward, no optimizer) on a fixed batch of random token ids, the demo's
-4 x 256.
+Builds what ``recipes/demo.py`` trains (SmolLM2-135M-Instruct, every attention layer -> the demo's attention,
+``demo.DEMO_ATTENTION`` read through the pipeline, only the polyattn parameters trainable) and times ``--steps``
+transfer steps (forward under ``distillation`` + backward, no optimizer) on a fixed batch of random token ids, the
+demo's 1 x 1,024. The demo's softmax heads are chosen by scoring the checkpoint; here every head is the kernel kind,
+the dearer case.
 Prints the median and the fastest step (wall and process CPU seconds) after one warm-up step.
 
-This machine's speed drifts (a step took 2.8 s when the demo table was made and 3.4 to 4.2 s in a later session), so
-compare two checkouts in one session, interleaved, never against a recorded number (PYTHONPATH picks the package
-this script times; the demo's configuration is this checkout's):
+This machine's speed drifts (a step of the earlier demo, 4 x 256 tokens, took 2.8 s in one session and 3.4 to 4.2 s in
+a later one), so compare two checkouts in one session, interleaved, never against a recorded number (PYTHONPATH
+picks the package this script times; the demo's configuration is this checkout's):
 
     git worktree add /tmp/before <commit>
     for i in 1 2; do
@@ -20,16 +21,15 @@ this script times; the demo's configuration is this checkout's):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
-from demo import DEMO_EXTRA, DEMO_WINDOW
+from demo import DEMO_ATTENTION
 
 import hf_polyattn
-from hf_polyattn import PolyAttnConfig
 from hf_polyattn.training.checkpoints import SMOLLM2_ALIASES, convert_smollm2_gguf
+from hf_polyattn.training.pipeline import RetrofitArgs, polyattn_config_from_args
 from hf_polyattn.training.transfer import distillation, polyattn_parameters, transfer_loss
 
 
@@ -38,8 +38,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' (offline package), a local dir or a Hub id")
     p.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up step)")
-    p.add_argument("--batch_size", type=int, default=4, help="sequences per step")
-    p.add_argument("--context", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per step")
+    p.add_argument("--context", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     a = p.parse_args(argv)
     if a.steps < 1 or a.batch_size < 1 or a.context < 1:
@@ -49,9 +49,9 @@ def main(argv=None) -> None:
 
     source = convert_smollm2_gguf() if a.model.lower() in SMOLLM2_ALIASES else a.model
     model = AutoModelForCausalLM.from_pretrained(source)
-    # the demo's attention (demo.py's run arguments), built directly so that older checkouts can be timed too
-    cfg = PolyAttnConfig(kind="polysketch", sketch="learned", sketch_size=16, local_exact=False, window=DEMO_WINDOW,
-                         block_size=64, qk_norm=True, **json.loads(DEMO_EXTRA))
+    # the demo's attention as the pipeline builds it (every head the kernel kind: no checkpoint scoring here)
+    cfg = polyattn_config_from_args(RetrofitArgs(model=a.model, **{**DEMO_ATTENTION, "softmax_heads": None}),
+                                    model.config)
     model = hf_polyattn.convert(model, cfg)
     model.requires_grad_(False)
     for _, param in polyattn_parameters(model):
