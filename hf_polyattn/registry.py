@@ -147,9 +147,19 @@ class KindSpec:
     def memory_note(self, config) -> str:
         return self.memory(config) if callable(self.memory) else self.memory
 
+    def detail(self, config) -> str:
+        """'gaussian r=32, p=4, ...': this setting's details (``label``), and how many kv heads stay exact softmax
+        (``softmax_heads``: a hybrid must never read as the kind alone)."""
+        parts = [self.label(config)] if self.label is not None else []
+        parts = [p for p in parts if p]
+        if getattr(config, "softmax_heads", None):
+            n = len(config.softmax_heads)
+            parts.append(f"{n} kv head{'s' if n != 1 else ''} exact softmax")
+        return "; ".join(parts)
+
     def table_label(self, config) -> str:
         """'polysketch (gaussian r=32, p=4, ...)': the name and the details of this setting."""
-        detail = self.label(config) if self.label is not None else ""
+        detail = self.detail(config)
         return f"{self.name} ({detail})" if detail else self.name
 
 

@@ -87,7 +87,7 @@ def attention_label(attention: str, polyattn: dict[str, Any] | None) -> str:
     if not polyattn:
         return attention
     config = PolyAttnConfig.from_dict(polyattn)
-    detail = config.spec.label(config) if config.spec.label is not None else ""
+    detail = config.spec.detail(config)
     return f"{attention} ({detail})" if detail else attention
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hf_polyattn.training.compare import attention_label
+
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "recipes" / "results"
 FOLDER = RESULTS / "long_context"
@@ -21,8 +23,17 @@ NOT_ROWS = ("head_scores_smollm2.json",)
 
 def load_rows() -> list[dict]:
     rows = [json.loads(p.read_text()) for p in sorted(FOLDER.glob("*.json")) if p.name not in NOT_ROWS]
-    order = {"softmax": 0, "streaming": 1}
+    order = {"softmax": 0, "streaming_cachepos": 1, "streaming": 2}
     return sorted(rows, key=lambda r: (order.get(r["row"], 2), r["row"]))
+
+
+def label(r: dict) -> str:
+    """The row's attention from its recorded settings, not its stored label (rows run before labels named the
+    softmax heads). A record from before ``sink_position`` existed scored its sinks at their own positions."""
+    polyattn = dict(r["polyattn"]) if r.get("polyattn") else None
+    if polyattn and polyattn.get("sinks") and "sink_position" not in polyattn:
+        polyattn["sink_position"] = "own"
+    return attention_label(r["args"]["attention"], polyattn)
 
 
 def table(rows: list[dict]) -> str:
@@ -33,7 +44,7 @@ def table(rows: list[dict]) -> str:
             "transfer", "train CPU s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [f"`{r['row']}`", r["label"]]
+        cells = [f"`{r['row']}`", label(r)]
         for i, p in enumerate(r["perplexity"]):
             ratio = ""
             if soft is not None and r is not soft:
