@@ -86,11 +86,13 @@ class RetrofitArgs:
     block_size: int = field(default=64, metadata={"help": "PolyAttnConfig.block_size"})
     qk_norm: bool = field(default=True, metadata={"help": "PolyAttnConfig.qk_norm"})
     sinks: int | None = field(default=None, metadata={"help": "PolyAttnConfig.sinks: sink tokens kept exactly beside "
-                                                              "the window (default: the kind's, 0)"})
+                                                              "the window (default: the measured best, 4 for a "
+                                                              "causal_lm with a window, else 0)"})
     learned_sinks: int | None = field(default=None, metadata={"help": "PolyAttnConfig.learned_sinks: learnable "
                                                                       "key/value slots beside the window"})
     decay: str | None = field(default=None, metadata={"help": "PolyAttnConfig.decay of the kernel state: none, "
-                                                              "scalar or gate"})
+                                                              "scalar or gate (default: the measured best, gate for "
+                                                              "a causal_lm kernel kind with a window, else none)"})
     decay_horizon: float | None = field(default=None, metadata={"help": "PolyAttnConfig.decay_horizon (tokens)"})
     softmax_heads: str | None = field(default=None, metadata={
         "help": "PolyAttnConfig.softmax_heads: kv heads kept as exact softmax, 'LAYER:HEAD,...', a JSON list, "
@@ -272,6 +274,12 @@ class RetrofitArgs:
 # context 256: 128-token window 1.33x softmax's perplexity -> 1.21x with the projection (block-diagonal blocks
 # 4.58x); MiniLM / SST-2: a 16-token bidirectional window kept 99.8-101.3% of softmax accuracy.
 RECOMMENDED_WINDOW = {"causal_lm": 128, "classification": 16}
+# and for a causal LM with a window, the measured best at long context (SECTION_long_context.md, SmolLM2-135M judged
+# at 256 ... 8,192 tokens): 4 sink tokens (the window without them is 2x worse already at 256), a gated decay of the
+# kernel state (at 8k 378 against 756 without, transfer at 1k) and the kernel part starting nearly off
+# (window_mix_init 0.01: from 1, 30 transfer steps left per-layer MSE 0.046, worse than the window alone's 0.0068;
+# from 0.01, 0.0037). Each applies where the kind reads it and the run does not set it.
+RECOMMENDED_LONG_CONTEXT = {"sinks": 4, "decay": "gate", "window_mix": True, "window_mix_init": 0.01}
 
 
 def resolved_window_and_projection(a: RetrofitArgs, model_config=None) -> tuple[int, int]:
@@ -284,9 +292,11 @@ def resolved_window_and_projection(a: RetrofitArgs, model_config=None) -> tuple[
     if a.attention == "softmax":
         return a.window or 0, a.feature_proj or 0
     reads = registry.get_kind(a.attention).fields
-    if "window" not in reads or "feature_proj" not in reads:  # exact everywhere (polynomial), or no kernel part
+    if "window" not in reads:  # exact everywhere (polynomial), or no window at all
         return a.window or 0, a.feature_proj or 0
     window = RECOMMENDED_WINDOW[a.task] if a.window is None else a.window
+    if "feature_proj" not in reads:  # the window alone (sliding_window): no kernel part to project
+        return window, a.feature_proj or 0
     proj = a.feature_proj
     if proj is None:
         proj = 0
@@ -324,6 +334,8 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
     d: dict[str, Any] = {"kind": a.attention, "seed": a.seed}
     d.update({name: value for name, value in given.items() if name in reads})
     # set only when given: a kind that does not read one refuses it by name (PolyAttnConfig)
+    if a.task == "causal_lm" and window:
+        d.update({name: value for name, value in RECOMMENDED_LONG_CONTEXT.items() if name in reads})
     d.update({name: getattr(a, name) for name in ("sinks", "learned_sinks", "decay", "decay_horizon")
               if getattr(a, name) is not None})
     if a.softmax_heads and auto_heads(a.softmax_heads) is None:  # 'auto' is scored on the model (_load_model)
@@ -333,7 +345,10 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
     if "window" in reads and "local_exact" not in reads and not window:  # the window alone: it cannot be off
         del d["window"]
     if a.polyattn_json:
-        d.update(json.loads(a.polyattn_json))
+        given_json = json.loads(a.polyattn_json)
+        d.update(given_json)
+        if not d.get("window_mix") and "window_mix_init" not in given_json:  # window_mix turned off: no default init
+            d.pop("window_mix_init", None)
     return PolyAttnConfig.from_dict(d)
 
 

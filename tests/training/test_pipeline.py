@@ -132,7 +132,8 @@ def test_causal_lm_with_softmax_heads_transfers_and_cards_them(tiny_dirs, text_f
 
 def test_long_context_options_reach_the_config(tmp_path):
     """--sinks, --learned_sinks, --decay, --decay_horizon and --softmax_heads (pairs or @scores.json) set the
-    PolyAttnConfig; left unset they keep the kind's defaults; a kind that does not read one refuses it."""
+    PolyAttnConfig; left unset they take the measured long-context defaults (causal LM with a window) or the kind's;
+    a kind that does not read one refuses it."""
     from transformers import LlamaConfig
 
     from hf_polyattn.training.pipeline import polyattn_config_from_args
@@ -145,8 +146,21 @@ def test_long_context_options_reach_the_config(tmp_path):
                                                  softmax_heads=f"@{scores}"), mc)
     assert (cfg.sinks, cfg.learned_sinks, cfg.decay, cfg.decay_horizon) == (4, 2, "gate", 512.0)
     assert cfg.softmax_heads == ((0, 1), (1, 0))
+    # left unset: the measured long-context best for a causal LM with a window (RECOMMENDED_LONG_CONTEXT), where
+    # the kind reads it; explicit values and polyattn_json win; without a window (or for encoders) the kind's own
     plain = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8), mc)
-    assert (plain.sinks, plain.decay, plain.softmax_heads) == (0, "none", None)
+    assert (plain.sinks, plain.decay, plain.window_mix, plain.window_mix_init, plain.softmax_heads) == (
+        4, "gate", True, 0.01, None)
+    off = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8, sinks=0,
+                                                 decay="none", polyattn_json='{"window_mix": false}'), mc)
+    assert (off.sinks, off.decay, off.window_mix, off.window_mix_init) == (0, "none", False, 1.0)
+    blocks = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=0), mc)
+    assert (blocks.sinks, blocks.decay, blocks.window_mix) == (0, "none", False)
+    streaming = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="sliding_window"), mc)
+    assert (streaming.window, streaming.sinks, streaming.decay) == (128, 4, "none")  # StreamingLLM
+    encoder = polyattn_config_from_args(RetrofitArgs(model="x", data="y", task="classification", attention="linear",
+                                                     window=8), mc)
+    assert (encoder.sinks, encoder.decay, encoder.window_mix) == (0, "none", False)
     assert polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8,
                                                   softmax_heads="1:1"), mc).softmax_heads == ((1, 1),)
     with pytest.raises(ValueError, match="LAYER:HEAD"):

@@ -46,6 +46,10 @@ def softmax_heads(spec: str) -> list[list[int]]:
 def row_args(name: str, runs: Path) -> RetrofitArgs:
     fields = dict(ROWS[name])
     polyattn = dict(fields.pop("polyattn", {}))
+    if fields.get("attention") not in ("softmax", "sliding_window"):
+        # every long-context option spelled out: rows that left one unset ran before the pipeline's defaults
+        # (RECOMMENDED_LONG_CONTEXT) set it
+        polyattn = {"sinks": 0, "decay": "none", "window_mix": False, **polyattn}
     if "softmax_heads" in fields:
         polyattn["softmax_heads"] = softmax_heads(fields.pop("softmax_heads"))
     if polyattn:
