@@ -124,7 +124,7 @@ def main(args: BenchArgs) -> list[dict]:
     poly = build(args)
     cfg = poly_config(args)
     hf_polyattn.convert(poly, cfg)
-    label = cfg.spec.table_label(cfg) + (f", {len(cfg.softmax_heads)} softmax kv heads" if cfg.softmax_heads else "")
+    label = cfg.spec.table_label(cfg)  # names the softmax kv heads too
     print(f"machine: {describe()}")
     print(f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv heads "
           f"(head_dim {args.hidden // args.heads}); {label}; median of {args.steps} decode steps")
