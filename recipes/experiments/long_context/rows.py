@@ -88,3 +88,8 @@ ROWS.update({
     # the same LoRA budget on the softmax checkpoint: how much of a LoRA row's gain is adaptation to the corpus
     "softmax_lora1k2k": dict(attention="softmax", **LORA_CURRICULUM),
 })
+
+ROWS.update({
+    # the default without softmax heads: the figure the issue asks for as measured (every kv head linear-time)
+    "ps_w128_s4w_dgate_mix_t1k": dict(**POLYSKETCH, window=128, polyattn=GATED_MIX, **transfer(1024)),
+})

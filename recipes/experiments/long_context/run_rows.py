@@ -2,6 +2,7 @@
 
     .venv/bin/python recipes/experiments/long_context/run_rows.py softmax streaming ...   # rows by name
     .venv/bin/python recipes/experiments/long_context/run_rows.py --list                 # the row names
+    .venv/bin/python recipes/experiments/long_context/run_rows.py --resume ROW           # on from its checkpoints
 
 Each row is one retrofit-pipeline run (``hf_polyattn.training.pipeline.run``) in ``runs/long_context/<row>/``; its
 record (the arguments, the attention settings, the stages' times and losses, the long-context row) goes to
@@ -11,6 +12,7 @@ record (the arguments, the attention settings, the stages' times and losses, the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -72,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rows", nargs="*", help="row names (rows.py ROWS)")
     p.add_argument("--list", action="store_true", help="print the row names and exit")
     p.add_argument("--runs", default=str(ROOT / "runs" / "long_context"), help="where the pipeline runs go")
+    p.add_argument("--resume", action="store_true",
+                   help="continue each row from its run's stage checkpoints (a row stopped after training goes "
+                        "straight to its evaluation; the stages' CPU time carries over)")
     a = p.parse_args(argv)
     if a.list or not a.rows:
         print("\n".join(ROWS))
@@ -86,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}", flush=True)
         try:
             args = row_args(name, Path(a.runs))
+            if a.resume:
+                args = dataclasses.replace(args, resume=True)
             results = run(args)
         except Exception:  # one failing row does not stop the others; the failure is reported
             traceback.print_exc()
