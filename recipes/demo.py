@@ -49,7 +49,8 @@ class DemoArgs:
 # the demo's attention: polysketch with a learned sketch r = 16 (136 features a head instead of 528 at r = 32, ~2.5x
 # cheaper on CPU) and the top quarter of the kv heads as exact softmax; the rest is the pipeline's measured default
 # for a causal LM (RECOMMENDED_WINDOW, RECOMMENDED_LONG_CONTEXT; recipes/results/SECTION_long_context.md):
-# a 128-token softmax window + 4 sinks, a gated decay, a projection to head_dim + qk LayerNorm, window_mix from 0.01
+# a 128-token softmax window + 4 sinks, a gated decay (256-token horizon), a projection to head_dim + qk LayerNorm,
+# window_mix from 0.01
 DEMO_ATTENTION = dict(attention="polysketch", sketch="learned", sketch_size=16, softmax_heads="auto")
 
 

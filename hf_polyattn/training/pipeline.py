@@ -280,6 +280,10 @@ RECOMMENDED_WINDOW = {"causal_lm": 128, "classification": 16}
 # (window_mix_init 0.01: from 1, 30 transfer steps left per-layer MSE 0.046, worse than the window alone's 0.0068;
 # from 0.01, 0.0037). Each applies where the kind reads it and the run does not set it.
 RECOMMENDED_LONG_CONTEXT = {"sinks": 4, "decay": "gate", "window_mix": True, "window_mix_init": 0.01}
+# the gated decay's horizon where one measured better than PolyAttnConfig's 1,024: polysketch at 256 (the
+# recommended row's 8k perplexity 33.9 -> 29.7, 4k 29.6 -> 29.0: its state saturates inside the 1k training length,
+# so longer contexts add no unseen kernel mass). The elu kernel stayed flat to 8k at 1,024 (36.5 -> 36.4 from 2k).
+RECOMMENDED_DECAY_HORIZON = {"polysketch": 256.0}
 
 
 def resolved_window_and_projection(a: RetrofitArgs, model_config=None) -> tuple[int, int]:
@@ -336,6 +340,8 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
     # set only when given: a kind that does not read one refuses it by name (PolyAttnConfig)
     if a.task == "causal_lm" and window:
         d.update({name: value for name, value in RECOMMENDED_LONG_CONTEXT.items() if name in reads})
+        if a.attention in RECOMMENDED_DECAY_HORIZON and "decay_horizon" in reads:
+            d["decay_horizon"] = RECOMMENDED_DECAY_HORIZON[a.attention]
     d.update({name: getattr(a, name) for name in ("sinks", "learned_sinks", "decay", "decay_horizon")
               if getattr(a, name) is not None})
     if a.softmax_heads and auto_heads(a.softmax_heads) is None:  # 'auto' is scored on the model (_load_model)
@@ -349,6 +355,9 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
         d.update(given_json)
         if not d.get("window_mix") and "window_mix_init" not in given_json:  # window_mix turned off: no default init
             d.pop("window_mix_init", None)
+    given_horizon = a.decay_horizon is not None or "decay_horizon" in json.loads(a.polyattn_json or "{}")
+    if d.get("decay", "none") == "none" and not given_horizon:  # decay turned off: no default horizon
+        d.pop("decay_horizon", None)
     return PolyAttnConfig.from_dict(d)
 
 

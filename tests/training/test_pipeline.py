@@ -149,11 +149,24 @@ def test_long_context_options_reach_the_config(tmp_path):
     # left unset: the measured long-context best for a causal LM with a window (RECOMMENDED_LONG_CONTEXT), where
     # the kind reads it; explicit values and polyattn_json win; without a window (or for encoders) the kind's own
     plain = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8), mc)
-    assert (plain.sinks, plain.decay, plain.window_mix, plain.window_mix_init, plain.softmax_heads) == (
-        4, "gate", True, 0.01, None)
-    off = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8, sinks=0,
+    assert (plain.sinks, plain.decay, plain.decay_horizon, plain.window_mix, plain.window_mix_init,
+            plain.softmax_heads) == (4, "gate", 1024.0, True, 0.01, None)
+    sketch = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="polysketch", window=8), mc)
+    assert (sketch.decay, sketch.decay_horizon) == ("gate", 256.0)  # RECOMMENDED_DECAY_HORIZON
+    off = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="polysketch", window=8, sinks=0,
                                                  decay="none", polyattn_json='{"window_mix": false}'), mc)
-    assert (off.sinks, off.decay, off.window_mix, off.window_mix_init) == (0, "none", False, 1.0)
+    assert (off.sinks, off.decay, off.decay_horizon, off.window_mix, off.window_mix_init) == (
+        0, "none", 1024.0, False, 1.0)  # the default horizon leaves with the decay it belongs to
+    off_json = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="polysketch", window=8,
+                                                      polyattn_json='{"decay": "none"}'), mc)
+    assert (off_json.decay, off_json.decay_horizon) == ("none", 1024.0)
+    # a horizon the user gave without a decay is refused by name, never dropped
+    with pytest.raises(ValueError, match="decay_horizon"):
+        polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="polysketch", window=8, decay="none",
+                                               decay_horizon=512.0), mc)
+    with pytest.raises(ValueError, match="decay_horizon"):
+        polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8,
+                                               polyattn_json='{"decay": "none", "decay_horizon": 512}'), mc)
     blocks = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=0), mc)
     assert (blocks.sinks, blocks.decay, blocks.window_mix) == (0, "none", False)
     streaming = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="sliding_window"), mc)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "recipes" / "results"
 FOLDER = RESULTS / "long_context"
 NOT_ROWS = ("head_scores_smollm2.json",)
+READING = Path(__file__).with_name("reading.md")
 
 
 def load_rows() -> list[dict]:
@@ -118,11 +119,25 @@ another by `recipes/experiments/long_context/run_rows.py ROW...`; this section b
 
 {tab}
 ![perplexity vs context and passkey accuracy](long_context/ablation.png)
-
+{extra()}
 Rows (`recipes/experiments/long_context/rows.py`, on top of its `COMMON` settings):
 
 {inputs}
 """
+
+
+def extra() -> str:
+    """The study's reading of the table (``reading.md`` beside this script, written by whoever ran the rows) and the
+    held-out check's table (``heldout_licenses.py`` wrote it), each when there is one."""
+    parts = []
+    if READING.exists():
+        parts.append(READING.read_text().strip())
+    if (FOLDER / "heldout" / "licenses.md").exists():
+        parts.append("### The same models on text that is not in the repository\n\n"
+                     "`recipes/experiments/long_context/heldout_licenses.py ROW...`: the license texts in "
+                     "/usr/share/common-licenses, concatenated (`heldout/licenses.json`).\n\n"
+                     + (FOLDER / "heldout" / "licenses.md").read_text().strip())
+    return "".join(f"\n{part}\n" for part in parts)
 
 
 def main() -> int:

@@ -52,6 +52,8 @@ def row_args(name: str, runs: Path) -> RetrofitArgs:
         # every long-context option spelled out: rows that left one unset ran before the pipeline's defaults
         # (RECOMMENDED_LONG_CONTEXT) set it
         polyattn = {"sinks": 0, "decay": "none", "window_mix": False, **polyattn}
+        if polyattn["decay"] != "none":  # a decayed row that left the horizon unset ran with PolyAttnConfig's 1,024
+            polyattn.setdefault("decay_horizon", 1024.0)
     if "softmax_heads" in fields:
         polyattn["softmax_heads"] = softmax_heads(fields.pop("softmax_heads"))
     if polyattn:
