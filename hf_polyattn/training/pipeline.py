@@ -350,12 +350,11 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
         d["softmax_heads"] = parse_head_pairs(a.softmax_heads)
     if "window" in reads and "local_exact" not in reads and not window:  # the window alone: it cannot be off
         del d["window"]
-    if a.polyattn_json:
-        given_json = json.loads(a.polyattn_json)
-        d.update(given_json)
-        if not d.get("window_mix") and "window_mix_init" not in given_json:  # window_mix turned off: no default init
-            d.pop("window_mix_init", None)
-    given_horizon = a.decay_horizon is not None or "decay_horizon" in json.loads(a.polyattn_json or "{}")
+    given_json = json.loads(a.polyattn_json) if a.polyattn_json else {}
+    d.update(given_json)
+    if not d.get("window_mix") and "window_mix_init" not in given_json:  # window_mix turned off: no default init
+        d.pop("window_mix_init", None)
+    given_horizon = a.decay_horizon is not None or "decay_horizon" in given_json
     if d.get("decay", "none") == "none" and not given_horizon:  # decay turned off: no default horizon
         d.pop("decay_horizon", None)
     return PolyAttnConfig.from_dict(d)
