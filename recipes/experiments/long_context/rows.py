@@ -118,3 +118,32 @@ ROWS.update({
     "lin_w128_s4w_top22_dgate_mix_t1k_lora1k2k": dict(**LINEAR, window=128, polyattn=GATED_MIX,
                                                       softmax_heads="top:22", **transfer(1024), **LORA_CURRICULUM),
 })
+
+# the ablation grid around the every-head-linear-time elu row (lin_w128_s4w_dgate_mix_t1k): one factor changed per
+# row, the same transfer budget, no LoRA
+ROWS.update({
+    # learned sinks: 4 learnable key/value slots per kv head (Lizard's meta-memory) instead of the 4 first tokens
+    "lin_w128_l4_dgate_mix_t1k": dict(**LINEAR, window=128, polyattn={**GATED_MIX, "sinks": 0, "learned_sinks": 4},
+                                      **transfer(1024)),
+    # sinks 0
+    "lin_w128_dgate_mix_t1k": dict(**LINEAR, window=128, polyattn={**GATED_MIX, "sinks": 0}, **transfer(1024)),
+    # decay: a learnable scalar per kv head, or none
+    "lin_w128_s4w_dscalar_mix_t1k": dict(**LINEAR, window=128, polyattn={**GATED_MIX, "decay": "scalar"},
+                                         **transfer(1024)),
+    "lin_w128_s4w_mix_t1k": dict(**LINEAR, window=128, polyattn={**GATED_MIX, "decay": "none"}, **transfer(1024)),
+    # the transfer length (the same 122,880 tokens)
+    "lin_w128_s4w_dgate_mix_t256": dict(**LINEAR, window=128, polyattn=GATED_MIX, **transfer(256)),
+    "lin_w128_s4w_dgate_mix_t2k": dict(**LINEAR, window=128, polyattn=GATED_MIX, **transfer(2048)),
+    # softmax heads: the best kv head of every layer (30 of 90), or the best two (60 of 90)
+    "lin_w128_s4w_pl1_dgate_mix_t1k": dict(**LINEAR, window=128, polyattn=GATED_MIX, softmax_heads="per_layer:1",
+                                           **transfer(1024)),
+    "lin_w128_s4w_pl2_dgate_mix_t1k": dict(**LINEAR, window=128, polyattn=GATED_MIX, softmax_heads="per_layer:2",
+                                           **transfer(1024)),
+    # window 64
+    "lin_w64_s4w_dgate_mix_t1k": dict(**LINEAR, window=64, polyattn=GATED_MIX, **transfer(1024)),
+    # the kernel: hedgehog (learned softmax-mimicking features, 2 x 64) and the first-order Taylor kernel
+    "hh_w128_s4w_dgate_mix_t1k": dict(**{**LINEAR, "feature_map": "hedgehog"}, window=128, polyattn=GATED_MIX,
+                                      **transfer(1024)),
+    "taylor_w128_s4w_dgate_mix_t1k": dict(**{**LINEAR, "attention": "taylor"}, window=128, polyattn=GATED_MIX,
+                                          **transfer(1024)),
+})
