@@ -5,16 +5,17 @@ StreamingLLM.
    checkpoint, ~30 s; online users may pass --model HuggingFaceTB/SmolLM2-135M-Instruct),
 2. scores its kv heads on passkey prompts and keeps the best quarter as exact softmax heads (DuoAttention's
    retrieval heads; ``--softmax_heads auto``),
-3. swaps every other head for polysketch (learned sketch r=16) beside an exact softmax 128-token window and 4 sink
-   tokens, with a gated decay of the kernel state and the kernel part starting nearly off: the retrofit pipeline's
-   defaults for a causal LM, the long-context study's measured best (recipes/results/SECTION_long_context.md),
+3. swaps every other head for linear attention (elu + 1 features; ``--attention polysketch``: a learned polysketch
+   r=16) beside an exact softmax 128-token window and 4 sink tokens, with a gated decay of the kernel state and
+   the kernel part starting nearly off: the retrofit pipeline's defaults for a causal LM, the long-context study's
+   measured best (recipes/results/SECTION_long_context.md),
 4. runs a short attention transfer on 1,024-token sequences (only the polyattn parameters train),
 5. evaluates perplexity at 256 ... 4,096 tokens on the same held-out tokens and passkey retrieval at 1k and 2k,
    beside the softmax checkpoint and StreamingLLM (4 sinks + 128 window, no training), and writes the table, the
    plot (``long_context.png``) and a Hub-ready folder (weights, config, tokenizer, model card with the curve) to
-   runs/demo/polysketch.
+   runs/demo/<attention>.
 
-Push it with --push_to_hub --hub_model_id you/smollm2-polysketch-demo (needs a Hub token).
+Push it with --push_to_hub --hub_model_id you/smollm2-linear-demo (needs a Hub token).
 The measured time and table on a 2-core CPU: recipes/results/SECTION_demo.md.
 """
 
@@ -34,6 +35,9 @@ from hf_polyattn.training.pipeline import RetrofitArgs, run
 class DemoArgs:
     model: str = field(default="smollm2", metadata={"help": "'smollm2' (offline package) or a Hub id / local dir"})
     data: str = field(default=TINY_SHAKESPEARE, metadata={"help": "text file or Hub id"})
+    attention: str = field(default="linear", metadata={
+        "help": "the kernel of the linear-time heads: 'linear' (elu + 1) or 'polysketch' (learned sketch r=16)",
+        "choices": ["linear", "polysketch"]})
     transfer_steps: int = field(default=30, metadata={
         "help": "attention-transfer steps of one 1,024-token sequence each"})
     contexts: str = field(default="256,1024,2048,4096", metadata={"help": "perplexity contexts"})
@@ -46,19 +50,23 @@ class DemoArgs:
     hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
 
 
-# the demo's attention: polysketch with a learned sketch r = 16 (136 features a head instead of 528 at r = 32, ~2.5x
-# cheaper on CPU) and the top quarter of the kv heads as exact softmax; the rest is the pipeline's measured default
-# for a causal LM (RECOMMENDED_WINDOW, RECOMMENDED_LONG_CONTEXT; recipes/results/SECTION_long_context.md):
-# a 128-token softmax window + 4 sinks, a gated decay (256-token horizon), a projection to head_dim + qk LayerNorm,
-# window_mix from 0.01
-DEMO_ATTENTION = dict(attention="polysketch", sketch="learned", sketch_size=16, softmax_heads="auto")
+# the demo's attention, by kernel: the top quarter of the kv heads as exact softmax and, for the others, the
+# pipeline's measured default for a causal LM (RECOMMENDED_WINDOW, RECOMMENDED_LONG_CONTEXT; SECTION_long_context.md):
+# a 128-token softmax window + 4 sinks, a gated decay (horizon 1,024 for elu, 256 for polysketch), a projection to
+# head_dim + qk LayerNorm, window_mix from 0.01. elu + 1 is the default: the study's best retrofit (0.94-1.02x
+# softmax at 256-8k with LoRA) and the cheaper kernel (64 features a head; polysketch r = 16 has 136)
+DEMO_ATTENTION = {
+    "linear": dict(attention="linear", feature_map="elu", softmax_heads="auto"),
+    "polysketch": dict(attention="polysketch", sketch="learned", sketch_size=16, softmax_heads="auto"),
+}
+KERNEL = {"linear": "elu + 1 features", "polysketch": "learned sketch r=16"}
 
 
 def main(d: DemoArgs) -> None:
     t0 = time.time()
-    out = Path(d.output_dir) / "polysketch"
+    out = Path(d.output_dir) / d.attention
     results = run(RetrofitArgs(
-        model=d.model, data=d.data, **DEMO_ATTENTION, transfer_steps=d.transfer_steps, transfer_lr=1e-2,
+        model=d.model, data=d.data, **DEMO_ATTENTION[d.attention], transfer_steps=d.transfer_steps, transfer_lr=1e-2,
         transfer_schedule=f"1024:{d.transfer_steps}:1", eval_before=False, eval_context=256, eval_stride=256,
         max_eval_tokens=2048, eval_contexts=d.contexts, passkey_lengths=d.passkey, passkey_depths=d.passkey_depths,
         long_eval_tokens=d.eval_tokens,
@@ -78,7 +86,7 @@ def _summary(r: dict) -> str:
     total = len(scores["retrieval"]) * len(scores["retrieval"][0])
     return (f"\nRetrofitted: {len(c['softmax_heads'])} of {total} kv heads kept exact softmax (the best by retrieval "
             f"score, {scores['wall_s']} s to score); the "
-            f"others -> {c['kind']} (learned r={c['sketch_size']}, gated decay) beside an exact softmax "
+            f"others -> {c['kind']} ({KERNEL[c['kind']]}, gated decay) beside an exact softmax "
             f"{c['window']}-token window and {c['sinks']} sink tokens; only the polyattn parameters trained "
             f"({t['steps']} attention-transfer steps of 1 x 1,024 tokens, the model's own weights frozen).\n"
             f"Cost: transfer {t['cpu_s']:.0f} CPU-s ({t['wall_s']:.0f} s wall) on {r['machine']}; decoding keeps the "

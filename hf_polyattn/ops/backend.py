@@ -27,7 +27,10 @@ H=16, d=64; ``recipes/results/profile_gpu_kernels/h100-bf16.jsonl``, one H100): 
 triton 10.7 / 41.9 ms vs batched 40.9 / 147.5 ms at n = 8k / 32k; for identity features the two
 are within 8% (linear elu+1 at 32k 9.75 vs 10.4 ms, performer 29.2 vs 28.3 ms) and triton holds
 less memory (linear at 32k: 1.9 vs 2.8 GB), so triton for every kind. On 2 CPU cores batched was
-up to 2.6x slower than the loop (``recipes/results/benchmark_backends/cpu-fp32.md``).
+up to 2.6x slower than the loop (``recipes/results/benchmark_backends/cpu-fp32.md``), but not for a decayed
+product (``decay='scalar'`` or ``'gate'``, the long-context default): the loop's per-block decay factors (a few
+small exps and scalings per block, forward and twice backward) cost more than the batched path's materialised
+states, so 'auto' takes ``batched`` for it on the CPU (``recipes/results/benchmark_backends/cpu-fp32-decay.md``).
 ``PolyAttnConfig.backend`` forces one ('auto' never picks ``fla``); so does the environment variable
 ``HF_POLYATTN_BACKEND`` when the config says ``auto`` (handy for benchmarks and CI without
 touching saved configs).
@@ -150,11 +153,16 @@ def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.
     return out.squeeze(0).transpose(0, 1).reshape(*lead, n, c.shape[-1]).float()
 
 
-def product_backend(requested: str, device: torch.device, dtype: torch.dtype, features: int) -> str:
+def product_backend(requested: str, device: torch.device, dtype: torch.dtype, features: int,
+                    decay: bool = False) -> str:
     """The backend ``lt_product`` runs for ``features`` input columns (r before squaring): ``resolve_backend``,
-    except that 'auto' leaves 'triton' for 'batched' beyond the kernels' tiles (performer with num_features > 256)."""
+    except that 'auto' leaves 'triton' for 'batched' beyond the kernels' tiles (performer with num_features > 256)
+    and, on the CPU, 'loop' for 'batched' when the product is decayed (``decay``): the loop's per-block decay
+    factors made it the slower one there (module doc, ``recipes/results/benchmark_backends/cpu-fp32-decay.md``)."""
     which = resolve_backend(requested, device, dtype)
     if which == "triton" and features > TRITON_MAX_INPUT_FEATURES and _is_auto(requested):
+        which = "batched"
+    if which == "loop" and decay and _is_auto(requested):
         which = "batched"
     return which
 
@@ -183,7 +191,7 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     if decay is not None and "fla" in (backend, os.environ.get(ENV_VAR, "").strip() if backend == "auto" else None):
         raise ValueError("backend='fla' (fla-core's chunk_linear_attn) has no decay: a decayed product (decay "
                          "'scalar' or 'gate') needs backend='triton', 'batched' or 'loop' (or 'auto')")
-    which = product_backend(backend, a.device, a.dtype, a.shape[-1])
+    which = product_backend(backend, a.device, a.dtype, a.shape[-1], decay is not None)
     if decay is not None:
         decay = check_decay(a, b, c, decay)
         if which != "triton":

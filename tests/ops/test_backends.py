@@ -10,7 +10,7 @@ import hf_polyattn.ops.backend as backend_mod
 import hf_polyattn.ops.exact as attention_mod
 from hf_polyattn import PolyAttnConfig
 from hf_polyattn.ops import PolyAttention, reference_attention
-from hf_polyattn.ops.backend import ENV_VAR, lt_product, resolve_backend
+from hf_polyattn.ops.backend import ENV_VAR, lt_product, product_backend, resolve_backend
 from hf_polyattn.ops.causal import lt_multiply, lt_multiply_batched
 
 
@@ -68,6 +68,29 @@ def test_resolve_backend_by_device(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu")) == "loop"
     assert resolve_backend("batched", torch.device("cpu")) == "batched"
     assert resolve_backend("loop", torch.device("cuda")) == "loop"
+
+
+def test_auto_takes_batched_for_a_decayed_product_on_cpu(monkeypatch):
+    # the loop's per-block decay factors made it ~2x slower on the CPU (benchmark_backends --set decay)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    cpu = torch.device("cpu")
+    assert product_backend("auto", cpu, torch.float32, 64) == "loop"
+    assert product_backend("auto", cpu, torch.float32, 64, decay=True) == "batched"
+    assert product_backend("loop", cpu, torch.float32, 64, decay=True) == "loop"  # an explicit choice wins
+    monkeypatch.setenv(ENV_VAR, "loop")
+    assert product_backend("auto", cpu, torch.float32, 64, decay=True) == "loop"  # and so does the variable
+    monkeypatch.delenv(ENV_VAR)
+    # the choice is the product's route: the same result as the loop's
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(2, 100, 8, generator=gen) for _ in range(3))
+    logs = -torch.rand(2, 100, generator=gen).cumsum(-1) * 0.05
+    seen, batched = [], backend_mod.lt_multiply_batched
+    monkeypatch.setattr(backend_mod, "lt_multiply_batched", lambda *args: seen.append("batched") or batched(*args))
+    out = lt_product(a, b, c, 16, True, False, decay=(logs, logs))
+    assert seen == ["batched"]
+    monkeypatch.setenv(ENV_VAR, "loop")
+    torch.testing.assert_close(out, lt_product(a, b, c, 16, True, False, decay=(logs, logs)))
+    assert seen == ["batched"]
 
 
 def test_resolve_backend_env_and_errors(monkeypatch):
