@@ -4,18 +4,24 @@
 
 Reads ``recipes/results/long_context/<row>.json`` (written by ``run_rows.py``) and writes, in that folder,
 ``ablation.md`` (perplexity at every context with its ratio to the softmax row, passkey per length, training cost),
-``ablation.png`` (perplexity against context; passkey accuracy against length), and
-``recipes/results/SECTION_long_context.md`` (the table with the study's setting and the rows' inputs).
+``ablation.png`` (perplexity against context; passkey accuracy against length), ``grid.md`` and ``grid.png`` (the
+one-factor-at-a-time ablation of ``rows.ABLATION``: every setting of a factor beside the base row, a panel per
+factor), and ``recipes/results/SECTION_long_context.md`` (the tables with the study's setting and the rows' inputs).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from hf_polyattn.training.compare import attention_label
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "recipes"))  # rows.py reads recipes/_defaults.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rows import ABLATION, ABLATION_BASE  # noqa: E402
+
 RESULTS = ROOT / "recipes" / "results"
 FOLDER = RESULTS / "long_context"
 NOT_ROWS = ("head_scores_smollm2.json",)
@@ -70,6 +76,71 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cells(r: dict, soft: dict | None) -> list[str]:
+    cells = []
+    for i, p in enumerate(r["perplexity"]):
+        ratio = f" ({p['perplexity'] / soft['perplexity'][i]['perplexity']:.2f}x)" if soft is not None else ""
+        cells.append(f"{p['perplexity']:.2f}{ratio}")
+    pk = r.get("passkey")
+    cells += [f"{sum(h)}/{len(h)}" for h in pk["hits"]] if pk else []
+    cpu = sum(s.get("cpu_s", 0) for s in r["stages"].values())
+    return cells + [f"{cpu:.0f}"]
+
+
+def grid_table(rows: list[dict]) -> str:
+    """One factor at a time (``rows.ABLATION``): each setting's row, the base row's setting in bold; a row not run
+    yet says so (its name is in rows.py, its command is run_rows.py ROW)."""
+    by = {r["row"]: r for r in rows}
+    soft = by.get("softmax")
+    base = by[ABLATION_BASE]
+    contexts = [p["context"] for p in base["perplexity"]]
+    lengths = base["settings"]["passkey_lengths"]
+    head = ["factor", "setting", "row", *[f"ppl @ {c:,}" for c in contexts], *[f"passkey @ {n:,}" for n in lengths],
+            "train CPU s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for factor, settings in ABLATION.items():
+        for setting, name in settings.items():
+            shown = f"**{setting}**" if name == ABLATION_BASE else setting
+            r = by.get(name)
+            cells = _cells(r, soft) if r else ["not run"] + [""] * (len(head) - 4)
+            lines.append("| " + " | ".join([factor, shown, f"`{name}`", *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def grid_plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {r["row"]: r for r in rows}
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), sharey=True)
+    for ax, (factor, settings) in zip(axes.flat, ABLATION.items()):
+        for ref, style in (("softmax", ":"), ("streaming_cachepos", "--")):
+            if ref in by:
+                ax.plot([p["context"] for p in by[ref]["perplexity"]],
+                        [p["perplexity"] for p in by[ref]["perplexity"]], style, color="grey", label=ref)
+        for setting, name in settings.items():
+            if name in by:
+                r = by[name]
+                pk = r.get("passkey")
+                hits = "" if not pk else " (passkey " + "/".join(str(sum(h)) for h in pk["hits"]) + ")"
+                ax.plot([p["context"] for p in r["perplexity"]], [p["perplexity"] for p in r["perplexity"]],
+                        marker="o", lw=2.5 if name == ABLATION_BASE else 1.5, label=f"{setting}{hits}")
+        ax.set_title(factor)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("held-out perplexity")
+    fig.suptitle(f"one factor at a time around {ABLATION_BASE} (SmolLM2-135M, Tiny Shakespeare, transfer only)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -102,7 +173,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def section(rows: list[dict], tab: str) -> str:
+def section(rows: list[dict], tab: str, grid: str = "") -> str:
     r0 = rows[0]
     s = r0["settings"]
     inputs = "\n".join(f"- `{r['row']}`: `{json.dumps(r['inputs'])}`" for r in rows)
@@ -119,11 +190,19 @@ another by `recipes/experiments/long_context/run_rows.py ROW...`; this section b
 
 {tab}
 ![perplexity vs context and passkey accuracy](long_context/ablation.png)
-{extra()}
+{_grid_part(grid)}{extra()}
 Rows (`recipes/experiments/long_context/rows.py`, on top of its `COMMON` settings):
 
 {inputs}
 """
+
+
+def _grid_part(grid: str) -> str:
+    if not grid:
+        return ""
+    return (f"\n### One factor at a time\n\nAround `{ABLATION_BASE}` (every kv head linear-time, transfer only, the "
+            "same 60 x 2,048 transfer tokens): each row changes one setting (`rows.ABLATION`); ratios to softmax, "
+            "the base's setting in bold.\n\n" + grid + "\n![one factor at a time](long_context/grid.png)\n")
 
 
 def extra() -> str:
@@ -147,8 +226,14 @@ def main() -> int:
     tab = table(rows)
     (FOLDER / "ablation.md").write_text(tab)
     plot(rows, FOLDER / "ablation.png")
-    (RESULTS / "SECTION_long_context.md").write_text(section(rows, tab))
-    print(f"wrote {FOLDER / 'ablation.md'}, {FOLDER / 'ablation.png'}, {RESULTS / 'SECTION_long_context.md'}")
+    grid = ""
+    if any(r["row"] == ABLATION_BASE for r in rows):
+        grid = grid_table(rows)
+        (FOLDER / "grid.md").write_text(grid)
+        grid_plot(rows, FOLDER / "grid.png")
+    (RESULTS / "SECTION_long_context.md").write_text(section(rows, tab, grid))
+    print(f"wrote {FOLDER / 'ablation.md'}, {FOLDER / 'ablation.png'}, {FOLDER / 'grid.md'}, "
+          f"{RESULTS / 'SECTION_long_context.md'}")
     return 0
 
 

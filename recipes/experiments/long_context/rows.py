@@ -147,3 +147,17 @@ ROWS.update({
     "taylor_w128_s4w_dgate_mix_t1k": dict(**{**LINEAR, "attention": "taylor"}, window=128, polyattn=GATED_MIX,
                                           **transfer(1024)),
 })
+
+# the ablation grid as fill_section.py tabulates and plots it: factor -> setting -> row (BASE: the setting's default)
+ABLATION_BASE = "lin_w128_s4w_dgate_mix_t1k"
+ABLATION = {
+    "sink tokens": {"0": "lin_w128_dgate_mix_t1k", "4": ABLATION_BASE, "4 learned slots": "lin_w128_l4_dgate_mix_t1k"},
+    "decay": {"none": "lin_w128_s4w_mix_t1k", "scalar": "lin_w128_s4w_dscalar_mix_t1k", "gate": ABLATION_BASE},
+    "transfer length": {"256": "lin_w128_s4w_dgate_mix_t256", "1,024": ABLATION_BASE,
+                        "2,048": "lin_w128_s4w_dgate_mix_t2k"},
+    "softmax kv heads per layer": {"0": ABLATION_BASE, "1": "lin_w128_s4w_pl1_dgate_mix_t1k",
+                                   "2": "lin_w128_s4w_pl2_dgate_mix_t1k"},
+    "window": {"64": "lin_w64_s4w_dgate_mix_t1k", "128": ABLATION_BASE},
+    "kernel": {"polysketch (learned r=16)": "ps_w128_s4w_dgate_mix_t1k", "linear (elu + 1)": ABLATION_BASE,
+               "hedgehog": "hh_w128_s4w_dgate_mix_t1k", "taylor": "taylor_w128_s4w_dgate_mix_t1k"},
+}
