@@ -37,7 +37,7 @@ from .data import (
     load_classification_data,
     load_text_data,
 )
-from .loop import IncompatibleCheckpointError, LoopConfig, fingerprint_of, train_loop
+from .loop import IncompatibleCheckpointError, LoopConfig, fingerprint_of, finish_run, train_loop
 from .metrics import accuracy, perplexity
 from .transfer import distillation, polyattn_parameters, transfer_loss
 
@@ -725,6 +725,10 @@ class Retrofit:
         self.results["stages"]["finetune"] = {k: v for k, v in summary.items() if k != "history"}
         return summary
 
+    def close(self) -> None:
+        """Ends the run: the processes meet and the process group goes (``finish_run``)."""
+        finish_run(self.acc)
+
     # ------------------------------------------------------------------ outputs
     def save(self) -> Path | None:
         a = self.args
@@ -809,7 +813,5 @@ def run(args: RetrofitArgs) -> dict[str, Any]:
     if args.long_context_settings() is not None:
         r.evaluate_long_context()
     r.save()
-    # tear the process group down before exit: left to the interpreter's exit, gloo's threads aborted a
-    # finished 2-process run now and then ("terminate called without an active exception", exit -6)
-    r.acc.end_training()
+    r.close()
     return r.results

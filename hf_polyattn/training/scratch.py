@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .data import lm_batch, load_text_data
-from .loop import LoopConfig, fingerprint_of, train_loop
+from .loop import LoopConfig, fingerprint_of, finish_run, train_loop
 from .metrics import perplexity
 
 __all__ = ["ScratchArgs", "train_bpe_tokenizer", "train_gpt2"]
@@ -100,4 +100,5 @@ def train_gpt2(a: ScratchArgs) -> dict:
         tok.save_pretrained(out / "model")
         (out / "results.json").write_text(json.dumps(result, indent=2))
         print(f"held-out perplexity {ev['perplexity']:.2f}; retrofit: recipes/retrofit.py --model {out / 'model'}")
+    finish_run(acc)
     return result
