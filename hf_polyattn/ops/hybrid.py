@@ -61,8 +61,37 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         allowed = keys if allowed is None else allowed & keys
     seen = allowed.any(-1, keepdim=True)
     # a row with no key reads every key (finite in forward and backward) and is zeroed after
-    out = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=allowed | ~seen, scale=scale, enable_gqa=gqa)
+    mask = allowed | ~seen
+    if _explicit_small_query(qw, lq):
+        out = _explicit_softmax(qw, kw, vw, mask, scale)
+    else:
+        out = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.masked_fill(~seen, 0.0).to(q.dtype)
+
+
+# CPU SDPA's fused kernel splits its work over (batch x query heads x query blocks): one decoding query of one
+# head is one work item, and it took 1.3 ms over 4,096 keys (4.5 ms over 16,384) on the project's 2-core Xeon, where
+# q @ k^T, softmax, @ v took 0.28 ms (0.46 ms); with 3 query heads SDPA was faster again (0.19 against 0.27 ms), at
+# 8 queries the two met (recipes/benchmark_decode.py's model has one query head per softmax kv head)
+_EXPLICIT_MAX_QUERIES = 8
+
+
+def _explicit_small_query(q: torch.Tensor, lq: int) -> bool:
+    return q.device.type == "cpu" and q.shape[0] * q.shape[1] == 1 and lq <= _EXPLICIT_MAX_QUERIES
+
+
+def _explicit_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """softmax(q k^T scale, masked) v for a few queries (the scores are Lq x Lk): q (B, H, Lq, D) over k, v
+    (B, Hkv, Lk, D), query head h reading kv head h // (H / Hkv); ``mask`` (B or 1, 1, Lq, Lk) bool, every row with
+    a True."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    scores = torch.matmul(q.reshape(b, hkv, g * lq, d), k.transpose(-1, -2)).view(b, hkv, g, lq, lk) * scale
+    scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, lq, lk), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, g * lq, lk)
+    return torch.matmul(probs, v).view(b, h, lq, v.shape[-1])
 
 
 def _tensor_bytes(*tensors: torch.Tensor | None) -> int:

@@ -199,6 +199,40 @@ def test_softmax_attention_against_naive_and_empty_rows():
                                                                       key_padding_mask=mask), (q, k, v))
 
 
+@pytest.mark.parametrize("lq", [1, 3, 8, 9])
+def test_softmax_attention_few_queries_of_one_head(monkeypatch, lq):
+    """One query head of one sequence, at most 8 queries (a decoding step over a cache): the explicit
+    q k^T -> softmax -> v path that replaces CPU SDPA there, against the naive reference with a padded key and a
+    row that sees no key, gradients included; at 9 queries SDPA serves again. SDPA is made to fail where the
+    explicit path must run, so a lost route fails the test."""
+    from hf_polyattn.ops import hybrid
+
+    lk = 37
+    q, k, v = _inputs(1, 1, 1, lq, lk)
+    mask = torch.ones(1, lk, dtype=torch.bool)
+    mask[0, 2] = False
+    if lq > 1:  # the first query's causal keys (positions 0 .. lk - lq) all padded: it sees none
+        mask[0, : lk - lq + 1] = False
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid.F, "scaled_dot_product_attention", counted)
+    out = softmax_attention(q, k, v, causal=True, scale=0.3, key_padding_mask=mask)
+    assert len(calls) == (lq > 8)
+    allowed = (torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + lk - lq)[None, None] & mask[:, None, None, :]
+    x = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
+    ref = (torch.softmax(x, -1) @ v).nan_to_num(0.0)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    if lq > 1:
+        assert out[0, 0, 0].abs().max() == 0 and out[0, 0, -1].abs().max() > 0
+    assert torch.autograd.gradcheck(lambda a, b, c: softmax_attention(a, b, c, causal=True, scale=0.3,
+                                                                      key_padding_mask=mask), (q, k, v))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_is_finite_and_close_to_fp32(dtype):
     mod = _module(dict(kind="polysketch", sketch_size=6, local_exact=True, block_size=8), (0,), 4, 2,
