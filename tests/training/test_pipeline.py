@@ -150,9 +150,11 @@ def test_long_context_options_reach_the_config(tmp_path):
     # the kind reads it; explicit values and polyattn_json win; without a window (or for encoders) the kind's own
     plain = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="linear", window=8), mc)
     assert (plain.sinks, plain.decay, plain.decay_horizon, plain.window_mix, plain.window_mix_init,
-            plain.softmax_heads) == (4, "gate", 1024.0, True, 0.01, None)
+            plain.softmax_heads) == (4, "gate", 256.0, True, 0.01, None)  # RECOMMENDED_DECAY_HORIZON
     sketch = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="polysketch", window=8), mc)
-    assert (sketch.decay, sketch.decay_horizon) == ("gate", 256.0)  # RECOMMENDED_DECAY_HORIZON
+    assert (sketch.decay, sketch.decay_horizon) == ("gate", 256.0)
+    favor = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="performer", window=8), mc)
+    assert (favor.decay, favor.decay_horizon) == ("gate", 1024.0)  # not measured: PolyAttnConfig's own
     off = polyattn_config_from_args(RetrofitArgs(model="x", data="y", attention="polysketch", window=8, sinks=0,
                                                  decay="none", polyattn_json='{"window_mix": false}'), mc)
     assert (off.sinks, off.decay, off.decay_horizon, off.window_mix, off.window_mix_init) == (
