@@ -53,7 +53,7 @@ class DemoArgs:
 # the demo's attention, by kernel: the top quarter of the kv heads as exact softmax and, for the others, the
 # pipeline's measured default for a causal LM (RECOMMENDED_WINDOW, RECOMMENDED_LONG_CONTEXT; SECTION_long_context.md):
 # a 128-token softmax window + 4 sinks, a gated decay (horizon 256), a projection to
-# head_dim + qk LayerNorm, window_mix from 0.01. elu + 1 is the default: the study's best retrofit (0.94-1.02x
+# head_dim + qk LayerNorm, window_mix from 0.01. elu + 1 is the default: the study's best retrofit (0.93-1.01x
 # softmax at 256-8k with LoRA) and the cheaper kernel (64 features a head; polysketch r = 16 has 136)
 DEMO_ATTENTION = {
     "linear": dict(attention="linear", feature_map="elu", softmax_heads="auto"),

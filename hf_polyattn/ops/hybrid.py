@@ -62,7 +62,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     seen = allowed.any(-1, keepdim=True)
     # a row with no key reads every key (finite in forward and backward) and is zeroed after
     mask = allowed | ~seen
-    if _explicit_small_query(qw, lq):
+    if _explicit_small_query(qw):
         out = _explicit_softmax(qw, kw, vw, mask, scale)
     else:
         out = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -76,22 +76,17 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
 _EXPLICIT_MAX_QUERIES = 8
 
 
-def _explicit_small_query(q: torch.Tensor, lq: int) -> bool:
-    return q.device.type == "cpu" and q.shape[0] * q.shape[1] == 1 and lq <= _EXPLICIT_MAX_QUERIES
+def _explicit_small_query(q: torch.Tensor) -> bool:
+    b, h, lq, _ = q.shape
+    return q.device.type == "cpu" and b * h == 1 and lq <= _EXPLICIT_MAX_QUERIES
 
 
 def _explicit_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """softmax(q k^T scale, masked) v for a few queries (the scores are Lq x Lk): q (B, H, Lq, D) over k, v
-    (B, Hkv, Lk, D), query head h reading kv head h // (H / Hkv); ``mask`` (B or 1, 1, Lq, Lk) bool, every row with
-    a True."""
-    b, h, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    g = h // hkv
-    scores = torch.matmul(q.reshape(b, hkv, g * lq, d), k.transpose(-1, -2)).view(b, hkv, g, lq, lk) * scale
-    scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, lq, lk), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(b, hkv, g * lq, lk)
-    return torch.matmul(probs, v).view(b, h, lq, v.shape[-1])
+    """softmax(q k^T scale, masked) v of one sequence's one query head over its kv head (``_explicit_small_query``:
+    a few queries, so the Lq x Lk scores are small); ``mask`` (1, 1, Lq, Lk) bool, every row with a True."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
 
 
 def _tensor_bytes(*tensors: torch.Tensor | None) -> int:

@@ -203,8 +203,8 @@ def test_softmax_attention_against_naive_and_empty_rows():
 def test_softmax_attention_few_queries_of_one_head(monkeypatch, lq):
     """One query head of one sequence, at most 8 queries (a decoding step over a cache): the explicit
     q k^T -> softmax -> v path that replaces CPU SDPA there, against the naive reference with a padded key and a
-    row that sees no key, gradients included; at 9 queries SDPA serves again. SDPA is made to fail where the
-    explicit path must run, so a lost route fails the test."""
+    row that sees no key, gradients included; at 9 queries SDPA serves again. SDPA's calls are counted, so a lost
+    route fails the test."""
     from hf_polyattn.ops import hybrid
 
     lk = 37

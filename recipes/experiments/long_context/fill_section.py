@@ -226,14 +226,16 @@ def main() -> int:
     tab = table(rows)
     (FOLDER / "ablation.md").write_text(tab)
     plot(rows, FOLDER / "ablation.png")
+    written = [FOLDER / "ablation.md", FOLDER / "ablation.png"]
     grid = ""
     if any(r["row"] == ABLATION_BASE for r in rows):
         grid = grid_table(rows)
         (FOLDER / "grid.md").write_text(grid)
         grid_plot(rows, FOLDER / "grid.png")
+        written += [FOLDER / "grid.md", FOLDER / "grid.png"]
     (RESULTS / "SECTION_long_context.md").write_text(section(rows, tab, grid))
-    print(f"wrote {FOLDER / 'ablation.md'}, {FOLDER / 'ablation.png'}, {FOLDER / 'grid.md'}, "
-          f"{RESULTS / 'SECTION_long_context.md'}")
+    written.append(RESULTS / "SECTION_long_context.md")
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 
