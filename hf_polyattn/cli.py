@@ -118,8 +118,8 @@ def _parse_scalar(name: str, tp, text: str) -> Any:
 
 
 def _parse_pairs(name: str, text: str) -> list:
-    """(layer, head) pairs of --set NAME=...: ``training.heads.parse_head_pairs``, its errors as usage errors."""
-    from .training.heads import parse_head_pairs
+    """(layer, head) pairs of --set NAME=...: ``eval.heads.parse_head_pairs``, its errors as usage errors."""
+    from .eval.heads import parse_head_pairs
 
     try:
         return parse_head_pairs(text, name)
@@ -244,7 +244,7 @@ def cmd_bench(args, argv) -> int:
 
 def resolve_model(name: str) -> str:
     """A local checkpoint directory, an offline alias or a Hub id -> what from_pretrained reads."""
-    from .training.checkpoints import CheckpointError, resolve_checkpoint
+    from .checkpoints import CheckpointError, resolve_checkpoint
 
     if os.path.isfile(name):
         raise UsageError(f"MODEL {name!r} is a file: pass the checkpoint directory (with config.json) or a Hub id")
@@ -377,8 +377,8 @@ def cmd_eval(args, argv) -> int:
 
     import hf_polyattn
 
-    from .training.data import DataError, load_text_data
-    from .training.metrics import perplexity
+    from .data import DataError, load_text_data
+    from .eval.metrics import perplexity
 
     stride = args.stride or args.context
     if stride > args.context:
@@ -448,7 +448,7 @@ def _long_context_mode(args) -> bool:
 
 def _eval_long_context(args, model, cls, path, tokenizer, data, attention, stored, device) -> int:
     """``eval --contexts / --passkey``: perplexity at every context and passkey retrieval, beside the baselines."""
-    from .training.long_context import (
+    from .eval.long_context import (
         DEFAULT_CONTEXTS,
         LongContextSettings,
         evaluate_rows,
@@ -517,7 +517,7 @@ def _int_list(minimum: int):
 
 
 def _baseline_list(text: str) -> list[str]:
-    from .training.long_context import BASELINES
+    from .eval.long_context import BASELINES
 
     values = [x for x in text.replace(" ", "").split(",") if x]
     allowed = [*BASELINES, "none"]
@@ -530,8 +530,8 @@ def _baseline_list(text: str) -> list[str]:
 def cmd_score_heads(args, argv) -> int:
     import torch
 
-    from .training.data import DataError, load_text_data
-    from .training.heads import score_heads, select_heads
+    from .data import DataError, load_text_data
+    from .eval.heads import score_heads, select_heads
 
     out = Path(args.out)
     if out.is_dir():
@@ -644,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=_wrap("Perplexity = exp(mean token NLL) of causal LM MODEL on the held-out tail of "
                                    "a text file (the last --eval-fraction of its lines, as in the retrofit "
                                    "recipes), in windows of --context tokens moved by --stride "
-                                   "(hf_polyattn.training.metrics.perplexity). Prints the number and the "
+                                   "(hf_polyattn.eval.metrics.perplexity). Prints the number and the "
                                    "attention the model ran with."),
                        formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL",
@@ -668,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     g = p.add_argument_group("long context", _wrap(
-        "--contexts or --passkey switch to the long-context evaluation (hf_polyattn.training.long_context): "
+        "--contexts or --passkey switch to the long-context evaluation (hf_polyattn.eval.long_context): "
         "perplexity at every context on the same held-out tokens, passkey retrieval by greedy decoding, beside a "
         "softmax and a StreamingLLM row on the same tokens and prompts; --out writes JSON, Markdown and a plot."))
     g.add_argument("--contexts", type=_int_list(2), metavar="N,N,...",
@@ -688,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("score-heads", help="rank a causal LM's kv heads for softmax_heads (passkey)",
                        description=_wrap("Retrieval score of every kv head of causal LM MODEL with its softmax "
                                    "attention (eager): the attention mass that the queries predicting a pass key "
-                                   "put on the key inside seeded passkey prompts (hf_polyattn.training.heads."
+                                   "put on the key inside seeded passkey prompts (hf_polyattn.eval.heads."
                                    "score_heads); with --data also the mass beyond --sinks + --window on that text. "
                                    "Writes the scores and the --top pairs as JSON to --out; pass them on with "
                                    "--set softmax_heads=@FILE."),
@@ -726,10 +726,10 @@ LM_EVAL_HELP = "lm-eval's own command line, with the attention kinds registered 
 
 
 def cmd_lm_eval(argv: list[str]) -> int:
-    """``hf-polyattn lm-eval ARGS...`` = ``lm-eval ARGS...`` after ``import hf_polyattn`` (hf_polyattn.harness).
+    """``hf-polyattn lm-eval ARGS...`` = ``lm-eval ARGS...`` after ``import hf_polyattn`` (hf_polyattn.eval.harness).
 
     Every argument goes to lm-eval's parser untouched (``hf-polyattn lm-eval --help`` is lm-eval's help)."""
-    from .harness import INSTALL, run_cli
+    from .eval.harness import INSTALL, run_cli
 
     try:
         return run_cli(argv, prog=f"{PROG} lm-eval")
@@ -740,11 +740,11 @@ def cmd_lm_eval(argv: list[str]) -> int:
 
 def _add_lm_eval_parser(sub) -> None:
     """Listed in ``hf-polyattn --help``; ``main`` hands its arguments to lm-eval before parsing anything."""
-    from .harness import TASKS
+    from .eval.harness import TASKS
 
     sub.add_parser("lm-eval", help=LM_EVAL_HELP, add_help=False, formatter_class=HelpFormatter,
                    description=_wrap(f"{LM_EVAL_HELP}: {', '.join(TASKS)} (local files; see "
-                                     "hf_polyattn/harness.py). Every argument is lm-eval's."))
+                                     "hf_polyattn/eval/harness.py). Every argument is lm-eval's."))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
 
-from hf_polyattn.training.compare import compare_runs, table_markdown, write_table
+from hf_polyattn.eval.compare import compare_runs, table_markdown, write_table
 from hf_polyattn.training.pipeline import RetrofitArgs, run
 
 

@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_polyattn  # noqa: E402
 from hf_polyattn import PolyAttnConfig  # noqa: E402
-from hf_polyattn.training.data import lm_batch, load_text_data  # noqa: E402
+from hf_polyattn.data import lm_batch, load_text_data  # noqa: E402
+from hf_polyattn.eval.metrics import perplexity  # noqa: E402
 from hf_polyattn.training.loop import LoopConfig, fingerprint_of, train_loop  # noqa: E402
-from hf_polyattn.training.metrics import perplexity  # noqa: E402
 from recipes._defaults import RESULTS, TINY_SHAKESPEARE  # noqa: E402
 from recipes._kinds import PAPER_KINDS  # noqa: E402
 from recipes._kinds import PAPER_LABELS as LABELS  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 from demo import DEMO_ATTENTION
 
 import hf_polyattn
-from hf_polyattn.training.checkpoints import SMOLLM2_ALIASES, convert_smollm2_gguf
+from hf_polyattn.checkpoints import SMOLLM2_ALIASES, convert_smollm2_gguf
 from hf_polyattn.training.pipeline import RetrofitArgs, polyattn_config_from_args
 from hf_polyattn.training.transfer import distillation, polyattn_parameters, transfer_loss
 

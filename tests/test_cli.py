@@ -249,8 +249,8 @@ def test_convert_task_and_overwrite(tiny, tmp_path, capsys):
 def test_eval_prints_perplexity_and_attention(tiny, converted, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_polyattn.training.data import load_text_data
-    from hf_polyattn.training.metrics import perplexity
+    from hf_polyattn.data import load_text_data
+    from hf_polyattn.eval.metrics import perplexity
 
     code, out, _ = run(["eval", converted, "--data", tiny["text"], "--context", 32, "--json"], capsys)
     assert code == 0
@@ -425,7 +425,7 @@ def long_tiny(tiny):
 def test_score_heads_writes_scores_and_pairs(tiny, long_tiny, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_polyattn.training.heads import score_heads
+    from hf_polyattn.eval.heads import score_heads
 
     out = tmp_path / "scores.json"
     code, text, _ = run(["score-heads", long_tiny, "--out", out, "--num-prompts", 2, "--length", 400, "--seed", 3,
@@ -439,7 +439,7 @@ def test_score_heads_writes_scores_and_pairs(tiny, long_tiny, tmp_path, capsys):
     assert f"top 1 (softmax_heads): {layer}:{head}" in text and f"--set softmax_heads=@{out}" in text
     # the library function on the same model and data gives the same numbers
     tokenizer = AutoTokenizer.from_pretrained(long_tiny)
-    from hf_polyattn.training.data import load_text_data
+    from hf_polyattn.data import load_text_data
 
     ids = load_text_data(str(tiny["text"]), tokenizer).train_ids[:800]
     ref = score_heads(AutoModelForCausalLM.from_pretrained(long_tiny), tokenizer, num_prompts=2, length=400, seed=3,

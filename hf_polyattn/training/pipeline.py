@@ -27,18 +27,18 @@ from typing import Any
 import torch
 
 from .. import machine, registry
+from ..checkpoints import CheckpointError, check_supported, resolve_checkpoint
 from ..config import PolyAttnConfig
-from . import sharding
-from .checkpoints import CheckpointError, check_supported, resolve_checkpoint
-from .data import (
+from ..data import (
     DataError,
     classification_batch,
     lm_batch,
     load_classification_data,
     load_text_data,
 )
+from ..eval.metrics import accuracy, perplexity
+from . import sharding
 from .loop import IncompatibleCheckpointError, LoopConfig, fingerprint_of, finish_run, train_loop
-from .metrics import accuracy, perplexity
 from .transfer import distillation, polyattn_parameters, transfer_loss
 
 __all__ = ["RetrofitArgs", "Retrofit", "polyattn_config_from_args", "run"]
@@ -251,7 +251,7 @@ class RetrofitArgs:
         """The ``LongContextSettings`` of the long-context evaluation, or None when it is off."""
         if not (self.eval_contexts or self.passkey_lengths):
             return None
-        from .long_context import LongContextSettings
+        from ..eval.long_context import LongContextSettings
 
         def ints(name: str) -> tuple[int, ...]:
             text = getattr(self, name) or ""
@@ -347,7 +347,7 @@ def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnCon
     d.update({name: getattr(a, name) for name in ("sinks", "learned_sinks", "decay", "decay_horizon")
               if getattr(a, name) is not None})
     if a.softmax_heads and auto_heads(a.softmax_heads) is None:  # 'auto' is scored on the model (_load_model)
-        from .heads import parse_head_pairs
+        from ..eval.heads import parse_head_pairs
 
         d["softmax_heads"] = parse_head_pairs(a.softmax_heads)
     if "window" in reads and "local_exact" not in reads and not window:  # the window alone: it cannot be off
@@ -511,7 +511,7 @@ class Retrofit:
     def _score_heads(self, model, k: float | int) -> tuple[tuple[int, int], ...]:
         """--softmax_heads auto: the top ``k`` kv heads (a fraction: of all) of the softmax ``model`` by retrieval
         score (``training.heads.score_heads``); the scores go to results.json."""
-        from .heads import score_heads, select_heads
+        from ..eval.heads import score_heads, select_heads
 
         t0 = time.time()
         limit = getattr(model.config, "max_position_embeddings", None) or AUTO_LENGTH
@@ -614,8 +614,8 @@ class Retrofit:
         (``training.long_context``); written to output_dir/long_context.{json,md,png} and into results.json."""
         from transformers import AutoModelForCausalLM
 
-        from .compare import attention_label
-        from .long_context import evaluate_rows, long_context_markdown, write_long_context
+        from ..eval.compare import attention_label
+        from ..eval.long_context import evaluate_rows, long_context_markdown, write_long_context
 
         a = self.args
         settings = a.long_context_settings()
@@ -641,7 +641,7 @@ class Retrofit:
 
     def _lm_eval(self, model, tag: str) -> dict[str, dict[str, float]] | None:
         """--lm_eval_tasks on the current model, in the main process (the others wait), windows of eval_context."""
-        from .. import harness
+        from ..eval import harness
 
         a = self.args
         scores = None
@@ -744,7 +744,7 @@ class Retrofit:
         if self.acc.is_main_process:
             (self.out / "results.json").write_text(json.dumps(self.results, indent=2))
             if a.save_model:
-                from .card import eval_results_for_card, write_card
+                from ..eval.card import eval_results_for_card, write_card
 
                 target = self.out / "model"
                 model = self._unsharded(gathered) if a.fsdp else self.acc.unwrap_model(self.model)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .data import lm_batch, load_text_data
+from ..data import lm_batch, load_text_data
+from ..eval.metrics import perplexity
 from .loop import LoopConfig, fingerprint_of, finish_run, train_loop
-from .metrics import perplexity
 
 __all__ = ["ScratchArgs", "train_bpe_tokenizer", "train_gpt2"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import cpu_env
+from tests.conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "training" / "fsdp_worker.py")

@@ -53,7 +53,7 @@ def test_causal_lm_lora_softmax_and_evaluate_only(tiny_dirs, text_file, tmp_path
 
 def test_missing_data_is_a_clear_error_before_training(tiny_dirs, tmp_path):
     """The installed package has no default corpus (the recipes supply the repository's copy)."""
-    from hf_polyattn.training.data import DataError
+    from hf_polyattn.data import DataError
 
     assert RetrofitArgs().data is None
     with pytest.raises(DataError, match="data is required"):
@@ -191,7 +191,7 @@ def test_lm_eval_tasks_are_scored_at_every_evaluation(tiny_dirs, text_file, tmp_
     pytest.importorskip("lm_eval")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_polyattn import harness
+    from hf_polyattn.eval import harness
 
     metadata = json.dumps({"tinyshakespeare_file": text_file})
     res = run(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="polysketch", sketch_size=8,
@@ -222,7 +222,7 @@ def test_softmax_heads_auto_scores_the_checkpoint(tiny_dirs, text_file, tmp_path
     (the same pairs score_heads + select_heads give); the scores are recorded; bad forms are refused early."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_polyattn.training.heads import score_heads, select_heads
+    from hf_polyattn.eval.heads import score_heads, select_heads
     from hf_polyattn.training.pipeline import AUTO_PROMPTS, AUTO_SEED
 
     res = run(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="linear", window=8, feature_proj=0,

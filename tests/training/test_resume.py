@@ -84,8 +84,8 @@ def test_pipeline_refuses_another_runs_output_dir(tiny_dirs, text_file, tmp_path
 
 
 def test_pipeline_bad_inputs_fail_before_training(tiny_dirs, text_file, tsv_file, tmp_path):
-    from hf_polyattn.training.checkpoints import CheckpointError
-    from hf_polyattn.training.data import DataError
+    from hf_polyattn.checkpoints import CheckpointError
+    from hf_polyattn.data import DataError
 
     with pytest.raises(DataError, match="does not exist"):
         Retrofit(_args(tiny_dirs, "../shared/data/missing.txt", tmp_path / "a")).prepare()

@@ -15,8 +15,8 @@ OMP_NUM_THREADS=1 $P -m torch.distributed.run --nproc_per_node 2 recipes/retrofi
 cp $OUT/results.json recipes/results/fsdp/smollm2-2proc.json
 $P -m hf_polyattn.cli eval $OUT/model --data ../shared/data/tinyshakespeare_train.txt --max-eval-tokens 2048 \
     --context 256 --batch-size 4 --threads 1
-for M in "$($P -c 'from hf_polyattn.training.checkpoints import resolve_checkpoint; print(resolve_checkpoint("smollm2"))')" $OUT/model; do
+for M in "$($P -c 'from hf_polyattn.checkpoints import resolve_checkpoint; print(resolve_checkpoint("smollm2"))')" $OUT/model; do
     OMP_NUM_THREADS=2 $P -m lm_eval --model hf --model_args pretrained=$M,trust_remote_code=True,dtype=float32,max_length=256 \
-        --tasks polyattn_tinyshakespeare --include_path hf_polyattn/lm_eval_tasks --limit 10 --device cpu \
+        --tasks polyattn_tinyshakespeare --include_path hf_polyattn/eval/lm_eval_tasks --limit 10 --device cpu \
         --metadata '{"tinyshakespeare_file": "../shared/data/tinyshakespeare_train.txt"}'
 done

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from hf_polyattn.training.compare import attention_label
+from hf_polyattn.eval.compare import attention_label
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "recipes"))  # rows.py reads recipes/_defaults.py

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import hf_polyattn  # noqa: F401  (registers the kinds the folders were saved with)
     from hf_polyattn import machine
-    from hf_polyattn.training.checkpoints import resolve_checkpoint
-    from hf_polyattn.training.long_context import LongContextSettings, evaluate_model
+    from hf_polyattn.checkpoints import resolve_checkpoint
+    from hf_polyattn.eval.long_context import LongContextSettings, evaluate_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="+", help="run_rows.py rows whose runs/long_context/<row>/model exists")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(record.read_text()) if record.exists() else None
     if result is None:  # the baseline rows, once
         from hf_polyattn import convert
-        from hf_polyattn.training.long_context import BASELINES, streaming_config
+        from hf_polyattn.eval.long_context import BASELINES, streaming_config
 
         rows = []
         for name in settings.baselines:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         r = evaluate_model(row, model, tok, ids, settings)
         result["rows"] = [x for x in result["rows"] if x["label"] != row] + [r | {"row": row}]
     record.write_text(json.dumps(result, indent=1) + "\n")
-    from hf_polyattn.training.long_context import long_context_markdown
+    from hf_polyattn.eval.long_context import long_context_markdown
 
     md = long_context_markdown(result).replace(
         "held-out tokens", "tokens of the license texts in /usr/share/common-licenses (not in the repository)")

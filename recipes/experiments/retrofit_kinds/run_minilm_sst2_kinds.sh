@@ -29,7 +29,7 @@ for kind in $KINDS; do
 done
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 runs = [out / n for n in ('softmax', 'linformer', 'nystrom', 'fnet', 'bigbird', 'reformer') if (out / n / 'results.json').exists()]
 j, md = write_table(compare_runs(runs), Path('recipes/results/retrofit_kinds/minilm_sst2_kinds'))

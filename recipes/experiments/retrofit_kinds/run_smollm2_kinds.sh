@@ -26,7 +26,7 @@ row reformer8x32 --attention reformer --polyattn_json '{"options": {"num_buckets
 row taylor_window128_proj --attention taylor $T --window 128 --block_size 64
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 names = ('softmax', 'bigbird16', 'reformer8x32', 'taylor_window128_proj')
 done = [out / n for n in names if (out / n / 'results.json').exists()]

@@ -40,7 +40,7 @@ row polysketch_window16_proj $S16 --window 16 --block_size 64 --polyattn_json "$
 row polynomial4_proj --attention polynomial --degree 4 $B --polyattn_json "$PROJ"
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 names = ('softmax', 'polysketch_r32_window128_proj', 'polysketch_window0_proj', 'polysketch_window128',
          'linear_window128_proj', 'polysketch_window16_proj', 'polynomial4_proj')

@@ -16,7 +16,7 @@ $P recipes/retrofit.py $C $T --window 64 --block_size 64 --feature_proj 0 --outp
 $P recipes/retrofit.py $C $T --window 64 --block_size 64 --polyattn_json '{"feature_proj": 64}' --output_dir $OUT/polysketch_window64_proj
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 runs = [out / n for n in ('softmax', 'polysketch_blocks64', 'polysketch_window64', 'polysketch_window64_proj')]
 j, md = write_table(compare_runs(runs), Path('recipes/results/retrofit_window/demo_budget'))

@@ -13,7 +13,7 @@ $P recipes/retrofit.py $C $T --window 64 --block_size 64 --polyattn_json '{"feat
 $P recipes/retrofit.py $C $T --window 128 --block_size 64 --polyattn_json '{"feature_proj": 64}' --output_dir $OUT/polysketch_window128_proj
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 names = ('softmax', 'polysketch_blocks64', 'polysketch_window64', 'polysketch_window64_proj',
          'polysketch_window64_proj_mix', 'polysketch_window128_proj')

@@ -16,7 +16,7 @@ $P recipes/retrofit.py $CLS $T --attention linear --feature_map elu --window 16 
 $P recipes/retrofit.py $CLS $T --attention polysketch --sketch learned --sketch_size 32 --window 16 --block_size 16 --feature_proj 0 --output_dir $OUT/polysketch_window16
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 j, md = write_table(compare_runs([out / n for n in ('softmax', 'linear_window16', 'polysketch_window16')]),
                     Path('recipes/results/retrofit_window/minilm_sst2_window'))

@@ -14,7 +14,7 @@ $P recipes/retrofit.py $C $F --attention softmax --output_dir $OUT/softmax
 $P recipes/retrofit.py $C $F $T --window 128 --block_size 64 --polyattn_json '{"feature_proj": 64}' --output_dir $OUT/polysketch_window128_proj
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 j, md = write_table(compare_runs([out / 'softmax', out / 'polysketch_window128_proj']),
                     Path('recipes/results/retrofit_window/two_stage'))

@@ -24,7 +24,7 @@ row polynomial4_proj --attention polynomial --degree 4 $T
 row performer_window128_proj --attention performer --num_features 256 $T --window 128 --block_size 64
 $P -c "
 from pathlib import Path
-from hf_polyattn.training.compare import compare_runs, write_table
+from hf_polyattn.eval.compare import compare_runs, write_table
 out = Path('$OUT')
 names = ('softmax', 'linear_window128_proj', 'polynomial4_proj', 'performer_window128_proj')
 done = [out / n for n in names if (out / n / 'results.json').exists()]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hf_polyattn.training.metrics import accuracy, perplexity, perplexity_windows
+from hf_polyattn.eval.metrics import accuracy, perplexity, perplexity_windows
 
 
 def _tiny_llama():

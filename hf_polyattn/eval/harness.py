@@ -57,7 +57,7 @@ def run_cli(argv: list[str], prog: str = "lm-eval") -> int:
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    from . import register
+    from .. import register
 
     register()
     setup_logging()

@@ -1,4 +1,4 @@
-"""Retrieval-head scoring (hf_polyattn.training.heads) on tiny random Llamas with a character tokenizer."""
+"""Retrieval-head scoring (hf_polyattn.eval.heads) on tiny random Llamas with a character tokenizer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import string
 import pytest
 import torch
 
-from hf_polyattn.training.heads import HeadScores, score_heads, select_heads
-from hf_polyattn.training.passkey import PASSKEY_FILLER, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_prompt
+from hf_polyattn.eval.heads import HeadScores, score_heads, select_heads
+from hf_polyattn.eval.passkey import PASSKEY_FILLER, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_prompt
 
 ALPHABET = string.ascii_letters + string.digits + " .,?!'"
 DIGITS = [3 + ALPHABET.index(c) for c in string.digits]

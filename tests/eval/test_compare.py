@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hf_polyattn.training.compare import attention_label, compare_runs, mcnemar_exact, table_markdown, wilson_interval
+from hf_polyattn.eval.compare import attention_label, compare_runs, mcnemar_exact, table_markdown, wilson_interval
 
 
 def test_wilson_interval_known_values():

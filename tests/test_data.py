@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hf_polyattn.training.data import (
+from hf_polyattn.data import (
     DataError,
     classification_batch,
     lm_batch,
@@ -32,7 +32,7 @@ def test_missing_column_names_the_columns(tsv_file, text_file):
 
 
 def test_unreachable_hub_dataset_fails_fast(monkeypatch):
-    monkeypatch.setattr("hf_polyattn.training.checkpoints.hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr("hf_polyattn.checkpoints.hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(DataError, match="could not load dataset 'someone/some-dataset'.*local file"):
         load_text_data("someone/some-dataset", CharTok())
 

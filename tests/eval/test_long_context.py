@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_polyattn  # noqa: F401  (registers the kinds)
-from hf_polyattn.training.long_context import (
+from hf_polyattn.eval.long_context import (
     LongContextSettings,
     evaluate_rows,
     long_context_markdown,
@@ -18,7 +18,7 @@ from hf_polyattn.training.long_context import (
     perplexity_curve,
     write_long_context,
 )
-from hf_polyattn.training.metrics import perplexity
+from hf_polyattn.eval.metrics import perplexity
 
 
 @pytest.fixture(scope="module")

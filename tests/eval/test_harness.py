@@ -1,4 +1,4 @@
-"""lm-eval with hf_polyattn models (hf_polyattn/harness.py): lm-eval's own CLI on a saved folder (through the
+"""lm-eval with hf_polyattn models (hf_polyattn/eval/harness.py): lm-eval's own CLI on a saved folder (through the
 folder's loader, trust_remote_code=True), `hf-polyattn lm-eval`, and the offline tasks shipped in the package."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 pytest.importorskip("lm_eval")
 
 import hf_polyattn  # noqa: E402
-from hf_polyattn import harness  # noqa: E402
-from hf_polyattn.lm_eval_tasks import hf_polyattn_tasks as tasks  # noqa: E402
-from tests.training.conftest import TEXT, TSV, build_tokenizer  # noqa: E402
+from hf_polyattn.eval import harness  # noqa: E402
+from hf_polyattn.eval.lm_eval_tasks import hf_polyattn_tasks as tasks  # noqa: E402
+from tests.conftest import TEXT, TSV, build_tokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASK = "polyattn_tinyshakespeare"
 METADATA = {"tinyshakespeare_file": str(TEXT)}
 
@@ -101,7 +101,7 @@ def test_hf_polyattn_lm_eval_registers_the_kinds_and_ships_the_tasks(saved_model
 
 def test_tiny_shakespeare_documents_are_the_pipelines_held_out_text():
     """The task's documents, joined, are the text the retrofit pipeline holds out (its last 10% of the lines)."""
-    from hf_polyattn.training.data import load_text_data
+    from hf_polyattn.data import load_text_data
 
     class Chars:  # a tokenizer of code points: the held-out ids decode to the held-out text
         def __call__(self, text, add_special_tokens=False):
@@ -114,7 +114,7 @@ def test_tiny_shakespeare_documents_are_the_pipelines_held_out_text():
 
 
 def test_sst2_validation_is_the_pipelines_seeded_split():
-    from hf_polyattn.training.data import load_classification_data
+    from hf_polyattn.data import load_classification_data
 
     data = tasks.sst2(sst2_file=str(TSV), sst2_num_eval=50, sst2_seed=3)
     want = load_classification_data(str(TSV), num_eval=50, seed=3)

@@ -16,7 +16,7 @@ from pathlib import Path
 EVAL_FRACTION = 0.1
 LINES_PER_DOCUMENT = 100  # ~3.7k characters, ~1k tokens of SmolLM2's tokenizer: several rolling windows each
 
-_CHECKOUT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+_CHECKOUT_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
 
 def data_file(metadata: dict, key: str, env: str, name: str) -> str:
@@ -61,7 +61,7 @@ def rolling_results(doc, results):
 def sst2(**metadata):
     import datasets
 
-    from hf_polyattn.training.data import load_classification_data
+    from hf_polyattn.data import load_classification_data
 
     path = data_file(metadata, "sst2_file", "HF_POLYATTN_SST2", "sst2_train.tsv")
     data = load_classification_data(path, num_eval=int(metadata.get("sst2_num_eval", 2000)),

@@ -1,6 +1,6 @@
 import pytest
 
-from hf_polyattn.training.checkpoints import (
+from hf_polyattn.checkpoints import (
     CheckpointError,
     check_supported,
     package_dir,
@@ -17,7 +17,7 @@ def test_local_dir_passes_through(tiny_dirs, tmp_path):
 
 
 def test_unreachable_model_id_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr("hf_polyattn.training.checkpoints.hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr("hf_polyattn.checkpoints.hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(CheckpointError, match="cannot load model 'someone/no-such-model'.*unreachable"):
         resolve_checkpoint("someone/no-such-model")
 
