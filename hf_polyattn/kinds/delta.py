@@ -4,8 +4,11 @@ Why: an additive kernel state S = sum phi(k) v^T cannot hold a 5-digit passkey o
 retrofit with every head linear-time retrieved 1 / 1 / 0 of 10 passkeys at 1k / 2k / 4k tokens, for elu,
 polysketch and hedgehog alike). The delta rule overwrites what a key holds instead of adding to it
 (``ops/delta.py``): S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, read o_t = S_t^T q_t, with q and k
-L2-normalised per head (after the optional short convolution ``short_conv``; no other feature map), so a stored key
-read back by the same direction returns its value. Per kv head, one d x d state read by its G query heads.
+L2-normalised per head, so a stored key read back by the same direction returns its value. Before the norm: the
+optional short convolution (``short_conv``), then the optional feature map (``delta_feature_map``: 'identity', the
+default, keeps the model's own q, k, whose cosine is its RoPE-relative score as Gated DeltaNet's normalised q, k;
+or a registered map such as elu, relu, taylor, hedgehog: the study's kernels). Per kv head, one F x d state (F =
+head_dim, or the map's features) read by its G query heads.
 
 * write strength b_t = sigmoid(v_t . w_b + c_b) per kv head, from the token's value as the 'gate' decay reads it
   (RoPE rotates k, so a linear map of k would weigh the same token differently at each position); w_b = 0 and
@@ -45,6 +48,7 @@ from torch.nn import functional as F
 
 from ..ops.common import to_work, work_dtype
 from ..ops.delta import delta_rule, l2_normalise
+from ..ops.feature_maps import FEATURE_MAPS, selectable_feature_maps
 from ..ops.reference import reference_delta
 from ..registry import KindSpec, Option, register_kind
 from ._kernel import conv_label, conv_memory, sink_label, window_memory
@@ -62,6 +66,12 @@ class DeltaAttention(SlidingWindowAttention):
         if config.window:
             # m per query head on the delta read-out beside the window (module doc)
             self.delta_mix = nn.Parameter(torch.zeros(self.num_kv_heads, self.groups, 1, 1))
+        # the map on q and k before the L2 norm (not ``feature_map``: a kernel kind's map reads beyond the window)
+        self.delta_map = None
+        name = config.options["delta_feature_map"]
+        if name != "identity":
+            cls = FEATURE_MAPS[name]
+            self.delta_map = cls(self.num_kv_heads, head_dim) if cls.per_head else cls(head_dim)
         self._reset_delta()
 
     @torch.no_grad()
@@ -106,7 +116,10 @@ class DeltaAttention(SlidingWindowAttention):
         mn = None if mask is None else mask[:, lk - new :]
         beta = self.write_strengths(vn, mn)
         logs = self.log_gates(vn, mn)
-        q = l2_normalise(q5)
+        q, kn = to_work(q5, kn)
+        if self.delta_map is not None:
+            q, kn = self.delta_map(q, True), self.delta_map(kn, False)
+        q = l2_normalise(q)
         if lq < new:  # causal rows bottom-right aligned: the first keys have no query in this call
             q = F.pad(q, (0, 0, new - lq, 0))
         k = l2_normalise(kn)
@@ -144,6 +157,8 @@ def _label(config) -> str:
     if config.window:
         parts.append(f"exact softmax {config.window}-token sliding window" + sink_label(config)
                      + f", delta read-out mixed in from {config.options['delta_mix_init']:g}")
+    if config.options["delta_feature_map"] != "identity":
+        parts.append(f"{config.options['delta_feature_map']} features")
     if config.short_conv:
         parts.append(conv_label(config))
     return ", ".join(parts)
@@ -151,7 +166,8 @@ def _label(config) -> str:
 
 def _memory(config) -> str:
     extra = f" plus {window_memory(config)}" if config.window else ""
-    return ("Generation keeps a constant-size delta-rule state per layer (head_dim x head_dim per kv head)" + extra
+    features = "head_dim" if config.options["delta_feature_map"] == "identity" else "features"
+    return (f"Generation keeps a constant-size delta-rule state per layer ({features} x head_dim per kv head)" + extra
             + conv_memory(config) + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by "
             "`generate()`).")
 
@@ -173,6 +189,11 @@ SPEC = register_kind(KindSpec(
         "delta_beta_init": Option(0.5, "initial write strength b of every token (sigmoid(v . w_b + c_b) per kv "
                                        "head, w_b = 0 at the start): the share of a key's old value the delta rule "
                                        "replaces by the new one", minimum=1e-3, maximum=1 - 1e-3),
+        "delta_feature_map": Option("identity", "the map on q and k before their L2 norm: 'identity' (Gated "
+                                                "DeltaNet's normalised q, k; the model's own scores as cosines) or a "
+                                                "registered feature map (elu, relu, taylor, hedgehog: its features "
+                                                "make the state's width)",
+                                    choices=("identity", *selectable_feature_maps())),
         "delta_backend": Option("torch", "the delta rule's implementation: 'torch' (chunks of 64 tokens in PyTorch, "
                                          "every device) or 'fla' (fla-core's Triton kernels, CUDA: pip install "
                                          "'hf_polyattn[fla]')", choices=("torch", "fla")),

@@ -215,10 +215,11 @@ def reference_attention(module: PolyAttention, q: torch.Tensor, k: torch.Tensor,
 def reference_delta(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                     scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, Lq, D) of kind 'delta' from its definition (``kinds/delta.py``), one token at a time in the paper's
-    form: S_t = a_t S_{t-1} (I - b_t k^_t k^_t^T) + b_t v_t k^_t^T (S: d_v x d_k per kv head), o_i = S_i q^_i with
-    q^, k^ the queries and keys (after the short convolution) over sqrt(|x|^2 + 1e-6); b_t = sigmoid(v_t . w_b + c_b),
-    log a_t from the decay (0 without), both neutral (b = 0, a = 1) at padded keys; plus, with a window, the window
-    and sinks' output (``reference_attention``) and the delta read-out times the per-head factor m."""
+    form: S_t = a_t S_{t-1} (I - b_t k^_t k^_t^T) + b_t v_t k^_t^T (S: d_v x F per kv head), o_i = S_i q^_i with
+    q^, k^ the queries and keys (after the short convolution and the ``delta_feature_map``) over
+    sqrt(|x|^2 + 1e-6); b_t = sigmoid(v_t . w_b + c_b), log a_t from the decay (0 without), both neutral (b = 0,
+    a = 1) at padded keys; plus, with a window, the window and sinks' output (``reference_attention``) and the delta
+    read-out times the per-head factor m."""
     if not causal:
         raise ValueError("kind='delta' is causal only")
     cfg = module.config
@@ -241,11 +242,14 @@ def reference_delta(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     def unit(x: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
-    eye = torch.eye(d, dtype=v.dtype, device=v.device)
-    s = torch.zeros(b, hkv, d, d, dtype=v.dtype, device=v.device)
     delta = torch.zeros(b, hkv, g, lq, d, dtype=v.dtype, device=v.device)
+    if module.delta_map is not None:  # features before the norm
+        q5, k5 = module.delta_map(q5, True), module.delta_map(k5, False)
+    f = k5.shape[-1]
+    eye = torch.eye(f, dtype=v.dtype, device=v.device)
+    s = torch.zeros(b, hkv, d, f, dtype=v.dtype, device=v.device)
     for t in range(lk):
-        kt = unit(k5[:, :, 0, t])  # (B, Hkv, d)
+        kt = unit(k5[:, :, 0, t])  # (B, Hkv, f)
         a, bt = torch.exp(log_a[..., t])[..., None, None], beta[..., t][..., None, None]
         s = a * s @ (eye - bt * kt[..., :, None] * kt[..., None, :]) + bt * v[:, :, t, :, None] * kt[..., None, :]
         i = t - (lk - lq)  # the query on key t (rows bottom-right aligned)

@@ -108,6 +108,8 @@ LAYERS = {
     "window-sinks-gate": dict(window=5, sinks=2, decay="gate"),
     "window-learned-scalar-conv": dict(window=4, sinks=0, learned_sinks=2, decay="scalar", short_conv=3),
     "conv-gate": dict(window=0, sinks=0, decay="gate", short_conv=4),
+    "elu-window": dict(window=4, sinks=1, decay="gate", delta_feature_map="elu"),
+    "hedgehog-conv": dict(window=0, sinks=0, decay="scalar", short_conv=2, delta_feature_map="hedgehog"),
 }
 
 
