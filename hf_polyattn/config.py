@@ -160,7 +160,7 @@ class PolyAttnConfig:
             "help": "decay of the kernel part, causal only (the exact local part is never decayed): 'none'; "
             "'scalar' (RetNet, simple GLA: key j weighs gamma^(i-j) for query i, one learnable gamma per kv head); "
             "'gate' (GLA-style: prod_{t=j+1..i} g_t with g_t = sigmoid(v_t . w + b) per kv head, read from the "
-            "token's value, which RoPE leaves unrotated)"
+            "token's value, which RoPE leaves unrotated); kind 'delta': the gate a_t of its state"
         },
     )
     decay_horizon: float = field(
