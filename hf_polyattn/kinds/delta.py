@@ -27,10 +27,10 @@ negative). So the two are added, the delta read-out scaled by a learned factor m
 With m = 0 a converted model computes exactly its window + sinks model (StreamingLLM, the training-free baseline,
 which the retrofit must not start below); the gradient of m is the delta read-out's agreement with the output's
 error, so training opens the delta part where it helps (at m = 0 the delta parameters get their gradients from the
-second step on, as a zero-initialised LoRA factor does). The delta state holds the window's keys too (as Gated
-DeltaNet's does); nothing is counted twice in any normaliser. Without a window the output is the delta read-out
-alone (a Gated DeltaNet layer without its output norm and gate, which need the hidden state this function never
-sees).
+second step on, as a zero-initialised LoRA factor does). The delta state holds the window's keys and the sinks too
+(every real key is written once, as in Gated DeltaNet); nothing is counted twice in any normaliser. Without a
+window the output is the delta read-out alone (a Gated DeltaNet layer without its output norm and gate, which need
+the hidden state this function never sees).
 
 Decoding keeps the d x d state per kv head (``RecurrentState.kv``), the window's keys and sinks, and the short
 convolution's last inputs: constant size. ``delta_backend='fla'`` runs fla-core's Triton kernels (CUDA; the pinned
