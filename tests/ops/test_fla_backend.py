@@ -105,7 +105,8 @@ def test_refusals_name_the_problem(fla_standin):
 
 def test_refused_without_fla_or_cuda(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setitem(sys.modules, "fla", None)  # import fla -> ImportError
+    for name in ("fla", "fla.ops", "fla.ops.linear_attn"):  # import fla -> ImportError, even after a real import
+        monkeypatch.setitem(sys.modules, name, None)
     a, b, c = _inputs()
     with pytest.raises(ValueError, match=r"needs fla-core: pip install 'hf_polyattn\[fla\]'"):
         lt_product(a, b, c, 8, True, False, backend="fla")
