@@ -12,8 +12,9 @@ not its arithmetic (a 2-core CPU spent about half of a decoding step outside the
   own keys and their [v, 1]; zero rows at empty or padded slots), ``valid`` (B, S + W) which slots hold a real key;
 * ``logg`` (B, Hkv, W): the log-gates of the ring's keys (``decay``), stored once when the key arrives instead of
   recomputed from the values every token;
-* ``kv`` (B, Hkv, F, d + 1): the kernel state, referenced at the last folded key exactly as ``RecurrentState.kv``, so a query reads it
-  times exp(sum of the ring's log-gates) (the gates of the keys after the folded one) and nothing is ever divided.
+* ``kv`` (B, Hkv, F, d + 1): the kernel state, referenced at the last folded key exactly as ``RecurrentState.kv``,
+  so a query reads it times exp(sum of the ring's log-gates) (the gates of the keys after the folded one) and nothing
+  is ever divided.
 
 One step writes the new key into the ring slot of the key that leaves the window, after folding that key into ``kv``
 (or keeping it as a sink: a row's first ``sinks`` real keys), and reads the S + W slots exactly and the state through
