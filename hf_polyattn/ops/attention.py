@@ -49,6 +49,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     work_dtype,
 )
 from .conv import ShortConv
+from .decode import WindowRing, from_recurrent, ring_step, ring_supported
 from .feature_maps import FeatureMap
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
@@ -301,6 +302,10 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                              "towards the queries after it); this call is bidirectional (an encoder or "
                              "cross-attention): use decay='none' there")
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        if state is not None and lq == 1 and ring_supported(self, state):
+            return self._ring_decode(query, key, value, key_padding_mask, scale, state)
+        if isinstance(state, WindowRing):  # a call the ring does not serve: back to the generic state
+            state = state.to_recurrent()
         out_dtype = query.dtype
         path = self._recurrent_path() if state is not None else self.choose_path(lq, lk, causal)
         work = work_dtype(query.dtype)
@@ -369,6 +374,19 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         q_out, q_inputs = self.conv_q(q5, None if state is None else state.conv_q)
         k_out, k_inputs = self.conv_k(k5, None if state is None else state.conv_k)
         return q_out, k_out, (q_inputs, k_inputs, self.config.short_conv)
+
+    def _ring_decode(self, query, key, value, key_padding_mask, scale, state):
+        """One token on a ``WindowRing`` (``ops/decode.py``): the generic step's arithmetic on buffers written in
+        place; (output, the ring)."""
+        bsz, work = query.shape[0], work_dtype(query.dtype)
+        q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, 1, self.head_dim)
+        ring = state if isinstance(state, WindowRing) else from_recurrent(self, state, bsz, query.device, work,
+                                                                          key.dtype)
+        sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
+        out = ring_step(self, q5, key, value, key_padding_mask, scale, ring, sink_q)
+        if seen is not None:
+            ring.seen = seen
+        return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(query.dtype), ring
 
     def _sink_queries(self, q5: torch.Tensor, key_mask: torch.Tensor | None, lk: int,
                       state: RecurrentState | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
