@@ -114,9 +114,14 @@ def ring_supported(module, state) -> bool:
     """Whether ``module`` (a ``PolyAttention``) decodes ``state`` with a ``WindowRing``: a sliding window, no
     learned sink slots and no short convolution (their state is not in the ring), the kernel-product path with a
     state of folded keys, no gradient recorded."""
-    cfg = module.config
+    from .attention import PolyAttention  # the module class this serves (imports this file)
+
+    cfg, cls = module.config, type(module)
     return (bool(cfg.window) and not cfg.learned_sinks and not cfg.short_conv and module.feature_map is not None
             and not torch.is_grad_enabled() and module.decodes_by_step(module._recurrent_path())
+            # a kind with its own path or input precision (the polynomial kind's float64 tensor features) keeps the
+            # generic step, which computes what its path computes
+            and cls.run_path is PolyAttention.run_path and cls.path_inputs is PolyAttention.path_inputs
             and isinstance(state, (RecurrentState, WindowRing)))
 
 
