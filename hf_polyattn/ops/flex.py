@@ -76,7 +76,7 @@ def layer_backend(config, feature_map, device: torch.device, dtype: torch.dtype,
     return "fla" if covered and _auto_fla() else requested
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)  # (1, 1, nb, nb) int32 each: 4 MiB at 128k keys
 def window_blocks(n: int, window: int, causal: bool, block: int, device: torch.device):
     """(kv_num_blocks (1, 1, nb), kv_indices (1, 1, nb, nb)) int32 of FlexAttention's block mask for a sliding
     window over n keys (nb = ceil(n / block)): query block i reaches key blocks from (i b - w + 1) // b to i (causal;
