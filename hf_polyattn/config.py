@@ -218,9 +218,11 @@ class PolyAttnConfig:
     backend: str = field(
         default="auto",
         metadata={
-            "help": "causal product implementation: 'auto' (triton on CUDA when installed, batched on other "
-            "accelerators, loop on CPU), 'loop', 'batched', 'triton' or 'fla' (fla-core's chunk kernel, CUDA, "
-            "identity features: linear / performer) forces one; env HF_POLYATTN_BACKEND overrides 'auto'"
+            "help": "causal product implementation: 'auto' (on CUDA 'fla' for the layers it covers when fla-core "
+            "is installed, else triton when installed; batched on other accelerators, loop on CPU), 'loop', "
+            "'batched', 'triton' or 'fla' (CUDA: fla-core's chunk kernels for the kernel part, decayed or not, of "
+            "identity features (linear / performer), FlexAttention for a softmax window) forces one; env "
+            "HF_POLYATTN_BACKEND overrides 'auto'"
         },
     )
 
@@ -262,9 +264,6 @@ class PolyAttnConfig:
         if not self.decay_horizon > 1.0:
             raise ValueError(f"decay_horizon must be a real number > 1 (tokens: the initial 1/(1 - gamma)), got "
                              f"{self.decay_horizon}")
-        if self.decay != "none" and self.backend == "fla":
-            raise ValueError(f"decay={self.decay!r} needs backend='auto', 'loop', 'batched' or 'triton': fla-core's "
-                             "chunk_linear_attn (backend='fla') has no decay")
         if self.window_mix and not self.window:
             raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
         if self.window_mix_init < 0:
