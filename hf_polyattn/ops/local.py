@@ -250,12 +250,13 @@ class LocalExactMixin:
 
     def _local_uses_triton(self, kernel: str, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether ``_local_triton`` runs the exact local part with ``kernel`` on ``head_dim``-wide q/k and values."""
-        from .triton import LOCAL_MAX_HEAD_DIM
-
         cfg = self.config
         if resolve_backend(cfg.backend, device, dtype) != "triton" or (
                 kernel != "softmax" and cfg.poly_coefficients is not None):
             return False
+        # imported only on the Triton backend: importing triton took ~5 s, paid by a CPU model's first windowed call
+        from .triton import LOCAL_MAX_HEAD_DIM
+
         return head_dim <= LOCAL_MAX_HEAD_DIM or not _is_auto(cfg.backend)
 
     def _local_triton(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32, window=0, sinks=None):
