@@ -116,7 +116,8 @@ def _softmax_heads_summary(config, cfg) -> str | None:
 
 
 def card_from_results(folder: str | Path, results: dict[str, Any], config, *, base_model: str | None = None,
-                      command: str | None = None, eval_results=None, fresh: bool = True) -> Path:
+                      command: str | None = None, model_name: str | None = None, eval_results=None,
+                      fresh: bool = True) -> Path:
     """Write ``folder/README.md`` for a retrofit from its ``results`` record (the pipeline's results.json, or one
     assembled from committed result files) and the model's transformers ``config`` (with its ``polyattn`` settings;
     a softmax config gives the baseline's small card). ``fresh`` starts from an empty card (else the text outside
@@ -142,7 +143,7 @@ def card_from_results(folder: str | Path, results: dict[str, Any], config, *, ba
 
         persist_settings(config, cfg)
         config._attn_implementation = cfg.kind
-    write_model_card(folder, config, base_model=base, datasets=[dataset] if dataset else None,
+    write_model_card(folder, config, base_model=base, datasets=[dataset] if dataset else None, model_name=model_name,
                      eval_results=eval_results if eval_results is not None else eval_results_for_card(results))
     old = readme.read_text()
     if SECTION in old:
@@ -177,22 +178,37 @@ def long_context_section(result: dict[str, Any], folder: Path) -> list[str]:
 
 
 def eval_results_for_card(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """huggingface_hub.EvalResult fields of the last evaluation (for the card's model-index)."""
+    """huggingface_hub.EvalResult fields for the card's model-index: the last evaluation, and the model's row of the
+    long-context evaluation (perplexity at every context, passkey accuracy at every length)."""
     evals = results.get("evaluations") or {}
-    if not evals:
-        return []
-    last = evals[list(evals)[-1]]
-    source = _arg(results, "data") or (results.get("data") or {}).get("source")
-    name, hub_id = data_name(source)
-    name = hub_id or name.strip("`")
-    if _arg(results, "task", "causal_lm") == "causal_lm":
-        return [{"task_type": "text-generation", "dataset_type": hub_id or "text", "dataset_name": name,
-                 "metric_type": "perplexity", "metric_value": round(last["perplexity"], 4),
-                 "metric_config": f"context {_arg(results, 'eval_context')}, stride {_arg(results, 'eval_stride')}, "
-                                  "held-out tail"}]
-    return [{"task_type": "text-classification", "dataset_type": hub_id or "csv", "dataset_name": name,
-             "metric_type": "accuracy", "metric_value": round(last["accuracy"], 4),
-             "metric_config": f"seeded validation split of {last['examples']} rows"}]
+    name, hub_id = data_name(_arg(results, "data") or (results.get("data") or {}).get("source"))
+    data = {"dataset_type": hub_id or "text", "dataset_name": hub_id or name.strip("`")}
+    out = []
+    if evals:
+        last = evals[list(evals)[-1]]
+        if _arg(results, "task", "causal_lm") == "causal_lm":
+            out.append({"task_type": "text-generation", **data, "metric_type": "perplexity",
+                        "metric_value": round(last["perplexity"], 4),
+                        "metric_config": f"context {_arg(results, 'eval_context')}, stride "
+                                         f"{_arg(results, 'eval_stride')}, held-out tail"})
+        else:
+            out.append({"task_type": "text-classification", **data, "dataset_type": hub_id or "csv",
+                        "metric_type": "accuracy", "metric_value": round(last["accuracy"], 4),
+                        "metric_config": f"seeded validation split of {last['examples']} rows"})
+    long = results.get("long_context")
+    row = next((r for r in (long or {}).get("rows", []) if not r.get("baseline")), None)
+    if row is not None:
+        for p in row["perplexity"]:
+            out.append({"task_type": "text-generation", **data, "metric_type": "perplexity",
+                        "metric_name": f"perplexity @ {p['context']:,} tokens",
+                        "metric_value": round(p["perplexity"], 2),
+                        "metric_config": f"context {p['context']}, the first {long['tokens']:,} held-out tokens"})
+        pk = row.get("passkey")
+        for n, hits in zip(pk["lengths"], pk["hits"]) if pk else ():
+            out.append({"task_type": "text-generation", **data, "metric_type": "accuracy",
+                        "metric_name": f"passkey retrieval @ {n:,} tokens", "metric_value": sum(hits) / len(hits),
+                        "metric_config": f"{len(hits)} needle depths, seed {pk['seed']}, greedy"})
+    return out
 
 
 def _plain_card(folder: Path, base: str, text: str, dataset: str | None) -> Path:

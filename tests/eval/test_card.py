@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
@@ -15,19 +14,9 @@ from transformers import AutoModelForCausalLM
 import hf_polyattn
 from hf_polyattn import PolyAttnConfig
 from hf_polyattn.checkpoints import known_hub_id
+from tests.conftest import assert_no_local_path
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# an absolute POSIX path of two or more parts not inside a URL or a relative path ("hf_polyattn/ops", "https://...")
-ABSOLUTE = re.compile(r"(?<![\w:/.~-])/[\w.+-]+/[\w.+/-]+")
-
-
-def assert_no_local_path(text: str, *folders: Path) -> None:
-    for folder in (*folders, Path.home()):
-        assert str(folder) not in text, f"{folder} in the card"
-    assert not ABSOLUTE.findall(text), ABSOLUTE.findall(text)
-    assert "~/" not in text and not re.search(r"[A-Za-z]:\\\\", text)
-
-
 def test_the_path_check_catches_paths(tmp_path):
     """The regex above finds what it must (else every test below would pass vacuously)."""
     for text in (f"loaded from `{tmp_path}`", "data /work/x/data.txt.", "(/home/u/.cache/hf_polyattn/m)"):
