@@ -218,7 +218,8 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         polyattn=cfg.read_settings(),
         **extra,
     )
-    memory_rows = decode_memory_rows(config, cfg, base)
+    # decode memory only where the model generates (an encoder keeps no cache)
+    memory_rows = decode_memory_rows(config, cfg, base) if auto_class == "AutoModelForCausalLM" else []
     rendered = ModelCard.from_template(
         data,
         template_path=template_path(),

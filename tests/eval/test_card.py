@@ -120,3 +120,27 @@ def test_card_from_committed_results_names_hub_dataset(tmp_path):
     assert "- attention transfer: 60 steps (lr 0.01)" in text and "- command: `hf-polyattn retrofit" in text
     assert "| 2 | 1 | 1 of 2 |" in text and "| `sketch_size` | `8` |" in text
     assert_no_local_path(text, tmp_path)
+
+
+def test_bf16_decoder_and_encoder_cards(tmp_path):
+    """A bf16 checkpoint's decode memory is counted in bf16; an encoder, which never decodes, has no such table but
+    still only the settings its kind reads; a GPT-2 (no kv heads in its config) counts its heads."""
+    import torch
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    small = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64, vocab_size=64)
+    llama = LlamaForCausalLM(LlamaConfig(**small, num_key_value_heads=2)).to(torch.bfloat16)
+    llama.config.dtype = torch.bfloat16  # as from_pretrained(dtype=torch.bfloat16) records it
+    hf_polyattn.convert(llama, PolyAttnConfig(kind="linear", window=8)).save_pretrained(tmp_path / "bf16")
+    text = (tmp_path / "bf16" / "README.md").read_text()
+    assert "(batch 1, bfloat16;" in text and "| this model | 0 (constant) |" in text
+    bert = hf_polyattn.convert(BertModel(BertConfig(**small)), PolyAttnConfig(kind="polysketch", sketch_size=8))
+    bert.save_pretrained(tmp_path / "bert")
+    text = (tmp_path / "bert" / "README.md").read_text()
+    assert "### Decode memory" not in text and "| `sketch_size` | `8` |" in text and "feature_map" not in text
+    gpt2 = hf_polyattn.convert(GPT2LMHeadModel(GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64)),
+                               "performer")
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    card = ModelCard.load(tmp_path / "gpt2" / "README.md")
+    assert "### Decode memory" in card.text and card.data.polyattn["kind"] == "performer"
+    assert_no_local_path(card.content, tmp_path)

@@ -86,3 +86,18 @@ def test_constant_state_against_softmax_at_long_context():
 def test_quadratic_polynomial_is_not_computed():
     config = _model(torch.float32).config
     assert decode_memory(config, PolyAttnConfig(kind="polynomial")) is None
+
+
+@pytest.mark.parametrize("cfg", [dict(kind="linear", window=16, sinks=2), dict(kind="performer", num_features=32)],
+                         ids=["linear-window-sinks", "performer"])
+def test_gpt2_counts_its_heads(cfg):
+    """GPT-2's config names no kv heads (every head has its own keys): the count reads num_attention_heads."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, n_positions=128)).eval()
+    model = hf_polyattn.convert(model, PolyAttnConfig(**cfg))
+    expected = decode_memory(model.config, hf_polyattn.get_polyattn_config(model))
+    cache = PolyAttnCache()
+    n = _prefill(model, cache, 40)
+    assert cache.nbytes() == expected.total(n)
+    assert decode_memory(model.config, None).per_token == 2 * 4 * 2 * 16 * 4  # layers x heads x (k, v) x d x fp32
