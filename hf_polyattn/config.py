@@ -24,6 +24,8 @@ BACKENDS = ("auto", "loop", "batched", "triton", "fla")
 DECAYS = ("none", "scalar", "gate")
 SINK_POSITIONS = ("window", "own")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
+# Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
+EVERY_KIND_FIELDS = ("seed", "softmax_heads")
 
 # Allowed values of every str field and the minimum of every int field: __post_init__
 # validates each field by its annotation, so a new field without an entry here fails loudly.
@@ -350,6 +352,16 @@ class PolyAttnConfig:
     @property
     def is_linear_time(self) -> bool:
         return self.spec.linear_time
+
+    def read_settings(self) -> dict[str, Any]:
+        """The settings this kind reads, JSON-ready: ``kind``, the shared fields its ``KindSpec.fields`` names, those
+        every kind reads (``EVERY_KIND_FIELDS``) and its own ``options``; the fields it ignores are left out (a model
+        card shows these). ``from_dict`` of it gives a config that computes the same attention."""
+        d = self.to_dict()
+        out = {name: d[name] for name in dict.fromkeys(("kind", *self.spec.fields, *EVERY_KIND_FIELDS))}
+        if "options" in d:
+            out["options"] = d["options"]
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -29,12 +29,13 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from torch import nn
 
 from ..config import PolyAttnConfig
+from .memory import DEFAULT_LENGTHS, cache_dims, decode_memory, model_dtype
 from .remote_code import LOADER_FILE, set_auto_map, write_loader
 from .settings import BASE_MODEL_KEY, hub_model_id
 from .state import HFPolyAttention, get_polyattn_config, sync_config
 
-__all__ = ["hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained", "softmax_heads_note",
-           "softmax_heads_summary", "write_model_card"]
+__all__ = ["card_title", "decode_memory_rows", "hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained",
+           "softmax_heads_note", "softmax_heads_summary", "write_model_card"]
 
 _START, _END = "<!-- hf_polyattn:start -->", "<!-- hf_polyattn:end -->"
 
@@ -59,15 +60,6 @@ def _as_eval_results(eval_results) -> list[EvalResult] | None:
     return out
 
 
-def _cache_dims(config) -> tuple[int, int, int]:
-    """(layers, kv heads per layer, head_dim) of a transformers config: what its softmax KV cache holds per token."""
-    text = config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, kv_heads, head_dim
-
-
 def softmax_heads_summary(config, cfg: PolyAttnConfig) -> str | None:
     """One sentence on ``cfg.softmax_heads`` of a model with transformers config ``config``: how many kv heads stay
     softmax and the decode cache per token against softmax's (None without softmax heads).
@@ -76,7 +68,7 @@ def softmax_heads_summary(config, cfg: PolyAttnConfig) -> str | None:
     and token, plus the other heads' constant-size state (it does not grow with the length)."""
     if not cfg.softmax_heads:
         return None
-    layers, kv_heads, head_dim = _cache_dims(config)
+    layers, _, kv_heads, head_dim = cache_dims(config)
     n = len(cfg.softmax_heads)
     full, kept = 2 * kv_heads * head_dim * layers, 2 * n * head_dim
     return (f"{n} of the {layers * kv_heads} KV heads ({layers} layers x {kv_heads}) keep exact softmax attention and "
@@ -90,12 +82,41 @@ def softmax_heads_note(config, cfg: PolyAttnConfig) -> str | None:
     summary = softmax_heads_summary(config, cfg)
     if summary is None:
         return None
+    layers, _, kv_heads, _ = cache_dims(config)
     by_layer: dict[int, list[int]] = {}
     for layer, head in cfg.softmax_heads:
         by_layer.setdefault(layer, []).append(head)
-    listed = "; ".join(f"layer {layer}: {', '.join(map(str, heads))}" for layer, heads in sorted(by_layer.items()))
-    return (f"KV heads kept as softmax (each with all its query heads), by layer: {listed}.\n\n"
-            f"{summary[0].upper()}{summary[1:]}. The other heads run `{cfg.kind}`: {cfg.spec.memory_note(cfg)}")
+    # the layout, one row per layer: which kv heads stay softmax and how many run the kind
+    rows = ["| layer | softmax kv heads | kv heads running `" + cfg.kind + "` |", "|---|---|---|"]
+    rows += [f"| {layer} | {', '.join(map(str, sorted(by_layer.get(layer, [])))) or '–'} | "
+             f"{kv_heads - len(by_layer.get(layer, []))} of {kv_heads} |" for layer in range(layers)]
+    # HOOK(layer_layout): see write_model_card
+    return (f"{summary[0].upper()}{summary[1:]}. The other heads run `{cfg.kind}`: {cfg.spec.memory_note(cfg)}\n\n"
+            + "\n".join(rows))
+
+
+def _bytes(n: int) -> str:
+    """1,234 B / 12.3 KiB / 45.6 MiB / 1.23 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n:,} B"
+
+
+def decode_memory_rows(config, cfg: PolyAttnConfig, base: str | None,
+                       lengths: tuple[int, ...] = DEFAULT_LENGTHS) -> list[dict[str, Any]]:
+    """The card's decode-memory rows: the softmax model and this one (``decode_memory``); [] where the kind's
+    state is not computed there."""
+    conv, soft = decode_memory(config, cfg), decode_memory(config, None)
+    if conv is None:
+        return []
+    rows = []
+    for label, mem in ((f"softmax `{base}`" if base else "softmax (the base model)", soft), ("this model", conv)):
+        per_token = _bytes(mem.per_token) if mem.per_token else "0 (constant)"
+        totals = [_bytes(mem.total(n)) + (f" ({soft.total(n) / mem.total(n):.1f}x smaller)" if mem is conv else "")
+                  for n in lengths]
+        rows.append({"label": label, "per_token": per_token, "totals": totals})
+    return rows
 
 
 _AUTO_CLASSES = (
@@ -105,6 +126,10 @@ _AUTO_CLASSES = (
     (("ForTokenClassification",), "AutoModelForTokenClassification"),
     (("ForQuestionAnswering",), "AutoModelForQuestionAnswering"),
 )
+_PIPELINE_TAGS = {"AutoModelForCausalLM": "text-generation", "AutoModelForMaskedLM": "fill-mask",
+                  "AutoModelForSequenceClassification": "text-classification",
+                  "AutoModelForTokenClassification": "token-classification",
+                  "AutoModelForQuestionAnswering": "question-answering"}
 
 
 def _auto_class(architectures: list[str]) -> str:
@@ -114,9 +139,31 @@ def _auto_class(architectures: list[str]) -> str:
     return "AutoModel"
 
 
+def _setting_rows(cfg: PolyAttnConfig) -> list[tuple[str, str]]:
+    """(name, value) of the settings the kind reads (``read_settings``), the kind's options flattened; the softmax
+    heads summarised (they are listed in their own section)."""
+    settings = cfg.read_settings()
+    options = settings.pop("options", {})
+    rows = []
+    for name, value in [*settings.items(), *options.items()]:
+        if name == "softmax_heads" and value:
+            rows.append((name, f"{len(value)} (layer, kv head) pairs, listed below"))
+        else:
+            rows.append((name, f"`{value}`"))
+    return rows
+
+
+def card_title(base: str | None, cfg: PolyAttnConfig, fallback: str) -> str:
+    """'SmolLM2-135M-Instruct with linear attention (22 softmax kv heads)': the base model and the attention."""
+    name = base.split("/")[-1] if base else fallback
+    n = len(cfg.softmax_heads or ())
+    heads = f" and {n} softmax kv head{'s' if n != 1 else ''}" if n else ""
+    return f"{name} with {cfg.kind} attention{heads}"
+
+
 def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=None, tags: list[str] | None = None,
                      base_model: str | None = None, model_name: str | None = None, repo_id: str | None = None,
-                     ) -> ModelCard:
+                     datasets: list[str] | None = None) -> ModelCard:
     """Create or update ``save_directory/README.md`` for a polyattn model; returns the card.
 
     Args:
@@ -126,8 +173,11 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
             (task_type, dataset_type, dataset_name, metric_type, metric_value, ...).
             ``None`` keeps the results already in the card.
         tags: extra tags (``hf_polyattn`` and the kind are always added).
-        base_model: Hub id of the base checkpoint; default: recorded at conversion/loading.
-        model_name, repo_id: names shown in the card (default: the folder name).
+        base_model: Hub id of the base checkpoint; default: recorded at conversion/loading (a local folder never is).
+        model_name, repo_id: names shown in the card (default: the base model's name and the kind).
+        datasets: Hub ids of the datasets it was trained on (the card's ``datasets`` metadata); default: kept.
+
+    The card names no local path: the base model by its Hub id, the repository by ``repo_id`` or ``model_name``.
     """
     config = model.config if isinstance(model, nn.Module) else model
     cfg = get_polyattn_config(model)
@@ -140,9 +190,10 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
     existing = ModelCard.load(readme) if readme.exists() else None
     old = existing.data.to_dict() if existing is not None else {}
 
-    name = model_name or old.get("model_name") or save_directory.resolve().name
+    base = (base_model or getattr(config, BASE_MODEL_KEY, None) or hub_model_id(getattr(config, "_name_or_path", None))
+            or old.get("base_model"))
+    name = model_name or old.get("model_name") or f"{(base or save_directory.resolve().name).split('/')[-1]}-{cfg.kind}"
     repo = repo_id or name
-    base = base_model or getattr(config, BASE_MODEL_KEY, None) or hub_model_id(getattr(config, "_name_or_path", None))
     model_tags = list(getattr(model, "model_tags", None) or []) if isinstance(model, nn.Module) else []
     all_tags = []
     for t in ["hf_polyattn", cfg.kind, *model_tags, *(tags or []), *(old.get("tags") or [])]:
@@ -152,35 +203,47 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
     if evals is None and existing is not None:
         evals = existing.data.eval_results
     extra = {k: v for k, v in old.items()
-             if k not in {"library_name", "base_model", "tags", "model-index", "model_name", "polyattn"}}
+             if k not in {"library_name", "base_model", "tags", "model-index", "model_name", "polyattn", "datasets",
+                          "pipeline_tag"}}
+    auto_class = _auto_class(getattr(config, "architectures", None) or [])
     data = ModelCardData(
         library_name="transformers",
-        base_model=base if base is not None else old.get("base_model"),
+        base_model=base,
+        pipeline_tag=_PIPELINE_TAGS.get(auto_class),
         tags=all_tags,
+        datasets=datasets if datasets is not None else old.get("datasets"),
         model_name=name if evals else None,
         eval_results=evals or None,
-        polyattn=cfg.to_dict(),
+        polyattn=cfg.read_settings(),
         **extra,
     )
-    auto_class = _auto_class(getattr(config, "architectures", None) or [])
-    settings = [(k, v) for k, v in cfg.to_dict().items()]
-    rows = [vars(r) for r in (evals or [])]
+    # HOOK(layer_layout): when hf_polyattn.integration.layer_layout(model) lands (branch "sliding": which layers are
+    # converted, kept exact at the model's own sliding window, or hybrid), its per-layer roles go into the card here
+    # (a "Layers" section beside "Softmax heads"), and decode_memory must count a sliding layer's window instead of
+    # the kind's state for it.
+    # decode memory only where the model generates (an encoder keeps no cache)
+    memory_rows = decode_memory_rows(config, cfg, base) if auto_class == "AutoModelForCausalLM" else []
     rendered = ModelCard.from_template(
         data,
         template_path=template_path(),
-        model_name=name,
-        description=f"A transformers checkpoint with hf_polyattn `{cfg.kind}` attention.",
+        # a name given by the caller (push_to_hub's repo) heads the title, then the base model and the attention
+        title=(f"{model_name}: " if model_name else "") + card_title(base, cfg, save_directory.resolve().name),
+        description=(f"A transformers checkpoint with hf_polyattn `{cfg.kind}` attention"
+                     + (f", made from `{base}`." if base else ".")),
         kind=cfg.kind,
         kind_title=cfg.spec.title,
-        base_model=data.base_model,
+        base_model=base,
         auto_class=auto_class,
         repo_id=repo,
-        settings=settings,
+        settings=_setting_rows(cfg),
         memory_note=cfg.spec.memory_note(cfg) if not cfg.softmax_heads else "",
+        memory_rows=memory_rows,
+        memory_lengths=[f"{n:,}" for n in DEFAULT_LENGTHS],
+        memory_dtype=str(model_dtype(config)).replace("torch.", ""),
         softmax_heads_note=softmax_heads_note(config, cfg),
         remote_code=(save_directory / LOADER_FILE).exists(),  # written by the save that precedes the card
         loader_file=LOADER_FILE,
-        eval_rows=rows,
+        eval_rows=[vars(r) for r in (evals or [])],
     )
     if existing is not None:
         section = rendered.text[rendered.text.index(_START): rendered.text.index(_END) + len(_END)]
