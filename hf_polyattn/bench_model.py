@@ -547,7 +547,7 @@ def run(args, *, command: str) -> int:
     import torch
 
     from . import bench
-    from .machine import busy_others, cpu_ticks
+    from .machine import cpu_snapshot, others_between
 
     torch.set_num_threads(args.threads)
     where = bench.machine(args)
@@ -556,19 +556,19 @@ def run(args, *, command: str) -> int:
 
     cfg = get_polyattn_config(model)
     label = cfg.spec.table_label(cfg)  # names the softmax kv heads too
-    load_before, ticks_before, t0 = describe_load(), cpu_ticks(), time.time()
+    load_before, snap = describe_load(), cpu_snapshot()
     rows = compare(model, base, args.lengths, batches=args.batches, decode_steps=args.decode_steps,
                    warmup=args.warmup, repeats=args.repeats, max_tokens=args.max_tokens, progress=True)
-    wall = time.time() - t0
-    others_s, busiest = busy_others(ticks_before, cpu_ticks())
-    load_after = describe_load()
+    others = others_between(snap, cpu_snapshot())
+    load_after, wall = describe_load(), others["wall_s"]
     mem_text, mem_data = memory_table(model, base)
-    busiest = [(n, s) for n, s in busiest if s >= 0.05 * wall]  # the ones that took 5% of a core or more
-    others = (f"other processes used {others_s:.0f} CPU s in the {wall:.0f} s run ({others_s / wall:.2f} cores on "
-              f"average); busiest: " + (", ".join(f"{n} {s:.0f} s" for n, s in busiest) or "none above 5% of a core"))
+    busiest = [(n, s) for n, s in others["busiest"] if s >= 0.05 * wall]  # 5% of a core or more
+    others_text = (f"other processes used {others['cpu_s']:.0f} CPU s during the {wall:.0f} s run "
+                   f"({others['cores']:.2f} of {os.cpu_count()} cores on average, from {others['source']}); busiest "
+                   "visible here: " + (", ".join(f"{n} {s:.0f} s" for n, s in busiest) or "none above 5% of a core"))
     header = [
         f"Machine: {where}",
-        f"Load average before: {load_before}; after: {load_after}; {others}",
+        f"Load average before: {load_before}; after: {load_after}; {others_text}",
         f"Retrofit: {args.model}: {label}. Base: {base_label}.",
         f"{args.dtype}, {args.threads} threads; prefill best of {args.repeats} (repeats alternate the models); decode "
         f"median of {args.decode_steps} steps after {args.warmup} untimed, steps alternating the models; warm-up: a "
@@ -587,8 +587,8 @@ def run(args, *, command: str) -> int:
                     polyattn=cfg.to_dict(), warmup_prefill_tokens=WARMUP_TOKENS, warmup_decode_steps=WARMUP_STEPS)
     (args.out / f"{tag}.json").write_text(json.dumps(
         {"date": stamp, "command": command, "machine": where, "machine_info": bench.machine_info(args),
-         "load_before": load_before, "load_after": load_after, "wall_s": wall,
-         "other_processes": {"cpu_s": others_s, "busiest": busiest}, "settings": settings, "rows": rows,
+         "load_before": load_before, "load_after": load_after, "wall_s": wall, "other_processes": others,
+         "settings": settings, "rows": rows,
          "decode_memory": mem_data}, indent=1, default=str))
     drew = plot(rows, args.out / f"{tag}.png", f"{label}\n{where}")
     print(f"wrote {args.out}/{tag}.md, .json" + (", .png" if drew else " (matplotlib not installed: no plot)"))

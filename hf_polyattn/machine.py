@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 
 def cpu_name() -> str:
@@ -38,7 +39,7 @@ def summary() -> str:
 
 def cpu_ticks() -> dict[int, tuple[str, int]]:
     """pid -> (command name, user + system CPU clock ticks so far) of every process readable in /proc ({} without
-    /proc): two snapshots say what else ran between them (``busy_others``)."""
+    /proc)."""
     found = {}
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
@@ -56,19 +57,46 @@ def cpu_ticks() -> dict[int, tuple[str, int]]:
     return found
 
 
-def busy_others(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], top: int = 5
-                ) -> tuple[float, list[tuple[str, float]]]:
-    """(CPU seconds every other process used between two ``cpu_ticks`` snapshots, the ``top`` busiest command names
-    with their seconds, summed by name). This process is left out; processes that started in between count from 0."""
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+def _busy_seconds() -> float | None:
+    """CPU seconds every CPU of the machine spent busy since boot (/proc/stat: all but idle and iowait), or None."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks[:8]) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot() -> dict:
+    """What ``others_between`` compares: the machine's busy CPU seconds, this process's, and every visible
+    process's ticks."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return {"busy_s": _busy_seconds(), "own_s": own.ru_utime + own.ru_stime, "processes": cpu_ticks(),
+            "time": time.time()}
+
+
+def others_between(before: dict, after: dict, top: int = 5) -> dict:
+    """What else used the CPUs between two ``cpu_snapshot``s: ``cpu_s``, the busy CPU seconds of the whole machine
+    (/proc/stat: processes in other containers too) less this process's, or where /proc/stat is missing the sum over
+    the processes visible here (``source`` says which); ``cores``: cpu_s per second of wall time; ``busiest``: the
+    ``top`` busiest visible command names (summed by name, this process left out) with their CPU seconds."""
+    hz = os.sysconf("SC_CLK_TCK")
     me = os.getpid()
     by_name: dict[str, float] = {}
-    for pid, (name, ticks) in after.items():
+    for pid, (name, ticks) in after["processes"].items():
         if pid == me:
             continue
-        old = before.get(pid)
-        used = ticks - (old[1] if old and old[0] == name else 0)
+        old = before["processes"].get(pid)
+        used = ticks - (old[1] if old and old[0] == name else 0)  # a process started in between counts from 0
         if used > 0:
             by_name[name] = by_name.get(name, 0.0) + used / hz
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
-    return sum(by_name.values()), ranked[:top]
+    if before["busy_s"] is not None and after["busy_s"] is not None:
+        cpu_s, source = after["busy_s"] - before["busy_s"] - (after["own_s"] - before["own_s"]), "/proc/stat"
+    else:
+        cpu_s, source = sum(by_name.values()), "visible processes"
+    wall = max(after["time"] - before["time"], 1e-9)
+    return {"cpu_s": max(cpu_s, 0.0), "cores": max(cpu_s, 0.0) / wall, "wall_s": wall, "source": source,
+            "busiest": sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
