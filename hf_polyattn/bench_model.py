@@ -249,11 +249,20 @@ def check_pair(model, base) -> None:
         raise ValueError(f"model is on {_device_of(model)}, base on {_device_of(base)}: put both on one device")
 
 
-def _warm_up(models: dict, vocab: int) -> None:
+def position_limit(model) -> int | None:
+    """The most positions ``model`` can run: its learned position table's size (GPT-2's ``n_positions``), None for a
+    rotary model (RoPE runs past ``max_position_embeddings``, as the issue's 16k SmolLM2 figures did)."""
+    if any("rotary" in type(m).__name__.lower() for m in model.modules()):
+        return None
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
+def _warm_up(models: dict, vocab: int, tokens: int) -> None:
     """One short prefill and a few decode steps per model, untimed: first-call costs (allocator, lazy inits) out of
     the first cell."""
     device = _device_of(models["retrofit"])
-    ids = prompt(1, WARMUP_TOKENS, vocab, device)
+    ids = prompt(1, tokens, vocab, device)
     for name, model in models.items():
         cache = _new_cache(name, model)
         token = _step(model, ids, cache)
@@ -282,7 +291,10 @@ def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: in
     models = {"base": base.eval(), "retrofit": model.eval()}
     vocab = min(m.get_input_embeddings().num_embeddings for m in models.values())
     meter = PeakMemory(_device_of(model))
-    _warm_up(models, vocab)
+    limits = [n for n in map(position_limit, models.values()) if n]
+    limit = min(limits) if limits else None
+    warm = min(WARMUP_TOKENS, min(lengths))
+    _warm_up(models, vocab, warm if limit is None else min(warm, limit - WARMUP_STEPS))
     rows = []
     for batch in batches:
         oom_at = None
@@ -290,6 +302,10 @@ def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: in
             if max_tokens is not None and batch * length > max_tokens:
                 rows.append({"batch": batch, "length": length,
                              "skipped": f"{batch} x {length} = {batch * length} tokens > --max-tokens {max_tokens}"})
+                continue
+            if limit is not None and length + warmup + decode_steps > limit:
+                rows.append({"batch": batch, "length": length, "skipped": f"{length} + {warmup + decode_steps} "
+                             f"decoded tokens > the model's {limit} positions"})
                 continue
             if oom_at is not None:
                 rows.append({"batch": batch, "length": length, "skipped": f"out of memory at length {oom_at}"})

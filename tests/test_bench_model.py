@@ -186,3 +186,26 @@ def test_others_between_counts_other_processes_only():
     # without /proc/stat: the processes visible here
     got = others_between({**before, "busy_s": None}, {**after, "busy_s": None})
     assert (got["cpu_s"], got["source"]) == (7.0, "visible processes")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_compare_other_architectures(arch):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "integration"))
+    from integration_helpers import build
+
+    base = build(arch)
+    model = build(arch, RETROFIT.replace(softmax_heads=None, feature_proj=0))
+    # GPT-2's learned positions end at 64 (62 + 3 decoded tokens would not fit); Qwen2's rotary ones run past its
+    # max_position_embeddings (128)
+    longest = 62 if arch == "gpt2" else 140
+    row, longer = bench_model.compare(model, base, [20, longest], decode_steps=2, warmup=1)
+    assert "error" not in row, row
+    if arch == "gpt2":
+        assert longer["skipped"] == "62 + 3 decoded tokens > the model's 64 positions"
+    else:
+        assert "base" in longer
+    assert row["retrofit"]["cache_bytes"] == row["retrofit"]["cache_bytes_formula"]
+    assert row["base"]["cache_bytes"] == row["base"]["cache_bytes_formula"] > row["retrofit"]["cache_bytes"] > 0
