@@ -39,6 +39,7 @@ import inspect
 import json
 import os
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -168,12 +169,6 @@ def prompt(batch: int, length: int, vocab: int, device) -> object:
     return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
 
 
-def _is_oom(err: BaseException) -> bool:
-    from .bench import is_oom
-
-    return is_oom(err)
-
-
 def _measure_cell(models: dict, batch: int, length: int, *, repeats: int, decode_steps: int, warmup: int,
                   vocab: int, meter: PeakMemory) -> dict:
     """One (batch, length) cell of both models: prefill times and peaks, cache bytes, decode times."""
@@ -278,14 +273,16 @@ def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: in
     ``model``: the retrofit (a polyattn kind), ``base``: its softmax checkpoint (sdpa), on one device, in eval mode.
     A measured row holds ``base`` / ``retrofit`` dicts (prefill seconds of every repeat and the best, peak bytes,
     cache bytes measured and by formula, decode ms of every step and the median) and the ratios (``add_ratios``).
-    A row not measured has ``skipped`` (b x n over ``max_tokens``, or a larger n after an out-of-memory error)
-    or ``error`` (the cell failed: its message). Torch's thread count is the caller's.
+    A row not measured has ``skipped`` (b x n over ``max_tokens``, a prompt and its decoded tokens past a learned
+    position table, a larger n after an out-of-memory error) or ``error`` (the cell failed: its message). Torch's
+    thread count is the caller's.
     """
     check_pair(model, base)
     for name, values, low in (("lengths", lengths, 1), ("batches", batches, 1)):
         if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
             raise ValueError(f"{name} must be ints >= {low}, got {list(values)!r}")
-    for name, value, low in (("decode_steps", decode_steps, 1), ("warmup", warmup, 0), ("repeats", repeats, 1)):
+    for name, value, low in (("decode_steps", decode_steps, 1), ("warmup", warmup, 0), ("repeats", repeats, 1),
+                             ("max_tokens", 1 if max_tokens is None else max_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     models = {"base": base.eval(), "retrofit": model.eval()}
@@ -318,7 +315,9 @@ def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: in
             except Exception as err:  # noqa: BLE001 - a failed cell becomes a row, the grid goes on
                 first = (str(err).splitlines() or [type(err).__name__])[0][:200]
                 rows.append({"batch": batch, "length": length, "error": f"{type(err).__name__}: {first}"})
-                if _is_oom(err):
+                from .bench import is_oom  # bench imports this module: not at the top
+
+                if is_oom(err):
                     oom_at = length
             gc.collect()
     for row in rows:
@@ -451,11 +450,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .bench import int_at_least, int_items
 
     cpu, cuda = DEFAULTS["cpu"], DEFAULTS["cuda"]
-    g = p.add_argument_group("whole model (--model)", "A retrofitted checkpoint against its softmax base, both "
-                             "loaded in this process and run interleaved (hf_polyattn/bench_model.py). --lengths, "
-                             "--dtype, --repeats (prefill repeats), --threads, --device, --out and --quick apply too, "
-                             f"with their own defaults: lengths {cpu['lengths']} on CPU, {cuda['lengths']} on CUDA; "
-                             f"repeats {cpu['repeats']} / {cuda['repeats']}; out {DEFAULT_OUT}/.")
+    g = p.add_argument_group("whole model (--model)", textwrap.fill(
+        "A retrofitted checkpoint against its softmax base, both loaded in this process and run interleaved "
+        "(hf_polyattn/bench_model.py). --lengths, --dtype, --repeats (prefill repeats), --threads, --device, --out "
+        f"and --quick apply too, with their own defaults: lengths {cpu['lengths']} on CPU, {cuda['lengths']} on "
+        f"CUDA; repeats {cpu['repeats']} / {cuda['repeats']}; out {DEFAULT_OUT}/; --quick: lengths "
+        f"{QUICK['lengths']}, batch 1, one repeat.", 100))
     g.add_argument("--model", metavar="DIR", help="the retrofitted checkpoint folder (written by convert / retrofit: "
                                                   "its config.json records polyattn settings)")
     g.add_argument("--base", metavar="DIR", help="the softmax checkpoint folder it came from (default: --model's own "
@@ -473,8 +473,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag in ("--max-tokens", "--max_tokens"):
         g.add_argument(flag, dest="max_tokens", type=int_at_least(1),
                        help=argparse.SUPPRESS if "_" in flag else
-                       f"skip the cells whose batch x length exceeds this (default: {cpu['max_tokens']} on CPU: "
-                       f"SmolLM2-135M prefills 16k tokens in about 2 minutes on 2 cores; {cuda['max_tokens']} on CUDA)")
+                       f"skip the cells whose batch x length exceeds this, listed as skipped (default: "
+                       f"{cpu['max_tokens']} on CPU: batch 8 runs to 4k tokens, not 16k; {cuda['max_tokens']} on "
+                       "CUDA)")
 
 
 def _checkpoint_dir(parser, option: str, path: str) -> Path:

@@ -109,6 +109,16 @@ def test_model_must_be_a_retrofit_folder(dirs, tmp_path, capsys):
         assert "--model" in err and says in err
     assert cli_main(["bench", "--base", dirs["base"]]) == 2  # model options without --model
     assert "--base" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "no-such-model", "polyattn": {"kind": "linear"}}))
+    assert cli_main(["bench", "--model", str(broken), "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "cannot load it as a causal LM" in err
+    if not torch.cuda.is_available():
+        assert cli_main(["bench", "--model", dirs["retrofit"], "--device", "cuda"]) == 2
+        assert "--device cuda: no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
 
 
 def test_kernel_bench_takes_comma_lists_and_keeps_its_defaults():
