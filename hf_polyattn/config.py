@@ -39,9 +39,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
              "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset", "poly_coefficients",
-             "learn_coefficients", "feature_map", "decay", "decay_horizon")
+             "learn_coefficients", "feature_map", "decay", "decay_horizon", "short_conv")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
-                "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0}
+                "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
 # sketches / features of a smaller one (2**62 those of 0).
 _INT_MAXIMUM = {"seed": 2**62 - 1}
@@ -160,7 +160,7 @@ class PolyAttnConfig:
             "help": "decay of the kernel part, causal only (the exact local part is never decayed): 'none'; "
             "'scalar' (RetNet, simple GLA: key j weighs gamma^(i-j) for query i, one learnable gamma per kv head); "
             "'gate' (GLA-style: prod_{t=j+1..i} g_t with g_t = sigmoid(v_t . w + b) per kv head, read from the "
-            "token's value, which RoPE leaves unrotated)"
+            "token's value, which RoPE leaves unrotated); kind 'delta': the gate a_t of its state"
         },
     )
     decay_horizon: float = field(
@@ -178,6 +178,17 @@ class PolyAttnConfig:
             "help": "learnable per-head projection of q and k to this many dimensions (>= head_dim) before the "
             "kernel, then qk_norm; starts as the identity padded with zeros (today's kernel exactly when equal to "
             "head_dim); 0 = off"
+        },
+    )
+    short_conv: int = field(
+        default=0,
+        metadata={
+            "help": "kernel size of a causal depthwise convolution over the sequence on q and k before the kernel's "
+            "feature map (LAWCAT, arXiv:2509.18467; Gated DeltaNet): each channel of each head mixes its own last "
+            "short_conv inputs, padded positions zeroed first; weights per layer, head and channel start as the "
+            "identity (last tap 1), so a converted model computes what it computed without it until trained. The "
+            "exact window and sinks keep the model's own q, k. Decoding keeps the last short_conv - 1 inputs per "
+            "layer (constant memory). 0 = off"
         },
     )
     alpha: float = field(default=0.0, metadata={"help": "polynomial kernel bias: ((s q.k + alpha)/beta)^p"})
@@ -207,9 +218,11 @@ class PolyAttnConfig:
     backend: str = field(
         default="auto",
         metadata={
-            "help": "causal product implementation: 'auto' (triton on CUDA when installed, batched on other "
-            "accelerators, loop on CPU), 'loop', 'batched', 'triton' or 'fla' (fla-core's chunk kernel, CUDA, "
-            "identity features: linear / performer) forces one; env HF_POLYATTN_BACKEND overrides 'auto'"
+            "help": "causal product implementation: 'auto' (on CUDA 'fla' for the layers it covers when fla-core "
+            "is installed, else triton when installed; batched on other accelerators, loop on CPU), 'loop', "
+            "'batched', 'triton' or 'fla' (CUDA: fla-core's chunk kernels for the kernel part, decayed or not, of "
+            "identity features (linear / performer), FlexAttention for a softmax window) forces one; env "
+            "HF_POLYATTN_BACKEND overrides 'auto'"
         },
     )
 
@@ -251,9 +264,6 @@ class PolyAttnConfig:
         if not self.decay_horizon > 1.0:
             raise ValueError(f"decay_horizon must be a real number > 1 (tokens: the initial 1/(1 - gamma)), got "
                              f"{self.decay_horizon}")
-        if self.decay != "none" and self.backend == "fla":
-            raise ValueError(f"decay={self.decay!r} needs backend='auto', 'loop', 'batched' or 'triton': fla-core's "
-                             "chunk_linear_attn (backend='fla') has no decay")
         if self.window_mix and not self.window:
             raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
         if self.window_mix_init < 0:

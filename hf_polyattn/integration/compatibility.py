@@ -274,11 +274,12 @@ def local_option(cfg: PolyAttnConfig) -> str | None:
 
 
 def cross_blocker(cfg: PolyAttnConfig) -> str | None:
-    """What makes ``cfg`` refuse cross-attention: an exact local part aligned by position ('window=64'), or a kind
-    defined within one sequence ("kind='bigbird'"); None when it serves cross-attention."""
-    if local_option(cfg):
-        return local_option(cfg)
-    return None if cfg.spec.cross_attention else f"kind={cfg.kind!r}"
+    """What makes ``cfg`` refuse cross-attention: a kind defined within one sequence ("kind='bigbird'", named first:
+    its window would not make it serve either), or an exact local part aligned by position ('window=64'); None when it
+    serves cross-attention."""
+    if not cfg.spec.cross_attention:
+        return f"kind={cfg.kind!r}"
+    return local_option(cfg)
 
 
 def _local_exact_cross_message(where: str, option: str = "local_exact=True") -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import importlib
 
 BUILTIN = ("polynomial", "polysketch", "linear", "performer", "taylor", "sliding_window", "linformer", "nystrom",
-           "fnet", "bigbird", "reformer")
+           "fnet", "bigbird", "reformer",
+           "delta")
 
 for _name in BUILTIN:
     importlib.import_module(f"{__name__}.{_name}")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-# Shared PolyAttnConfig fields every kernel kind reads: the q/k maps before the kernel, the block
-# size of the causal product, its implementation, and the normaliser's offset.
-KERNEL_FIELDS = ("qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
+# Shared PolyAttnConfig fields every kernel kind reads: the q/k maps before the kernel (the short causal
+# convolution, the projection, the LayerNorm), the block size of the causal product, its implementation, and the
+# normaliser's offset.
+KERNEL_FIELDS = ("short_conv", "qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 # sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
 LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
@@ -48,6 +49,8 @@ def local_label(config) -> list[str]:
         parts.append(f"scalar decay (horizon {config.decay_horizon:g})")
     elif config.decay == "gate":
         parts.append("gated decay")
+    if config.short_conv:
+        parts.append(conv_label(config))
     if config.feature_proj:
         parts.append(f"learnable projection to {config.feature_proj}")
     if config.qk_norm:
@@ -55,10 +58,24 @@ def local_label(config) -> list[str]:
     return parts
 
 
+def conv_label(config) -> str:
+    """'causal depthwise conv of 4 taps on q, k': the short convolution's label part."""
+    return f"causal depthwise conv of {config.short_conv} taps on q, k"
+
+
+def conv_memory(config) -> str:
+    """' and the last 3 queries and keys of the short convolution' ('' without one)."""
+    if config.short_conv <= 1:
+        return ""
+    n = config.short_conv - 1
+    return f" and the last {n} quer{'ies' if n > 1 else 'y'} and key{'s' if n > 1 else ''} of the short convolution"
+
+
 def kernel_memory(config) -> str:
     """The model card's sentence on generation memory for a linear-time kernel kind."""
     extra = f" plus the keys of the current {config.block_size}-token block" if config.local_exact else ""
     if config.window:
         extra = f" plus {window_memory(config)}"
+    extra += conv_memory(config)
     return ("Generation keeps a constant-size recurrent state per layer" + extra
             + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by `generate()`).")

@@ -48,7 +48,10 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     to_work,
     work_dtype,
 )
+from .conv import ShortConv
+from .decode import WindowRing, from_recurrent, ring_step, ring_supported
 from .feature_maps import FeatureMap
+from .flex import layer_backend
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
 from .sketches import project, symmetric_square
@@ -114,9 +117,19 @@ class HeadProjection(nn.Module):
         return project(x, self.weight)
 
 
-def _seeing(state: RecurrentState, seen: torch.Tensor | None) -> RecurrentState:
-    """``state`` with the real keys each row has seen (``PolyAttention._sink_queries``), when counted."""
-    return state if seen is None else replace(state, seen=seen)
+def _seeing(state: RecurrentState, seen: torch.Tensor | None, conv=None) -> RecurrentState:
+    """``state`` with the real keys each row has seen (``PolyAttention._sink_queries``), when counted, and the short
+    convolution's inputs it keeps (``conv`` = (queries, keys) as the call convolved them: [tail, queries] and [tail,
+    the state's raw keys, the new keys], ``PolyAttention._short_conv``): the last size - 1 queries, and the size - 1
+    keys before the first one the new state holds raw (``RecurrentState.conv_k``)."""
+    if seen is not None:
+        state = replace(state, seen=seen)
+    if conv is None or conv[2] == 1:  # a one-tap convolution reads no earlier input
+        return state
+    q_inputs, k_inputs, size = conv
+    end = k_inputs.shape[-2] - (0 if state.k is None else state.k.shape[2])
+    return replace(state, conv_q=q_inputs[..., q_inputs.shape[-2] - (size - 1):, :],
+                   conv_k=k_inputs[..., end - (size - 1) : end, :])
 
 
 class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
@@ -185,6 +198,10 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             self.gate_weight = nn.Parameter(torch.empty(num_kv_heads, head_dim))
             self.gate_bias = nn.Parameter(torch.empty(num_kv_heads))
         self._reset_decay()
+        if config.short_conv:
+            # the causal depthwise convolution on q and k before the kernel (ops/conv.py), identity at the start
+            self.conv_q = ShortConv(num_kv_heads, self.groups, head_dim, config.short_conv)
+            self.conv_k = ShortConv(num_kv_heads, 1, head_dim, config.short_conv)
         self.feature_map = self.build_feature_map(kdim, self.seed)
 
     def build_feature_map(self, dim: int, seed: int) -> FeatureMap | None:
@@ -286,10 +303,14 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                              "towards the queries after it); this call is bidirectional (an encoder or "
                              "cross-attention): use decay='none' there")
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        if state is not None and lq == 1 and ring_supported(self, state):
+            return self._ring_decode(query, key, value, key_padding_mask, scale, state)
+        if isinstance(state, WindowRing):  # a call the ring does not serve: back to the generic state
+            state = state.to_recurrent()
         out_dtype = query.dtype
         path = self._recurrent_path() if state is not None else self.choose_path(lq, lk, causal)
         work = work_dtype(query.dtype)
-        if state is None and query.dtype in HALF and self._half_on_triton(path, causal, query.device):
+        if state is None and query.dtype in HALF and self._half_on_triton(path, causal, query.device, query.dtype):
             # the kernels load bf16/fp16 and convert on chip: fp32 copies of q, k, v (2 bf16 query units each, kept
             # for backward) and an fp32 [v, 1] were 2 to 7 units of a bf16 layer's peak (recipes/memory_layers.py)
             work = query.dtype
@@ -312,12 +333,15 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
 
         raw = (q5, k5)  # the model's own q, k: a sliding window's exact part scores with them
         sink_q, seen = self._sink_queries(q5, key_padding_mask, lk, state)
+        conv = None
+        if self.config.short_conv:
+            q5, k5, conv = self._short_conv(q5, k5, key_padding_mask, mask, state)
         if not self._maps_with_features(path, state):
             q5, k5 = self.kernel_inputs(q5, k5)
         q5, k5, v5 = self.path_inputs(path, q5, k5, v5)
         if state is not None and lq == 1 and self.decodes_by_step(path):
             out, new_state = self._decode_step(q5, k5, v5, mask, scale, state, key, value, raw, sink_q)
-            return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), _seeing(new_state, seen)
+            return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), _seeing(new_state, seen, conv)
         # half-precision models: the Triton kernels' dots take tf32 operands (fp32 accumulation)
         tf32 = True if out_dtype in HALF else None
         sinks = self._window_sinks(raw[1], v5, mask, None if state is None else state.sinks, sink_q=sink_q)
@@ -327,9 +351,43 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         if state is None:
             return out
         if kv_end is not None:  # the path computed the state after its last key itself
-            return out, _seeing(RecurrentState(kv_end, None, None, None, state.length + lk), seen)
+            return out, _seeing(RecurrentState(kv_end, None, None, None, state.length + lk), seen, conv)
         return out, _seeing(self._next_state(state, key, value, key_padding_mask, k5, v5, mask, fk, vext, path,
-                                             None if sinks is None else sinks.flags), seen)
+                                             None if sinks is None else sinks.flags), seen, conv)
+
+    def _short_conv(self, q5: torch.Tensor, k5: torch.Tensor, query_mask: torch.Tensor | None,
+                    key_mask: torch.Tensor | None, state: RecurrentState | None):
+        """(q, k convolved, (their inputs, size)) with ``short_conv`` (``ops/conv.py``): q5 the call's queries, k5 the
+        state's raw keys then the call's, ``query_mask`` / ``key_mask`` their padding (None: none), padded rows zeroed
+        before the convolution; a state's ``conv_q`` / ``conv_k`` are the inputs before them. The queries of a
+        causal call sit on its last keys, so each query's earlier queries are known only when the call has a query
+        for every key or a state: other calls are refused."""
+        lq, lk = q5.shape[3], k5.shape[3]
+        if state is None and lq != lk:
+            raise ValueError(f"short_conv={self.config.short_conv} convolves the queries of every key: it needs q_len "
+                             f"== kv_len without a recurrent state (self-attention over one sequence), got {lq} and "
+                             f"{lk}")
+        q5, k5 = to_work(q5, k5)
+        if query_mask is not None:
+            q5 = q5 * query_mask[:, None, None, :, None].to(q5.dtype)
+        if key_mask is not None:
+            k5 = k5 * key_mask[:, None, None, :, None].to(k5.dtype)
+        q_out, q_inputs = self.conv_q(q5, None if state is None else state.conv_q)
+        k_out, k_inputs = self.conv_k(k5, None if state is None else state.conv_k)
+        return q_out, k_out, (q_inputs, k_inputs, self.config.short_conv)
+
+    def _ring_decode(self, query, key, value, key_padding_mask, scale, state):
+        """One token on a ``WindowRing`` (``ops/decode.py``): the generic step's arithmetic on buffers written in
+        place; (output, the ring)."""
+        bsz, work = query.shape[0], work_dtype(query.dtype)
+        q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, 1, self.head_dim)
+        ring = state if isinstance(state, WindowRing) else from_recurrent(self, state, bsz, query.device, work,
+                                                                          key.dtype)
+        sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
+        out = ring_step(self, q5, key, value, key_padding_mask, scale, ring, sink_q)
+        if seen is not None:
+            ring.seen = seen
+        return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(query.dtype), ring
 
     def _sink_queries(self, q5: torch.Tensor, key_mask: torch.Tensor | None, lk: int,
                       state: RecurrentState | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -349,19 +407,29 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             return sink_q, None
         return sink_q, seen + (lk if key_mask is None else key_mask.sum(-1))  # one of the two is a (B,) tensor
 
-    def _half_on_triton(self, path: str, causal: bool, device: torch.device) -> bool:
+    def _half_on_triton(self, path: str, causal: bool, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether half-precision q, k, v go to this call's kernels as they are, without fp32 copies: on the
         'triton' backend the causal product and the exact local part (blocks, window) read bf16/fp16 and convert to
-        fp32 on load, while the feature maps and the q/k maps (``kernel_inputs``) upcast their own inputs. Only the
-        kernel product path of this class (a subclass's own ``run_path`` keeps its fp32 inputs), without a recurrent
-        state, causal or with a window (the bidirectional product without one is a PyTorch matmul), and not the
-        per-token cumsum. Where the product or the local part still falls back to PyTorch under 'auto' (over 256
-        feature columns, head dims over 128, squared coefficient polynomials) they upcast there."""
+        fp32 on load (on 'fla' FlexAttention runs the window in the half dtype with fp32 statistics and fla-core's
+        products take fp32 features and [v, 1]), while the feature maps and the q/k maps (``kernel_inputs``) upcast
+        their own inputs. Only the kernel product path of this class (a subclass's own ``run_path`` keeps its fp32
+        inputs), without a recurrent state, causal or with a window (the bidirectional product without one is a
+        PyTorch matmul), and not the per-token cumsum. Where the product or the local part still falls back to
+        PyTorch under 'auto' (over 256 feature columns, head dims over 128, squared coefficient polynomials) they
+        upcast there."""
         cfg = self.config
         return (path == "linear" and self.feature_map is not None and (causal or bool(cfg.window))
-                and cfg.causal_algorithm != "cumsum" and type(self).run_path is PolyAttention.run_path
+                and cfg.causal_algorithm != "cumsum" and not cfg.short_conv  # the convolution computes in fp32
+                and type(self).run_path is PolyAttention.run_path
                 and type(self).path_inputs is PolyAttention.path_inputs
-                and resolve_backend(cfg.backend, device) == "triton")
+                and resolve_backend(self._layer_backend(device, dtype), device) in ("triton", "fla"))
+
+    def _layer_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The backend of this layer's products and exact window on ``device`` for inputs of ``dtype``: 'fla' where
+        'auto' covers the layer or 'fla' is asked for, else the config's (``flex.layer_backend``)."""
+        own = type(self).run_path is not PolyAttention.run_path
+        own = own or type(self).path_inputs is not PolyAttention.path_inputs
+        return layer_backend(self.config, self.feature_map, device, dtype, own)
 
     def kernel_inputs(self, q5: torch.Tensor, k5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k as the kernel sees them: the learnable projection (feature_proj), then the q/k
@@ -392,6 +460,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         with them kept, 16.19 without (n = 1024, H = 4, counted storages on a 2-core CPU, recipes/memory_layers.py)."""
         cfg = self.config
         return (self._maps_inputs and state is None and path == "linear" and self.feature_map is not None
+                and not cfg.short_conv  # the convolution mixes rows: kernel_inputs then run once before the path
                 and type(self).run_path is PolyAttention.run_path
                 and type(self).path_inputs is PolyAttention.path_inputs
                 and (bool(cfg.window) or cfg.resolved_local_kernel is None))
@@ -464,7 +533,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         if (not KERNEL_ACTIVATIONS or fm.activation is None or fm.scaled_inputs or not causal or kv0 is not None
                 or cfg.window or cfg.causal_algorithm == "cumsum"):
             return None
-        return fm.activation if product_backend(cfg.backend, x.device, x.dtype, fm.num_features) == "triton" else None
+        which = product_backend(self._layer_backend(x.device, x.dtype), x.device, x.dtype, fm.num_features)
+        return fm.activation if which == "triton" else None
 
     def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None, sinks=None):
         cfg = self.config
@@ -517,7 +587,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             if cfg.causal_algorithm == "cumsum":
                 far = lt_multiply_cumsum(full(fq), full(fk), vext, decay=decay)
             else:
-                far = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32, act, decay)
+                far = lt_product(fq, fk, vext, block, local is None, square, self._layer_backend(fq.device, q5.dtype),
+                                 tf32, act, decay)
             if kv0 is not None:
                 far = far + read_state(full(fq), kv0, logs)
             if local is not None:

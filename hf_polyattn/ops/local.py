@@ -9,6 +9,7 @@ factor with FAVOR+'s per-query feature scale.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 from torch.nn import functional as F
@@ -16,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .backend import _is_auto, resolve_backend
 from .common import _with_normaliser, normalised_sum, read_state, to_work
+from .flex import flex_window
 from .sketches import symmetric_square
 from .window import OUTSIDE, Sinks, first_true, gather_keys, shifted_lt, sink_flags, window_scores, window_tiles
 
@@ -93,7 +95,7 @@ class LocalExactMixin:
         exp(G_i - G_j); the window is exact and undecayed.
         """
         cfg = self.config
-        w, block, backend = cfg.window, cfg.block_size, cfg.backend
+        w, block, backend = cfg.window, cfg.block_size, self._layer_backend(q5.device, q5.dtype)
         lq, lk = q5.shape[3], k5.shape[3]
         if causal:
             pad = lk - lq  # bottom-right aligned rows: queries sit at the last lq key positions
@@ -126,7 +128,17 @@ class LocalExactMixin:
     def _window_local(self, qs, ks, vext, mask, causal, scale, q_log_scale=None, tf32=None, sinks=None):
         """(loc, far scale) of the exact window part (and its ``sinks``, ``mask`` leaving them out): the Triton
         kernels on the 'triton' backend (weights recomputed in their backward), else ``_window_exact``
-        rematerialised in backward (the n x 2w scores and weights are not kept)."""
+        rematerialised in backward (the n x 2w scores and weights are not kept); on the 'fla' backend
+        FlexAttention (``flex.flex_window``)."""
+        if self._layer_backend(qs.device, qs.dtype) == "fla":
+            kernel = self.config.resolved_local_kernel
+            if kernel != "softmax":
+                raise ValueError(f"backend='fla' runs a sliding window through FlexAttention with softmax weights; "
+                                 f"local_kernel={kernel!r} needs backend 'triton', 'batched' or 'loop' (or 'auto')")
+            if sinks is not None and sinks.q is not None:
+                sinks = replace(sinks, q=_aligned(sinks.q, qs))
+            loc, log_far = flex_window(qs, ks, vext, mask, causal, scale, self.config.window, sinks)
+            return loc, far_scale(log_far, q_log_scale)
         triton = self._local_triton(qs, ks, vext, mask, causal, scale, self.config.resolved_local_kernel,
                                     q_log_scale, tf32, window=self.config.window, sinks=sinks)
         if triton is not None:
@@ -238,12 +250,13 @@ class LocalExactMixin:
 
     def _local_uses_triton(self, kernel: str, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether ``_local_triton`` runs the exact local part with ``kernel`` on ``head_dim``-wide q/k and values."""
-        from .triton import LOCAL_MAX_HEAD_DIM
-
         cfg = self.config
         if resolve_backend(cfg.backend, device, dtype) != "triton" or (
                 kernel != "softmax" and cfg.poly_coefficients is not None):
             return False
+        # imported only on the Triton backend: importing triton took ~5 s, paid by a CPU model's first windowed call
+        from .triton import LOCAL_MAX_HEAD_DIM
+
         return head_dim <= LOCAL_MAX_HEAD_DIM or not _is_auto(cfg.backend)
 
     def _local_triton(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32, window=0, sinks=None):

@@ -19,9 +19,10 @@ import math
 import torch
 
 from .attention import PolyAttention
+from .conv import reference_causal_conv
 from .sketches import symmetric_square
 
-__all__ = ["reference_attention", "reference_lt_product", "reference_weights"]
+__all__ = ["reference_attention", "reference_delta", "reference_lt_product", "reference_weights"]
 
 
 def reference_lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: int, include_diag: bool,
@@ -42,12 +43,22 @@ def reference_lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bloc
     return w @ c
 
 
-def _kernel_inputs(module: PolyAttention, q: torch.Tensor, k: torch.Tensor):
-    """(q, k) as the kernel sees them (projection, then LayerNorm) and the raw (q, k)."""
+def _kernel_inputs(module: PolyAttention, q: torch.Tensor, k: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None = None):
+    """(q, k) as the kernel sees them (the short convolution with padded rows zeroed, the projection, then the
+    LayerNorm) and the raw (q, k)."""
     b, h, lq, d = q.shape
     q5 = q.reshape(b, module.num_kv_heads, module.groups, lq, d)
     k5 = k.unsqueeze(2)
     raw = (q5, k5)
+    if module.config.short_conv:
+        if lq != k.shape[2]:
+            raise ValueError("short_conv needs q_len == kv_len (it convolves the query of every key)")
+        if key_padding_mask is not None:
+            keep = key_padding_mask[:, None, None, :, None].to(q5.dtype)
+            q5, k5 = q5 * keep, k5 * keep
+        q5 = reference_causal_conv(q5, module.conv_q.weight)
+        k5 = reference_causal_conv(k5, module.conv_k.weight)
     if module.config.feature_proj:
         q5, k5 = q5 @ module.feature_proj.weight, k5 @ module.feature_proj.weight
     if module.config.qk_norm:
@@ -121,7 +132,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
     if cfg.sinks and not causal:
         raise ValueError("sinks are defined for causal attention only")
     s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
-    q5, k5, (q_raw, k_raw) = _kernel_inputs(module, q, k)
+    q5, k5, (q_raw, k_raw) = _kernel_inputs(module, q, k, key_padding_mask)
     lq, lk = q.shape[2], k.shape[2]
     x = (q5 @ k5.transpose(-1, -2)) * s
     x_raw = (q_raw @ k_raw.transpose(-1, -2)) * s  # a sliding window scores with the model's own q, k
@@ -199,3 +210,53 @@ def reference_attention(module: PolyAttention, q: torch.Tensor, k: torch.Tensor,
     num = w @ v_rep
     den = w.sum(-1, keepdim=True) + module.config.denominator_offset
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def reference_delta(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, Lq, D) of kind 'delta' from its definition (``kinds/delta.py``), one token at a time in the paper's
+    form: S_t = a_t S_{t-1} (I - b_t k^_t k^_t^T) + b_t v_t k^_t^T (S: d_v x F per kv head), o_i = S_i q^_i with
+    q^, k^ the queries and keys (after the short convolution and the ``delta_feature_map``) over
+    sqrt(|x|^2 + 1e-6); b_t = sigmoid(v_t . w_b + c_b), log a_t from the decay (0 without), both neutral (b = 0,
+    a = 1) at padded keys; plus, with a window, the window and sinks' output (``reference_attention``) and the delta
+    read-out times the per-head factor m."""
+    if not causal:
+        raise ValueError("kind='delta' is causal only")
+    cfg = module.config
+    b, h, lq, d = q.shape
+    hkv, lk, g = module.num_kv_heads, k.shape[2], module.groups
+    q5, k5, _ = _kernel_inputs(module, q, k, key_padding_mask)
+    beta = torch.sigmoid(torch.einsum("bhld,hd->bhl", v, module.beta_weight.to(v.dtype))
+                         + module.beta_bias.to(v.dtype)[None, :, None])
+    if cfg.decay == "none":
+        log_a = torch.zeros_like(beta)
+    elif cfg.decay == "scalar":
+        log_a = (-torch.exp(module.decay_theta.to(v.dtype)))[None, :, None].expand(b, hkv, lk)
+    else:
+        log_a = torch.nn.functional.logsigmoid(torch.einsum("bhld,hd->bhl", v, module.gate_weight.to(v.dtype))
+                                               + module.gate_bias.to(v.dtype)[None, :, None])
+    if key_padding_mask is not None:
+        real = key_padding_mask[:, None, :]
+        beta, log_a = torch.where(real, beta, 0.0), torch.where(real, log_a, 0.0)
+
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    delta = torch.zeros(b, hkv, g, lq, d, dtype=v.dtype, device=v.device)
+    if module.delta_map is not None:  # features before the norm
+        q5, k5 = module.delta_map(q5, True), module.delta_map(k5, False)
+    f = k5.shape[-1]
+    eye = torch.eye(f, dtype=v.dtype, device=v.device)
+    s = torch.zeros(b, hkv, d, f, dtype=v.dtype, device=v.device)
+    for t in range(lk):
+        kt = unit(k5[:, :, 0, t])  # (B, Hkv, f)
+        a, bt = torch.exp(log_a[..., t])[..., None, None], beta[..., t][..., None, None]
+        s = a * s @ (eye - bt * kt[..., :, None] * kt[..., None, :]) + bt * v[:, :, t, :, None] * kt[..., None, :]
+        i = t - (lk - lq)  # the query on key t (rows bottom-right aligned)
+        if i >= 0:
+            delta[:, :, :, i] = torch.einsum("bhvk,bhgk->bhgv", s, unit(q5[:, :, :, i]))
+    delta = delta.reshape(b, h, lq, d)
+    if not cfg.window:
+        return delta
+    window = reference_attention(module, q, k, v, causal=True, scaling=scaling, key_padding_mask=key_padding_mask)
+    return window + module.delta_mix.reshape(1, h, 1, 1).to(v.dtype) * delta

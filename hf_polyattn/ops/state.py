@@ -27,6 +27,11 @@ class RecurrentState:
     ``seen`` (B,) int64: the real (unpadded) keys each row has seen, where the sinks are scored at positions within
     the window (``PolyAttnConfig.sink_position``: a query's position counts them) and a key was padded; None: every
     key was real (``length`` counts them) or nothing needs them.
+    ``conv_q`` (B, Hkv, G, size - 1, D) / ``conv_k`` (B, Hkv, 1, size - 1, D): with ``short_conv`` (``ops/conv.py``)
+    the last size - 1 queries, and the size - 1 keys before the first key this state still holds raw (``k``; the
+    last ones when it holds none), zero at padded positions and before the sequence: what the convolution of the
+    next keys (and of the held ones, when they leave a window) reads. None: no convolution, or nothing seen yet.
+    The kind 'delta' keeps its delta-rule state S (B, Hkv, 1, D, D) in ``kv`` (``kinds/delta.py``).
     """
 
     kv: torch.Tensor | None
@@ -38,6 +43,8 @@ class RecurrentState:
     sink_v: torch.Tensor | None = None
     sink_mask: torch.Tensor | None = None
     seen: torch.Tensor | None = None
+    conv_q: torch.Tensor | None = None
+    conv_k: torch.Tensor | None = None
 
     @property
     def sinks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -119,6 +119,9 @@ KIND_CONFIGS = {
     "bigbird": PolyAttnConfig.for_kind("bigbird", block=2, random_blocks=1),
     # the paper's shared-QK LSH with 4 buckets, 2 rounds and 4 keys per bucket window
     "reformer": PolyAttnConfig.for_kind("reformer", num_buckets=4, bucket_window=4),
+    # the gated delta rule beside a 4-token window and a sink, on q / k convolved over 3 tokens; the delta read-out
+    # mixed in from 0.5 (its default 0 would leave the model its window + sink at init)
+    "delta": PolyAttnConfig.for_kind("delta", window=4, sinks=1, short_conv=3, delta_mix_init=0.5),
 }
 
 

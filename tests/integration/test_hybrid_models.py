@@ -161,8 +161,9 @@ def test_beam_search_and_sampled_sequences_match_uncached(arch_name):
 
 
 def test_cache_bytes_count_both_parts_and_grow_with_the_softmax_heads_only():
-    """Per generated token the cache grows by the softmax kv heads' keys and values (3 pairs x 2 x head_dim 16
-    float32 numbers); the kernel heads' states stay the same size."""
+    """Per generated token the softmax kv heads keep one more key and value (3 pairs x 2 x head_dim 16 float32
+    numbers), in buffers with room for the next tokens (counted in the cache's bytes: memory held); the kernel heads'
+    states stay the same size."""
     model = _gen_model("llama", "linear-window")
     ids = _ids(1, 10)
     sizes = []
@@ -173,7 +174,9 @@ def test_cache_bytes_count_both_parts_and_grow_with_the_softmax_heads_only():
         softmax = sum(s.k.numel() * 4 + s.v.numel() * 4 for s in states)
         kernel = sum(s.kernel.nbytes() for s in states if s.kernel is not None)
         assert cache.nbytes() == softmax + kernel > 0  # no mask: nothing padded
-        sizes.append((cache.nbytes(), kernel))
+        kept = sum(s.keys.numel() * 4 + s.values.numel() * 4 for s in states)
+        assert all(s.keys.shape[2] <= s.k.shape[2] <= s.keys.shape[2] + 256 for s in states)
+        sizes.append((kept, kernel))
     assert sizes[1][1] == sizes[0][1]  # the kernel part is constant (the last window keys and the folded state)
     assert sizes[1][0] - sizes[0][0] == 4 * len(PAIRS["llama"]) * 2 * 16 * 4
 
@@ -186,9 +189,10 @@ def test_cache_layer_batch_select_offload_and_reorder():
     layer = cache.layers[0]
     before = layer.state
     layer.batch_select_indices(torch.tensor([True, False, True]))
-    assert torch.equal(layer.state.k, before.k[[0, 2]]) and torch.equal(layer.state.kernel.kv, before.kernel.kv[[0, 2]])
+    assert torch.equal(layer.state.keys, before.keys[[0, 2]])
+    assert torch.equal(layer.state.kernel.kv, before.kernel.kv[[0, 2]])
     layer.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(layer.state.v, before.v[[2, 0]])
+    assert torch.equal(layer.state.values, before.values[[2, 0]])
     layer.offload()
     layer.prefetch()
     assert isinstance(layer.state, HybridState) and layer.state.k.device == ids.device

@@ -1,0 +1,265 @@
+"""Token-by-token decoding with a sliding window, on a state updated in place (``WindowRing``).
+
+The generic recurrent step (``RecurrentMixin._decode_window``) rebuilds its window every token: it concatenates the
+kept keys with the new one, recomputes every window key's gate from its value, re-applies the kernel inputs to all of
+them, gathers the sink slots and slices the window back out. On SmolLM2-135M with the long-context recipe that was
+about 400 tensor operations per layer per token, most of them on 128 x 64 tensors, where each costs its dispatch and
+not its arithmetic (a 2-core CPU spent about half of a decoding step outside the weights' matmuls and attention).
+
+``WindowRing`` keeps the same information in fixed-size buffers written in place:
+
+* ``keys`` / ``vext`` (B, Hkv, S + W, d) and (.., d + 1): S sink slots, then a ring of W window slots (the model's
+  own keys and their [v, 1]; zero rows at empty or padded slots), ``valid`` (B, S + W) which slots hold a real key;
+* ``logg`` (B, Hkv, W): the log-gates of the ring's keys (``decay``), stored once when the key arrives instead of
+  recomputed from the values every token;
+* ``kv`` (B, Hkv, F, d + 1): the kernel state, referenced at the last folded key exactly as ``RecurrentState.kv``,
+  so a query reads it times exp(sum of the ring's log-gates) (the gates of the keys after the folded one) and nothing
+  is ever divided.
+
+One step writes the new key into the ring slot of the key that leaves the window, after folding that key into ``kv``
+(or keeping it as a sink: a row's first ``sinks`` real keys), and reads the S + W slots exactly and the state through
+the features: the same arithmetic as the generic step (tested to agree with it, and with the chunked path, token by
+token), in about 30 operations a layer. Positions inside the ring do not matter: softmax (or the polynomial window)
+over a set of keys does not depend on their order, and RoPE was applied to each key before it arrived.
+
+A state converts from and back to ``RecurrentState`` (``from_recurrent`` / ``to_recurrent``), so a multi-token call
+after decoding (a second prompt turn, speculative tokens) and a call with gradients take the generic path; the
+in-place writes are only made when no gradient is recorded (``torch.is_grad_enabled()`` False, as in ``generate()``).
+
+Pure PyTorch: never imports transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from .common import _safe_divide
+from .local import far_scale
+from .state import RecurrentState
+
+__all__ = ["WindowRing", "ring_supported"]
+
+
+@dataclass
+class WindowRing:
+    """Decoding state of a windowed kernel layer, in fixed-size buffers (module docstring). ``head``: the ring slot
+    the next key goes to; ``count``: how many ring slots were ever written (<= W); ``length``, ``seen``: as
+    ``RecurrentState``; ``filled`` (B,) int64: sink slots filled per row, None once every row has all of them
+    (``sinks_full``); ``key_dtype``: the dtype of the model's keys, restored by ``to_recurrent``."""
+
+    kv: torch.Tensor
+    keys: torch.Tensor
+    vext: torch.Tensor
+    valid: torch.Tensor
+    logg: torch.Tensor | None
+    filled: torch.Tensor | None
+    head: int
+    count: int
+    length: int
+    seen: torch.Tensor | None
+    sinks: int
+    key_dtype: torch.dtype
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
+
+    def map(self, fn) -> WindowRing:
+        return replace(self, **{f.name: fn(t) for f in fields(self) if isinstance(t := getattr(self, f.name),
+                                                                                   torch.Tensor)})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def index_select(self, index: torch.Tensor) -> WindowRing:
+        """Reorder/select batch rows (beam search, num_return_sequences)."""
+        return self.map(lambda t: t.index_select(0, index.to(t.device)))
+
+    def repeat_interleave(self, repeats: int) -> WindowRing:
+        return self.map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    @property
+    def window(self) -> int:
+        return self.keys.shape[2] - self.sinks
+
+    def _ring_order(self) -> torch.Tensor | slice:
+        """The ring slots from the oldest key to the newest."""
+        w = self.window
+        if self.count < w:
+            return slice(0, self.count)
+        return (torch.arange(w, device=self.keys.device) + self.head) % w
+
+    def to_recurrent(self) -> RecurrentState:
+        """The same state as a ``RecurrentState`` (window keys in order, the sinks that left it), for the generic
+        path."""
+        s, d = self.sinks, self.keys.shape[-1]
+        order = self._ring_order()
+        ring_k = self.keys[:, :, s:][:, :, order]
+        ring_v = self.vext[:, :, s:, :d][:, :, order]
+        ring_valid = self.valid[:, s:][:, order]
+        k = v = mask = None
+        if ring_k.shape[2]:
+            k, v = ring_k.to(self.key_dtype), ring_v.to(self.key_dtype)
+            mask = None if bool(ring_valid.all()) else ring_valid
+        sink_k = sink_v = sink_mask = None
+        if s and bool(self.valid[:, :s].any()):
+            sink_k = self.keys[:, :, :s].to(self.key_dtype)
+            sink_v = self.vext[:, :, :s, :d].to(self.key_dtype)
+            sink_mask = self.valid[:, :s].clone()
+        return RecurrentState(self.kv.unsqueeze(2), k, v, mask, self.length, sink_k, sink_v, sink_mask, self.seen)
+
+
+def ring_supported(module, state) -> bool:
+    """Whether ``module`` (a ``PolyAttention``) decodes ``state`` with a ``WindowRing``: a sliding window, no
+    learned sink slots and no short convolution (their state is not in the ring), the kernel-product path with a
+    state of folded keys, no gradient recorded."""
+    from .attention import PolyAttention  # the module class this serves (imports this file)
+
+    cfg, cls = module.config, type(module)
+    return (bool(cfg.window) and not cfg.learned_sinks and not cfg.short_conv and module.feature_map is not None
+            and not torch.is_grad_enabled() and module.decodes_by_step(module._recurrent_path())
+            # a kind with its own path or input precision (the polynomial kind's float64 tensor features) keeps the
+            # generic step, which computes what its path computes
+            and cls.run_path is PolyAttention.run_path and cls.path_inputs is PolyAttention.path_inputs
+            and isinstance(state, (RecurrentState, WindowRing)))
+
+
+def from_recurrent(module, state: RecurrentState, batch: int, device, work: torch.dtype,
+                   key_dtype: torch.dtype) -> WindowRing:
+    """A ``WindowRing`` holding what ``state`` (the generic state after a prefill, or an empty one) holds."""
+    cfg = module.config
+    s, w, d, hkv = cfg.sinks, cfg.window, module.head_dim, module.num_kv_heads
+    keys = torch.zeros(batch, hkv, s + w, d, dtype=work, device=device)
+    vext = torch.zeros(batch, hkv, s + w, d + 1, dtype=work, device=device)
+    valid = torch.zeros(batch, s + w, dtype=torch.bool, device=device)
+    logg = None if cfg.decay == "none" else torch.zeros(batch, hkv, w, dtype=work, device=device)
+    if state.kv is None:
+        kv = torch.zeros(batch, hkv, module.num_features, d + 1, dtype=work, device=device)
+    else:
+        kv = state.kv.to(work).squeeze(2).expand(batch, -1, -1, -1).clone()
+
+    def put(at: slice, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor) -> None:
+        keys[:, :, at] = k.to(work)
+        vext[:, :, at, :d] = v.to(work)
+        vext[:, :, at, d] = 1.0
+        vext[:, :, at] *= real[:, None, :, None].to(work)
+        valid[:, at] = real
+
+    filled = None
+    if s:
+        filled = torch.zeros(batch, dtype=torch.long, device=device)
+        if state.sink_k is not None:
+            put(slice(0, s), state.sink_k, state.sink_v, state.sink_mask)
+            filled = state.sink_mask.sum(-1)
+        if bool((filled == s).all()):
+            filled = None
+    count = 0 if state.k is None else state.k.shape[2]
+    if count:
+        if count > w:
+            raise AssertionError(f"a windowed state keeps at most {w} keys, got {count}")
+        real = state.mask if state.mask is not None else torch.ones(batch, count, dtype=torch.bool, device=device)
+        put(slice(s, s + count), state.k, state.v, real)
+        if logg is not None:
+            logg[..., :count] = module.log_gates(state.v.to(work).unsqueeze(2), state.mask).squeeze(2)
+    return WindowRing(kv, keys, vext, valid, logg, filled, count % w, count, state.length, state.seen, s, key_dtype)
+
+
+def _log_gate(module, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """log g of the new token's values v (B, Hkv, 1, d): ``PolyAttention.log_gates`` for one key, as a product and a
+    sum over d instead of a batched matmul (12 dispatched operations down to 4)."""
+    if module.config.decay != "gate":
+        return module.log_gates(v.unsqueeze(2), mask).squeeze(2)
+    z = (v * module.gate_weight.to(v.dtype).unsqueeze(1)).sum(-1) + module.gate_bias.to(v.dtype).unsqueeze(-1)
+    lg = torch.nn.functional.logsigmoid(z)  # (B, Hkv, 1)
+    return lg if mask is None else torch.where(mask[:, None, :], lg, 0.0)
+
+
+def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              scale: float, ring: WindowRing, sink_q: torch.Tensor | None) -> torch.Tensor:
+    """One token: the layer's (B, Hkv, G, d) output and ``ring`` updated in place.
+
+    q5 (B, Hkv, G, 1, d) the model's own query in the working dtype, key/value (B, Hkv, 1, d) the new token's as the
+    model gave them, ``mask`` (B, 1) bool or None, ``sink_q`` the query re-rotated for the sinks (``Sinks.q``) or
+    None. The module's maps (features, q/k maps, gates) take the 5-D layout (B, Hkv, G, L, d) they are written for;
+    the products run on 4-D views, a kv head's G queries as the rows of one matmul (a 5-D broadcast over G copied the
+    keys G times).
+    """
+    cfg = module.config
+    s, w, d = ring.sinks, ring.window, module.head_dim
+    b, hkv, g = q5.shape[:3]
+    work = q5.dtype
+    k_new, v_new = key.to(work), value.to(work)  # (B, Hkv, 1, d)
+    slot = s + ring.head
+    if ring.count == w:  # the key in this slot leaves the window: into the state, or kept as a sink
+        k_old, vx_old = ring.keys.narrow(2, slot, 1), ring.vext.narrow(2, slot, 1)
+        if ring.filled is not None:
+            is_sink = ring.valid[:, slot] & (ring.filled < s)  # (B,): one of its row's first `sinks` real keys
+            into = (torch.arange(s, device=q5.device) == ring.filled[:, None]) & is_sink[:, None]  # (B, S)
+            at = into[:, None, :, None]
+            ring.keys[:, :, :s] = torch.where(at, k_old, ring.keys[:, :, :s])
+            ring.vext[:, :, :s] = torch.where(at, vx_old, ring.vext[:, :, :s])
+            ring.valid[:, :s] |= into
+            ring.filled += is_sink.long()
+            # a key that became a sink is attended through its slot from now on: its kernel weight is not folded
+            vx_old = vx_old * (~is_sink).to(work)[:, None, None, None]
+            if bool((ring.filled == s).all()):
+                ring.filled = None
+        feats = module.feature_map(module._feature_inputs(module.kernel_input(k_old.unsqueeze(2), False), scale),
+                                   False)  # (B, Hkv, 1, 1, F)
+        add = feats.view(b, hkv, -1, 1) * vx_old  # the outer product phi(k)^T [v 1]: (B, Hkv, F, d + 1)
+        if ring.logg is not None:  # the reference moves to the folded key: the state decays by its gate
+            ring.kv.mul_(torch.exp(ring.logg.narrow(2, ring.head, 1)).unsqueeze(-1)).add_(add)
+        else:
+            ring.kv.add_(add)
+    # the new key takes the slot
+    ring.keys.narrow(2, slot, 1).copy_(k_new)
+    vx = ring.vext.select(2, slot)
+    if mask is None:
+        vx.narrow(-1, 0, d).copy_(v_new.squeeze(2))
+        vx.select(-1, d).fill_(1.0)
+        ring.valid.select(1, slot).fill_(True)
+    else:
+        real = mask.to(work)  # (B, 1)
+        vx.narrow(-1, 0, d).copy_(v_new.squeeze(2) * real[:, :, None])
+        vx.select(-1, d).copy_(real)
+        ring.valid.select(1, slot).copy_(mask.squeeze(1))
+    if ring.logg is not None:
+        ring.logg.narrow(2, ring.head, 1).copy_(_log_gate(module, v_new, mask))
+    ring.head = (ring.head + 1) % w
+    ring.count = min(ring.count + 1, w)
+    ring.length += 1
+    # exact part: the sinks (scored by the re-rotated query when given) and the window's keys, one normaliser; the
+    # products as batched matmuls over (B Hkv) on 3-D views (a 4-D matmul dispatched twice the operations)
+    bh, e = b * hkv, ring.vext.shape[-1]
+    kt = ring.keys.view(bh, s + w, d).transpose(1, 2)  # (B Hkv, d, S + W)
+    x = torch.bmm(q5.reshape(bh, g, d), kt)  # (B Hkv, G, S + W)
+    if s and sink_q is not None:
+        x.narrow(2, 0, s).copy_(torch.bmm(sink_q.reshape(bh, g, d), kt.narrow(2, 0, s)))
+    x = x.view(b, hkv, g, s + w) * scale
+    if cfg.resolved_local_kernel == "softmax":  # exact_weights' softmax: exp(x - m), m = the row max clamped at 0
+        x = torch.where(ring.valid[:, None, None, :], x, float("-inf"))
+        m = x.amax(dim=-1, keepdim=True).clamp_min_(0.0)
+        weights, log_far = torch.exp(x - m), -m
+    else:
+        weights, log_far = module.exact_weights(x, ring.valid[:, None, None, :], cfg.resolved_local_kernel)
+    num = torch.bmm(weights.view(bh, g, s + w), ring.vext.view(bh, s + w, e))  # (B Hkv, G, d + 1)
+    # kernel part: the state, decayed by the gates of every key after the folded one (the ring's keys)
+    fq = module._feature_inputs(module.kernel_input(q5, True), scale)
+    q_log_scale = None
+    if module.feature_map.log_scaled:
+        fq, q_log_scale = module.feature_map.forward_with_log_scale(fq, True)
+        q_log_scale = q_log_scale.view(b, hkv, g, 1)
+    else:
+        fq = module.feature_map(fq, True)
+    far = torch.bmm(fq.reshape(bh, g, -1), ring.kv.view(bh, -1, e)).view(b, hkv, g, e)
+    num = num.view(b, hkv, g, e)
+    factor = far_scale(log_far, q_log_scale)
+    if ring.logg is not None:
+        decay = torch.exp(ring.logg.sum(-1))[..., None, None]  # (B, Hkv, 1, 1)
+        factor = decay if factor is None else factor * decay
+    if cfg.window_mix:
+        mix = module.window_mix.abs().to(work).view(hkv, g, 1)
+        factor = mix if factor is None else factor * mix
+    num = num + (far if factor is None else far * factor)
+    return _safe_divide(num[..., :d], num[..., d:] + cfg.denominator_offset)
