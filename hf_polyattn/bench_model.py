@@ -12,7 +12,8 @@ skipped and listed as such):
 - prefill: one forward of the b x n prompt into an empty cache (``logits_to_keep=1``, as ``generate()`` does),
   best of ``--repeats``; its peak memory above what was held before it;
 - decode: the median of ``--decode-steps`` single-token steps after ``--warmup`` untimed ones, from that prefill's
-  cache; the cache's bytes right after the prefill, beside :func:`hf_polyattn.decode_memory`'s formula.
+  cache; the cache's bytes right after the prefill (and, in the JSON, after the decoded tokens), each beside
+  :func:`hf_polyattn.decode_memory`'s formula.
 
 The retrofit decodes with its ``PolyAttnCache``, the base with transformers' ``DynamicCache``: what ``generate()``
 gives each. Both models are loaded in this one process and run interleaved (their prefill repeats alternate, and
@@ -210,7 +211,11 @@ def _measure_cell(models: dict, batch: int, length: int, *, repeats: int, decode
                 row[name]["decode_ms"].append(1e3 * (time.perf_counter() - t0))
             state[name] = (cache, token)
     for name in NAMES:
-        row[name]["decode_median_ms"] = statistics.median(row[name]["decode_ms"])
+        r = row[name]
+        r["decode_median_ms"] = statistics.median(r["decode_ms"])
+        r["cache_bytes_decoding"] = cache_nbytes(state[name][0])  # after the decoded tokens
+        r["cache_bytes_decoding_formula"] = decode_memory(models[name], (length,), batch=batch,
+                                                          decoded=warmup + decode_steps).total[0]
     add_ratios(row)
     return row
 
@@ -365,7 +370,8 @@ def markdown(rows: list[dict]) -> str:
             lines.append(f"| {r['batch']} | {r['length']} | {b[time_key]:{fmt}} | {p[time_key]:{fmt}} | "
                          f"{_x(r[speedup])} | {size(b[memory_key])} | {size(p[memory_key])} | {_x(r[ratio])} |")
     lines = [line for line in lines if line is not None]
-    off = [r for r in done for n in NAMES if r[n]["cache_bytes"] != r[n]["cache_bytes_formula"]]
+    off = [r for r in done if any(r[n][f"cache_bytes{when}"] != r[n][f"cache_bytes{when}_formula"]
+                                  for n in NAMES for when in ("", "_decoding"))]
     if off:
         lines += ["", "Cache bytes differing from decode_memory's formula (a bug to report): " + ", ".join(
             f"batch {r['batch']} length {r['length']}" for r in off)]

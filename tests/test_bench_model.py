@@ -59,6 +59,7 @@ def test_cli_writes_the_files_and_ratios_come_from_its_own_numbers(dirs, tmp_pat
             assert len(m["prefill_s"]) == 2 and m["prefill_best_s"] == min(m["prefill_s"])
             assert len(m["decode_ms"]) == 3 and m["decode_median_ms"] == statistics.median(m["decode_ms"])
             assert m["cache_bytes"] == m["cache_bytes_formula"] > 0
+            assert m["cache_bytes_decoding"] == m["cache_bytes_decoding_formula"] > 0
         assert r["prefill_speedup"] == base["prefill_best_s"] / retro["prefill_best_s"]
         assert r["decode_speedup"] == base["decode_median_ms"] / retro["decode_median_ms"]
         assert r["cache_ratio"] == retro["cache_bytes"] / base["cache_bytes"]

@@ -229,12 +229,12 @@ def cache_nbytes(cache) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeMemory:
-    """Bytes of a generation cache after prompts of ``lengths`` tokens (``batch`` unpadded rows, weights in
-    ``dtype``), from :func:`decode_memory`.
+    """Bytes of a generation cache after prompts of ``lengths`` tokens and ``decoded`` tokens generated from each
+    (``batch`` unpadded rows, weights in ``dtype``), from :func:`decode_memory`.
 
-    ``per_token``: what the cache grows by with each token, for good (the softmax heads' keys and values; 0 for a
-    model whose every head keeps a constant-size state); ``total[i]``: the whole cache after ``lengths[i]`` tokens
-    (the constant states, windows and sinks included). ``softmax_*``: the same model with softmax attention and
+    ``per_token``: what the cache stores per token for good (the softmax heads' keys and values; 0 for a model whose
+    every head keeps a constant-size state); ``total[i]``: the whole cache (the constant states, windows, sinks and
+    the softmax heads' room for the next tokens included). ``softmax_*``: the same model with softmax attention and
     transformers' ``DynamicCache`` (what ``generate()`` gives it). ``kind``: the polyattn kind, None for a softmax
     model (its figures are then the softmax ones).
     """
@@ -242,6 +242,7 @@ class DecodeMemory:
     kind: str | None
     dtype: torch.dtype
     batch: int
+    decoded: int
     lengths: tuple[int, ...]
     per_token: int
     total: tuple[int, ...]
@@ -254,24 +255,57 @@ class DecodeMemory:
                 for n, b, s in zip(self.lengths, self.total, self.softmax_total)]
 
 
-def _layer_state_bytes(module: AttentionBase, n: int, batch: int, item: int, work: torch.dtype) -> tuple[int, int]:
-    """(bytes per token kept for good, the other bytes) of one layer's decoding state after ``n`` unpadded tokens.
+def _softmax_buffer_tokens(prompt: int, decoded: int) -> int:
+    """Positions of a softmax head's key buffer after a prompt of ``prompt`` tokens (one call) and ``decoded``
+    single-token steps, without a recorded gradient (``generate()``): ``ops.hybrid.buffer_length`` of the prompt,
+    grown again each time a token finds it full."""
+    from ..ops.hybrid import buffer_length
 
-    Mirrors what the modules store (``ops/recurrent.py`` ``_next_state`` / ``_decode_window``, ``ops/hybrid.py``,
+    size = buffer_length(prompt)
+    while size < prompt + decoded:
+        size = buffer_length(size + 1)
+    return size
+
+
+def _decodes_on_ring(module: PolyAttention) -> bool:
+    """Whether the module's single-token steps keep a ``WindowRing`` (``ops/decode.py``) instead of its state."""
+    from ..ops.decode import ring_supported
+
+    with torch.no_grad():
+        return ring_supported(module, RecurrentState(None, None, None, None, 0))
+
+
+def _kept_per_token(module: AttentionBase, batch: int, item: int, work: torch.dtype) -> int:
+    """Bytes one layer's state keeps for good per token: a hybrid's softmax heads' keys and values, every key of a
+    kind that keeps them all (``KVCacheAttention``, the exact polynomial's quadratic path); 0 for a constant state."""
+    if isinstance(module, HybridAttention):
+        kernel = 0 if module.kernel is None else _kept_per_token(module.kernel, batch, item, work)
+        return 2 * batch * len(module.softmax_kv_heads) * module.head_dim * item + kernel
+    if isinstance(module, KVCacheAttention) or (isinstance(module, PolyAttention)
+                                                and module._recurrent_path() == "quadratic"):
+        return _layer_state_bytes(module, 2, 0, batch, item, work) - _layer_state_bytes(module, 1, 0, batch, item,
+                                                                                         work)
+    return 0
+
+
+def _layer_state_bytes(module: AttentionBase, prompt: int, decoded: int, batch: int, item: int,
+                       work: torch.dtype) -> int:
+    """Bytes of one layer's decoding state after a prompt of ``prompt`` unpadded tokens (one call) and ``decoded``
+    single-token steps.
+
+    Mirrors what the modules store (``ops/recurrent.py``, ``ops/decode.py``, ``ops/hybrid.py``, ``kinds/delta.py``,
     ``KVCacheAttention``); ``tests/integration/test_decode_memory.py`` checks it against real caches. ``item``: bytes
     of one number in the model's dtype (keys and values are kept as the model made them); ``work``: the working
-    dtype (the kernel state F x (D + 1) accumulates in fp32 for a half-precision model)."""
-    hk, d = module.num_kv_heads, module.head_dim
-    if isinstance(module, HybridAttention):
-        grows = 2 * batch * len(module.softmax_kv_heads) * d * item
-        if module.kernel is None:
-            return grows, 0
-        kernel_grows, fixed = _layer_state_bytes(module.kernel, n, batch, item, work)
-        return grows + kernel_grows, fixed
+    dtype (kernel states, rings and convolution inputs are kept in it: fp32 for a half-precision model)."""
+    hk, d, n = module.num_kv_heads, module.head_dim, prompt + decoded
+    w_item = torch.empty((), dtype=work).element_size()
+    if isinstance(module, HybridAttention):  # the softmax heads' buffers, with room for the next tokens
+        grows = 2 * batch * len(module.softmax_kv_heads) * d * item * _softmax_buffer_tokens(prompt, decoded)
+        kernel = 0 if module.kernel is None else _layer_state_bytes(module.kernel, prompt, decoded, batch, item, work)
+        return grows + kernel
     if isinstance(module, KVCacheAttention):  # every key and value (a shared-QK Reformer: keys from the queries)
-        shared = getattr(module, "shared_qk", False)
-        keys = module.num_heads * torch.empty((), dtype=work).element_size() if shared else hk * item
-        return batch * d * (keys + hk * item), 0
+        keys = module.num_heads * w_item if getattr(module, "shared_qk", False) else hk * item
+        return n * batch * d * (keys + hk * item)
     if not isinstance(module, PolyAttention):
         raise ValueError(f"decode_memory: the decoding state of {type(module).__name__} (kind "
                          f"{module.config.kind!r}) is not modelled")
@@ -279,22 +313,38 @@ def _layer_state_bytes(module: AttentionBase, n: int, batch: int, item: int, wor
     key_value = 2 * batch * hk * d * item
     path = module._recurrent_path()
     if path == "quadratic":  # exact polynomial without tensor features: every key
-        return key_value, 0
-    if cfg.window:
-        keep = min(cfg.window, n)  # the window's raw keys and values
+        return n * key_value
+    s, w = cfg.sinks, cfg.window
+    # a single-token call (every decoding step, and a one-token prompt) keeps a ring: fixed buffers of S + W slots of
+    # keys and [v 1], their flags and log-gates, and the state
+    if (decoded or prompt == 1) and _decodes_on_ring(module):
+        ring = batch * hk * (s + w) * (2 * d + 1) * w_item + batch * (s + w)
+        ring += batch * hk * module.num_features * (d + 1) * w_item
+        if cfg.decay != "none":
+            ring += batch * hk * w * w_item
+        if s and n - w < s:  # sink slots still to fill: a (B,) int64 count of them
+            ring += 8 * batch
+        return ring
+    if w:
+        keep = min(w, n)  # the window's raw keys and values
     elif cfg.resolved_local_kernel is not None:
         keep = n % cfg.block_size  # the keys of the current incomplete block
     else:
         keep = 0
-    fixed = keep * key_value
-    if module.num_features and n > keep:  # a key was folded: phi(K)^T [V 1], (B, Hkv, F, D + 1)
+    total = keep * key_value
+    if path == "delta":  # the delta-rule state S, features x head_dim per kv head, after any key
+        feats = d if module.delta_map is None else module.delta_map.num_features
+        total += batch * hk * feats * d * w_item
+    elif module.num_features and n > keep:  # a key was folded: phi(K)^T [V 1], (B, Hkv, F, D + 1)
         # in the dtype the path computes in: the working dtype, float64 for exact tensor features
         probe = torch.empty(0, device="meta", dtype=work)
         state_item = module.path_inputs(path, probe, probe, probe)[0].element_size()
-        fixed += batch * hk * module.num_features * (d + 1) * state_item
-    if cfg.window and cfg.sinks and n > cfg.window:  # the sink slots (all of them once a key left) + their flags
-        fixed += cfg.sinks * key_value + batch * cfg.sinks
-    return 0, fixed
+        total += batch * hk * module.num_features * (d + 1) * state_item
+    if w and s and n > w:  # the sink slots (all of them once a key left) + their flags
+        total += s * key_value + batch * s
+    if cfg.short_conv > 1:  # the convolution's last size - 1 inputs: the G queries and the key of each kv head
+        total += batch * hk * (module.groups + 1) * (cfg.short_conv - 1) * d * w_item
+    return total
 
 
 def _polyattn_modules(model_or_config, dtype: torch.dtype) -> tuple[str | None, list[AttentionBase]]:
@@ -337,24 +387,30 @@ def _model_dtype(model_or_config, dtype) -> torch.dtype:
     return stored if isinstance(stored, torch.dtype) else torch.float32
 
 
-def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int = 1,
+def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int = 1, decoded: int = 0,
                   dtype: torch.dtype | str | None = None) -> DecodeMemory:
     """The bytes of a generation cache after prompts of ``lengths`` tokens, from the configs alone.
 
     ``model_or_config``: a polyattn model (or a softmax one), or its transformers config (``config.polyattn`` read,
     nothing loaded: the layers are built on the meta device for their sizes). ``dtype``: the weights' dtype
-    (default: the model's, else the config's ``dtype``, else float32). ``batch``: unpadded rows.
+    (default: the model's, else the config's ``dtype``, else float32). ``batch``: unpadded rows. ``decoded``: tokens
+    generated after the prompt (one by one, as ``generate()`` does; 0: right after the prompt's forward, one call).
 
     Softmax (``DynamicCache``): 2 x layers x kv_heads x head_dim x dtype bytes per token and row. A polyattn model
-    (``PolyAttnCache``): per layer, its softmax kv heads' keys and values per token, plus the other heads' constant
-    state: the kernel state F x (head_dim + 1) per kv head in the working dtype (fp32 for half precision), the
-    window's last ``window`` keys and values, ``sinks`` sink keys and values and their flags; with ``local_exact``
-    the keys of the current incomplete block. Padded prompts add a key padding flag (1 byte) per key kept and 8
-    bytes per row; not counted here. Raises ValueError for a kind whose state is not modelled and for a softmax
-    config whose cache is not a plain ``DynamicCache`` of full layers (sliding-window layers).
+    (``PolyAttnCache``): per layer, its softmax kv heads' keys and values per token, in buffers with room for 1/8
+    more tokens (at least 256: decoding writes in place), plus the other heads' constant state: the kernel state
+    F x (head_dim + 1) per kv head in the working dtype (fp32 for half precision), the window's last ``window`` keys
+    and values, ``sinks`` sink keys and values and their flags, the short convolution's last inputs; with
+    ``local_exact`` the keys of the current incomplete block. While decoding, a windowed layer keeps these in its ring
+    (``ops/decode.py``: the window and sink slots in the working dtype, their flags and log-gates). Padded prompts add
+    a key padding flag (1 byte) per key kept and 8 bytes per row; not counted here. Raises ValueError for a kind
+    whose state is not modelled and for a softmax config whose cache is not a plain ``DynamicCache`` of full layers
+    (sliding-window layers).
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if isinstance(decoded, bool) or not isinstance(decoded, int) or decoded < 0:
+        raise ValueError(f"decoded must be an int >= 0, got {decoded!r}")
     lengths = tuple(lengths)
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
         raise ValueError(f"lengths must be ints >= 1, got {lengths!r}")
@@ -363,7 +419,6 @@ def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int =
         raise TypeError(f"decode_memory needs a transformers model or config, got {type(model_or_config).__name__}")
     dt = _model_dtype(model_or_config, dtype)
     item = torch.empty((), dtype=dt).element_size()
-    work = work_dtype(dt)
     kind, modules = _polyattn_modules(model_or_config, dt)
     text = config.get_text_config(decoder=True)
     if modules:  # the layers' own head sizes
@@ -377,11 +432,11 @@ def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int =
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         softmax_per_token = 2 * batch * text.num_hidden_layers * kv_heads * head_dim * item
-    softmax_total = tuple(softmax_per_token * n for n in lengths)
+    softmax_total = tuple(softmax_per_token * (n + decoded) for n in lengths)
     if not modules:
-        return DecodeMemory(None, dt, batch, lengths, softmax_per_token, softmax_total, softmax_per_token,
+        return DecodeMemory(None, dt, batch, decoded, lengths, softmax_per_token, softmax_total, softmax_per_token,
                             softmax_total)
-    per_token = sum(_layer_state_bytes(m, 1, batch, item, work)[0] for m in modules)
-    total = tuple(per_token * n + sum(_layer_state_bytes(m, n, batch, item, work)[1] for m in modules)
-                  for n in lengths)
-    return DecodeMemory(kind, dt, batch, lengths, per_token, total, softmax_per_token, softmax_total)
+    work = work_dtype(dt)
+    per_token = sum(_kept_per_token(m, batch, item, work) for m in modules)
+    total = tuple(sum(_layer_state_bytes(m, n, decoded, batch, item, work) for m in modules) for n in lengths)
+    return DecodeMemory(kind, dt, batch, decoded, lengths, per_token, total, softmax_per_token, softmax_total)

@@ -1,6 +1,7 @@
-"""decode_memory's formula equals the bytes a real cache holds after a prompt (and after decoding on from it): every
-causal kind, a hybrid with softmax heads + window + sinks + gate (the demo's recipe), bf16, batches, lengths on both
-sides of the window and of a block; from a model and from its saved config alone."""
+"""decode_memory's formula equals the bytes a real cache holds after a prompt and after decoding on from it (the
+softmax heads' buffers with room, a window's ring): every causal kind, a hybrid with softmax heads + window + sinks +
+gate (the demo's recipe), a short convolution, bf16, batches, lengths on both sides of the window and of a block;
+from a model and from its saved config alone."""
 
 import pytest
 import torch
@@ -18,7 +19,11 @@ CONFIGS = {**{k: KIND_CONFIGS[k] for k in CAUSAL_KINDS},
            "hybrid": HYBRID,
            "hybrid-all-softmax-layer": HYBRID.replace(softmax_heads=((0, 0), (0, 1), (1, 0))),
            "polysketch-window-sinks": PolyAttnConfig(kind="polysketch", sketch_size=4, window=5, sinks=3),
-           "polynomial-quadratic": PolyAttnConfig(kind="polynomial", degree=2, exact_path="quadratic")}
+           "polynomial-quadratic": PolyAttnConfig(kind="polynomial", degree=2, exact_path="quadratic"),
+           "linear-conv-hybrid": PolyAttnConfig(kind="linear", feature_map="elu", window=4, sinks=1, short_conv=3,
+                                                softmax_heads=((1, 0),)),
+           "delta-elu-hybrid": PolyAttnConfig.for_kind("delta", window=4, sinks=2, decay="gate",
+                                                       delta_feature_map="elu", softmax_heads=((0, 0),))}
 LENGTHS = (1, 4, 5, 6, 7, 9, 13)  # around the windows (4-6) and blocks (4)
 
 
@@ -37,19 +42,22 @@ def test_formula_equals_the_polyattn_cache(name):
     model = build("llama", CONFIGS[name])
     for batch in (1, 2):
         mem = decode_memory(model, LENGTHS, batch=batch)
-        assert mem.kind == CONFIGS[name].kind and mem.batch == batch
+        assert mem.kind == CONFIGS[name].kind and mem.batch == batch and mem.decoded == 0
         got = tuple(measured(model, PolyAttnCache(model), batch, n) for n in LENGTHS)
         assert mem.total == got, name
-    # decoding on from a prompt: the state the decode step writes is counted the same way
-    after = measured(model, PolyAttnCache(model), 1, 5, steps=4)
-    assert decode_memory(model, (9,)).total == (after,)
+    # decoding on from a prompt (a window's ring from the first step on, the softmax buffers' room), and past it
+    for prompt, steps in ((5, 1), (5, 4), (2, 9), (3, 300)):
+        after = measured(model, PolyAttnCache(model), 1, prompt, steps=steps)
+        assert decode_memory(model, (prompt,), decoded=steps).total == (after,), (name, prompt, steps)
 
 
-def test_formula_bf16_and_softmax_side():
-    model = build("llama", HYBRID).to(torch.bfloat16)
+@pytest.mark.parametrize("name", ["hybrid", "linear-conv-hybrid", "delta-elu-hybrid"])
+def test_formula_bf16_and_softmax_side(name):
+    model = build("llama", CONFIGS[name]).to(torch.bfloat16)
     mem = decode_memory(model, LENGTHS, batch=2)
     assert mem.dtype == torch.bfloat16
     assert mem.total == tuple(measured(model, PolyAttnCache(model), 2, n) for n in LENGTHS)
+    assert decode_memory(model, (7,), batch=2, decoded=3).total == (measured(model, PolyAttnCache(model), 2, 7, 3),)
     base = build("llama").to(torch.bfloat16)
     dyn = tuple(measured(base, DynamicCache(config=base.config), 2, n) for n in LENGTHS)
     assert mem.softmax_total == dyn
@@ -60,14 +68,15 @@ def test_formula_bf16_and_softmax_side():
 
 def test_per_token_is_the_softmax_heads_share():
     model = build("llama", HYBRID)  # 2 layers x 2 kv heads of 16 dims, fp32; one kv head softmax
-    mem = decode_memory(model, (100, 200))
+    mem = decode_memory(model, (4000, 8000))
     assert mem.per_token == 2 * 1 * 16 * 4  # its keys and values
     assert mem.softmax_per_token == 2 * 2 * 2 * 16 * 4
-    assert mem.total[1] - mem.total[0] == 100 * mem.per_token  # the rest is constant past the window
+    # the rest is constant past the window; the buffers have room for an eighth more tokens
+    assert mem.total[1] - mem.total[0] == (8000 - 4000) * 9 // 8 * mem.per_token
     linear_only = decode_memory(build("llama", HYBRID.replace(softmax_heads=None)), (100, 200))
     assert linear_only.per_token == 0 and linear_only.total[0] == linear_only.total[1]
     rows = mem.rows()
-    assert [r["length"] for r in rows] == [100, 200] and rows[0]["ratio"] == mem.softmax_total[0] / mem.total[0]
+    assert [r["length"] for r in rows] == [4000, 8000] and rows[0]["ratio"] == mem.softmax_total[0] / mem.total[0]
 
 
 def test_from_the_saved_config_alone(tmp_path):
@@ -85,6 +94,8 @@ def test_other_architectures():
         assert decode_memory(model, (9,)).total == (measured(model, PolyAttnCache(model), 1, 9),), arch
         base = build(arch)
         assert decode_memory(base, (9,)).total == (measured(base, DynamicCache(config=base.config), 1, 9),), arch
+        assert decode_memory(base, (9,), decoded=2).total == (measured(base, DynamicCache(config=base.config), 1, 9,
+                                                                       2),), arch
 
 
 def test_bad_arguments():
@@ -94,5 +105,7 @@ def test_bad_arguments():
             decode_memory(model, bad)
     with pytest.raises(ValueError, match="batch"):
         decode_memory(model, (4,), batch=0)
+    with pytest.raises(ValueError, match="decoded"):
+        decode_memory(model, (4,), decoded=-1)
     with pytest.raises(TypeError, match="transformers model or config"):
         decode_memory(object(), (4,))
