@@ -94,18 +94,21 @@ def causal_flops(row: dict, n: int, heads: int, d: int) -> float | None:
       lower triangle times the values (2be), three passes; with exact local blocks instead: scores (2bd) and
       weights x values (2be), three passes;
     - a window (``ops/window.py``): tiles of w queries against 2w candidate keys, scores (2 x 2wd) and weights x
-      values (2 x 2we), three passes;
+      values (2 x 2we), three passes; its E sink slots (``sinks`` + ``learned_sinks``) the same with E keys:
+      3 x (2Ed + 2Ee);
     - polysketch's features: F = r(r+1)/2, the degree-2 sketch's two p x r factors for q and for k (2 x 2 x 2pr),
       three passes; elu + 1: F = p, elementwise (none counted);
     - ``feature_proj``: q and k times a d x p matrix (2 x 2dp), three passes.
 
-    Elementwise work (the features' tensor square, exp, masks) is not counted, nor the projection a backward pass
-    recomputes: a lower bound of the work done, so the achieved GFLOP/s are too.
+    Elementwise work (the features' tensor square, exp, masks, decay factors, q/k LayerNorms, window_mix) is not
+    counted, nor the projection a backward pass recomputes: a lower bound of the work done, so the achieved GFLOP/s
+    are too. Where 'auto' runs other kernels for the layer (backend 'fla' on CUDA) the same count over their time is
+    an effective rate. Not counted (None): a short convolution, the cumsum algorithm, other kinds and feature maps.
     """
     from .config import PolyAttnConfig
 
     cfg = PolyAttnConfig(**row)
-    if cfg.causal_algorithm != "block" or cfg.decay != "none" or cfg.sinks or cfg.learned_sinks or cfg.qk_norm:
+    if cfg.causal_algorithm != "block" or cfg.short_conv:
         return None
     width = cfg.feature_proj or d
     if cfg.kind == "polysketch" and cfg.degree == 4 and cfg.sketch == "gaussian":
@@ -120,7 +123,9 @@ def causal_flops(row: dict, n: int, heads: int, d: int) -> float | None:
     if cfg.feature_proj:
         per_token += 3 * 2 * 2 * d * width
     if w:
-        per_token += 3 * (2 * 2 * w * d + 2 * 2 * w * e) + 3 * (2 * b * feats + 2 * b * e)
+        slots = cfg.sinks + cfg.learned_sinks
+        per_token += 3 * (2 * 2 * w * d + 2 * 2 * w * e) + 3 * (2 * slots * d + 2 * slots * e)
+        per_token += 3 * (2 * b * feats + 2 * b * e)
     elif cfg.local_exact:
         per_token += 3 * (2 * b * d + 2 * b * e)
     else:

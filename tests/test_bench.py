@@ -48,7 +48,12 @@ def test_flop_counts():
     assert causal_flops(linear, 1, 1, 64) == 7 * 2 * 64 * 65 + 3 * (2 * 256 * 64 + 2 * 256 * 65)
     # a 128-token window adds its tiles of 2w candidate keys, 3 x (2 x 2wd + 2 x 2we)
     assert causal_flops(rows["linear-window128"], 1, 1, 64) - causal_flops(linear, 1, 1, 64) == 3 * 4 * 128 * 129
-    for kind in ("performer", "taylor", "polysketch-cumsum", "polynomial-exact", "sliding-window128"):
+    # the demo's recipe: its 4 sinks add 3 x (2 x 4d + 2 x 4e); decay, qk_norm, window_mix are elementwise
+    recipe = rows["linear-elu-window128-gate"]
+    plain = {"kind": "linear", "feature_map": "elu", "window": 128, "block_size": recipe["block_size"]}
+    assert causal_flops(recipe, 1, 1, 64) - causal_flops(plain, 1, 1, 64) == 3 * (2 * 4 * 64 + 2 * 4 * 65)
+    for kind in ("performer", "taylor", "polysketch-cumsum", "polynomial-exact", "sliding-window128",
+                 "delta-window128"):
         assert causal_flops(rows[kind], 1024, 4, 64) is None, kind
 
 
