@@ -25,6 +25,7 @@ _LAZY = {
     "PolyAttnCache": "integration",
     "PolyAttnCacheLayer": "integration",
     "convert": "integration",
+    "decode_memory": "integration",
     "get_polyattn_config": "integration",
     "write_model_card": "integration",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "PolyAttnConfig",
     "__version__",
     "convert",
+    "decode_memory",
     "get_kind",
     "get_polyattn_config",
     "kind_names",

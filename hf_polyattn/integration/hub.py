@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+import torch
 from torch import nn
 
 from ..config import PolyAttnConfig
-from .memory import DEFAULT_LENGTHS, cache_dims, decode_memory, model_dtype
+from .cache import decode_memory
 from .remote_code import LOADER_FILE, set_auto_map, write_loader
 from .settings import BASE_MODEL_KEY, hub_model_id
 from .state import HFPolyAttention, get_polyattn_config, sync_config
@@ -58,6 +59,19 @@ def _as_eval_results(eval_results) -> list[EvalResult] | None:
             raise TypeError(f"eval_results items must be huggingface_hub.EvalResult or dicts of its fields, "
                             f"got {type(r).__name__}")
     return out
+
+
+# the decode-memory table's prompt lengths
+MEMORY_LENGTHS = (4096, 16384, 32768)
+
+
+def cache_dims(config) -> tuple[int, int, int, int]:
+    """(layers, query heads, kv heads per layer, head_dim) of a transformers config's decoder."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, heads, kv_heads, head_dim
 
 
 def softmax_heads_summary(config, cfg: PolyAttnConfig) -> str | None:
@@ -103,20 +117,24 @@ def _bytes(n: int) -> str:
     return f"{n:,} B"
 
 
-def decode_memory_rows(config, cfg: PolyAttnConfig, base: str | None,
-                       lengths: tuple[int, ...] = DEFAULT_LENGTHS) -> list[dict[str, Any]]:
-    """The card's decode-memory rows: the softmax model and this one (``decode_memory``); [] where the kind's
-    state is not computed there."""
-    conv, soft = decode_memory(config, cfg), decode_memory(config, None)
-    if conv is None:
-        return []
+def decode_memory_rows(model, base: str | None, lengths: tuple[int, ...] = MEMORY_LENGTHS
+                       ) -> tuple[list[dict[str, Any]], torch.dtype | None]:
+    """The card's decode-memory rows, the softmax model and this one (``cache.decode_memory`` of ``model``, a model
+    or its config, one sequence), and the dtype they count; ([], None) where the kind's decoding state is not
+    modelled there."""
+    try:
+        mem = decode_memory(model, lengths)
+    except ValueError:  # e.g. the quadratic polynomial kind, whose state keeps every key: not a constant to state
+        return [], None
     rows = []
-    for label, mem in ((f"softmax `{base}`" if base else "softmax (the base model)", soft), ("this model", conv)):
-        per_token = _bytes(mem.per_token) if mem.per_token else "0 (constant)"
-        totals = [_bytes(mem.total(n)) + (f" ({soft.total(n) / mem.total(n):.1f}x smaller)" if mem is conv else "")
-                  for n in lengths]
-        rows.append({"label": label, "per_token": per_token, "totals": totals})
-    return rows
+    for label, per_token, totals in (
+            (f"softmax `{base}`" if base else "softmax (the base model)", mem.softmax_per_token, mem.softmax_total),
+            ("this model", mem.per_token, mem.total)):
+        shown = [_bytes(b) + (f" ({s / b:.1f}x smaller)" if totals is mem.total else "")
+                 for b, s in zip(totals, mem.softmax_total)]
+        rows.append({"label": label, "per_token": _bytes(per_token) if per_token else "0 (constant)",
+                     "totals": shown})
+    return rows, mem.dtype
 
 
 _AUTO_CLASSES = (
@@ -222,7 +240,8 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
     # (a "Layers" section beside "Softmax heads"), and decode_memory must count a sliding layer's window instead of
     # the kind's state for it.
     # decode memory only where the model generates (an encoder keeps no cache)
-    memory_rows = decode_memory_rows(config, cfg, base) if auto_class == "AutoModelForCausalLM" else []
+    memory_rows, memory_dtype = (decode_memory_rows(model, base) if auto_class == "AutoModelForCausalLM"
+                                 else ([], None))
     rendered = ModelCard.from_template(
         data,
         template_path=template_path(),
@@ -238,8 +257,8 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         settings=_setting_rows(cfg),
         memory_note=cfg.spec.memory_note(cfg) if not cfg.softmax_heads else "",
         memory_rows=memory_rows,
-        memory_lengths=[f"{n:,}" for n in DEFAULT_LENGTHS],
-        memory_dtype=str(model_dtype(config)).replace("torch.", ""),
+        memory_lengths=[f"{n:,}" for n in MEMORY_LENGTHS],
+        memory_dtype=str(memory_dtype).replace("torch.", ""),
         softmax_heads_note=softmax_heads_note(config, cfg),
         remote_code=(save_directory / LOADER_FILE).exists(),  # written by the save that precedes the card
         loader_file=LOADER_FILE,

@@ -1,103 +1,111 @@
-"""decode_memory (the model card's decode-memory table) against the bytes a real cache holds after a prefill."""
-
-from __future__ import annotations
+"""decode_memory's formula equals the bytes a real cache holds after a prompt and after decoding on from it (the
+softmax heads' buffers with room, a window's ring): every causal kind, a hybrid with softmax heads + window + sinks +
+gate (the demo's recipe), a short convolution, bf16, batches, lengths on both sides of the window and of a block;
+from a model and from its saved config alone."""
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from integration_helpers import CAUSAL_KINDS, KIND_CONFIGS, build, prompt_ids
+from transformers import AutoConfig, DynamicCache
 
-import hf_polyattn
-from hf_polyattn import PolyAttnCache, PolyAttnConfig
-from hf_polyattn.integration.memory import decode_memory
+from hf_polyattn import PolyAttnCache, PolyAttnConfig, decode_memory
+from hf_polyattn.integration.cache import cache_nbytes
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
-
-CASES = {
-    "linear-window-sinks-gate-heads": dict(kind="linear", window=16, sinks=2, decay="gate", feature_proj=24,
-                                           qk_norm=True, block_size=16, window_mix=True, window_mix_init=0.01,
-                                           softmax_heads=((0, 0), (1, 1))),
-    "linear-hedgehog": dict(kind="linear", feature_map="hedgehog", window=8, block_size=16),
-    "polysketch-window": dict(kind="polysketch", sketch_size=8, window=16, block_size=16),
-    "performer": dict(kind="performer", num_features=32),
-    "taylor": dict(kind="taylor"),
-    "streaming": dict(kind="sliding_window", window=16, sinks=4),
-    "bigbird": dict(kind="bigbird", options={"block": 8}),
-    "reformer-heads": dict(kind="reformer", softmax_heads=((1, 0),)),
-}
-
-
-def _model(dtype):
-    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
-    return LlamaForCausalLM(cfg).to(dtype).eval()
+# the demo's recipe at tiny sizes: kv head 1 of layer 0 softmax, the rest elu + 1 beside a 6-token softmax window,
+# 2 sinks, a gated decay, a projection of q/k to 32 dims (head_dim 16)
+HYBRID = PolyAttnConfig(kind="linear", feature_map="elu", window=6, sinks=2, decay="gate", window_mix=True,
+                        window_mix_init=0.01, feature_proj=32, softmax_heads=((0, 1),))
+CONFIGS = {**{k: KIND_CONFIGS[k] for k in CAUSAL_KINDS},
+           "hybrid": HYBRID,
+           "hybrid-all-softmax-layer": HYBRID.replace(softmax_heads=((0, 0), (0, 1), (1, 0))),
+           "polysketch-window-sinks": PolyAttnConfig(kind="polysketch", sketch_size=4, window=5, sinks=3),
+           "polynomial-quadratic": PolyAttnConfig(kind="polynomial", degree=2, exact_path="quadratic"),
+           "linear-conv-hybrid": PolyAttnConfig(kind="linear", feature_map="elu", window=4, sinks=1, short_conv=3,
+                                                softmax_heads=((1, 0),)),
+           "delta-elu-hybrid": PolyAttnConfig.for_kind("delta", window=4, sinks=2, decay="gate",
+                                                       delta_feature_map="elu", softmax_heads=((0, 0),))}
+LENGTHS = (1, 4, 5, 6, 7, 9, 13)  # around the windows (4-6) and blocks (4)
 
 
-def _prefill(model, cache, length: int) -> int:
-    ids = torch.randint(0, 100, (1, length))
-    with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-        model(ids[:, :1], past_key_values=cache, use_cache=True)  # one decoded token: length + 1 in the cache
-    return length + 1
+def measured(model, cache, batch: int, length: int, steps: int = 0) -> int:
+    """Bytes of ``cache`` after a prompt of ``length`` tokens, then ``steps`` decoded ones."""
+    ids = prompt_ids(batch, length)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(steps):
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+    return cache_nbytes(cache)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_the_cache(name, dtype):
-    model = hf_polyattn.convert(_model(dtype), PolyAttnConfig(**CASES[name]))
-    expected = decode_memory(model.config, hf_polyattn.get_polyattn_config(model), dtype=dtype)
-    assert expected is not None
-    for length in (40, 71):  # beyond window + sinks: the constant part no longer grows
-        cache = PolyAttnCache()
-        n = _prefill(model, cache, length)
-        assert cache.nbytes() == expected.total(n), (name, n)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_formula_equals_the_polyattn_cache(name):
+    model = build("llama", CONFIGS[name])
+    for batch in (1, 2):
+        mem = decode_memory(model, LENGTHS, batch=batch)
+        assert mem.kind == CONFIGS[name].kind and mem.batch == batch and mem.decoded == 0
+        got = tuple(measured(model, PolyAttnCache(model), batch, n) for n in LENGTHS)
+        assert mem.total == got, name
+    # decoding on from a prompt (a window's ring from the first step on, the softmax buffers' room), and past it
+    for prompt, steps in ((5, 1), (5, 4), (2, 9), (3, 300)):
+        after = measured(model, PolyAttnCache(model), 1, prompt, steps=steps)
+        assert decode_memory(model, (prompt,), decoded=steps).total == (after,), (name, prompt, steps)
 
 
-def test_softmax_base_matches_dynamic_cache():
-    model = _model(torch.bfloat16)
-    expected = decode_memory(model.config, None, dtype=torch.bfloat16)
-    cache = DynamicCache()
-    n = _prefill(model, cache, 50)
-    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert held == expected.total(n) == n * LAYERS * KV_HEADS * 2 * HEAD_DIM * 2
+@pytest.mark.parametrize("name", ["hybrid", "linear-conv-hybrid", "delta-elu-hybrid"])
+def test_formula_bf16_and_softmax_side(name):
+    model = build("llama", CONFIGS[name]).to(torch.bfloat16)
+    mem = decode_memory(model, LENGTHS, batch=2)
+    assert mem.dtype == torch.bfloat16
+    assert mem.total == tuple(measured(model, PolyAttnCache(model), 2, n) for n in LENGTHS)
+    assert decode_memory(model, (7,), batch=2, decoded=3).total == (measured(model, PolyAttnCache(model), 2, 7, 3),)
+    base = build("llama").to(torch.bfloat16)
+    dyn = tuple(measured(base, DynamicCache(config=base.config), 2, n) for n in LENGTHS)
+    assert mem.softmax_total == dyn
+    # the softmax model's own figures are its DynamicCache's
+    soft = decode_memory(base, LENGTHS, batch=2)
+    assert soft.kind is None and soft.total == dyn and soft.per_token == soft.softmax_per_token
 
 
-def test_local_exact_blocks_at_their_fullest():
-    """local_exact keeps the keys of the current block: decode_memory gives the most (block_size - 1 of them)."""
-    cfg = PolyAttnConfig(kind="linear", local_exact=True, block_size=16)
-    model = hf_polyattn.convert(_model(torch.float32), cfg)
-    expected = decode_memory(model.config, cfg, dtype=torch.float32)
-    sizes = []
-    for length in range(32, 48):
-        cache = PolyAttnCache()
-        _prefill(model, cache, length)
-        sizes.append(cache.nbytes())
-    assert max(sizes) == expected.constant and expected.per_token == 0
+def test_per_token_is_the_softmax_heads_share():
+    model = build("llama", HYBRID)  # 2 layers x 2 kv heads of 16 dims, fp32; one kv head softmax
+    mem = decode_memory(model, (4000, 8000))
+    assert mem.per_token == 2 * 1 * 16 * 4  # its keys and values
+    assert mem.softmax_per_token == 2 * 2 * 2 * 16 * 4
+    # the rest is constant past the window; the buffers have room for an eighth more tokens
+    assert mem.total[1] - mem.total[0] == (8000 - 4000) * 9 // 8 * mem.per_token
+    linear_only = decode_memory(build("llama", HYBRID.replace(softmax_heads=None)), (100, 200))
+    assert linear_only.per_token == 0 and linear_only.total[0] == linear_only.total[1]
+    rows = mem.rows()
+    assert [r["length"] for r in rows] == [4000, 8000] and rows[0]["ratio"] == mem.softmax_total[0] / mem.total[0]
 
 
-def test_constant_state_against_softmax_at_long_context():
-    """Every head linear-time: the cache stops growing, softmax's grows by 2 x Hkv x D x layers numbers a token."""
-    config = _model(torch.float32).config
-    cfg = PolyAttnConfig(kind="linear", window=16, sinks=2)
-    base, conv = decode_memory(config, None), decode_memory(config, cfg)
-    assert conv.per_token == 0 and conv.constant > 0
-    assert base.total(32768) == 32768 * LAYERS * KV_HEADS * 2 * HEAD_DIM * 4
+def test_from_the_saved_config_alone(tmp_path):
+    model = build("llama", HYBRID)
+    model.save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    from_config = decode_memory(config, LENGTHS, dtype=torch.float32)
+    assert from_config == decode_memory(model, LENGTHS)
+    assert decode_memory(config, (7,), dtype="bfloat16").dtype == torch.bfloat16
 
 
-def test_quadratic_polynomial_is_not_computed():
-    config = _model(torch.float32).config
-    assert decode_memory(config, PolyAttnConfig(kind="polynomial")) is None
+def test_other_architectures():
+    for arch in ("gpt2", "qwen2", "gpt_neox"):
+        model = build(arch, HYBRID.replace(softmax_heads=None, feature_proj=0))
+        assert decode_memory(model, (9,)).total == (measured(model, PolyAttnCache(model), 1, 9),), arch
+        base = build(arch)
+        assert decode_memory(base, (9,)).total == (measured(base, DynamicCache(config=base.config), 1, 9),), arch
+        assert decode_memory(base, (9,), decoded=2).total == (measured(base, DynamicCache(config=base.config), 1, 9,
+                                                                       2),), arch
 
 
-@pytest.mark.parametrize("cfg", [dict(kind="linear", window=16, sinks=2), dict(kind="performer", num_features=32)],
-                         ids=["linear-window-sinks", "performer"])
-def test_gpt2_counts_its_heads(cfg):
-    """GPT-2's config names no kv heads (every head has its own keys): the count reads num_attention_heads."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, n_positions=128)).eval()
-    model = hf_polyattn.convert(model, PolyAttnConfig(**cfg))
-    expected = decode_memory(model.config, hf_polyattn.get_polyattn_config(model))
-    cache = PolyAttnCache()
-    n = _prefill(model, cache, 40)
-    assert cache.nbytes() == expected.total(n)
-    assert decode_memory(model.config, None).per_token == 2 * 4 * 2 * 16 * 4  # layers x heads x (k, v) x d x fp32
+def test_bad_arguments():
+    model = build("llama", HYBRID)
+    for bad in ((), (0,), (4, -1), (2.5,)):
+        with pytest.raises(ValueError, match="lengths"):
+            decode_memory(model, bad)
+    with pytest.raises(ValueError, match="batch"):
+        decode_memory(model, (4,), batch=0)
+    with pytest.raises(ValueError, match="decoded"):
+        decode_memory(model, (4,), decoded=-1)
+    with pytest.raises(TypeError, match="transformers model or config"):
+        decode_memory(object(), (4,))
