@@ -25,8 +25,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 import torch
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from torch import nn
 
 from ..config import PolyAttnConfig
