@@ -20,6 +20,7 @@ from .common import _with_normaliser, normalised_sum, read_state, to_work
 from .flex import flex_window
 from .sketches import symmetric_square
 from .window import OUTSIDE, Sinks, first_true, gather_keys, shifted_lt, sink_flags, window_scores, window_tiles
+from .window_flash import flash_window_available, window_flash
 
 __all__ = ["LocalExactMixin", "far_scale"]
 
@@ -144,6 +145,14 @@ class LocalExactMixin:
         if triton is not None:
             return triton
         qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
+        if (not torch.is_grad_enabled() and causal and q_log_scale is None and flash_window_available(qs)
+                and self.config.resolved_local_kernel == "softmax"):
+            # inference on the CPU: the fused kernel on the window's tiles (ops/window_flash.py)
+            sink_q = None if sinks is None or sinks.q is None else to_work(_aligned(sinks.q, qs))[0]
+            if sinks is not None:
+                sinks = replace(sinks, k=to_work(sinks.k)[0], v=to_work(sinks.v)[0])
+            loc, log_far = window_flash(qs, ks, vext, mask, self.config.window, scale, sinks, sink_q)
+            return loc, torch.exp(log_far)
         sink_k = sink_v = sink_pos = sink_q = None
         if sinks is not None:
             sink_k, sink_v, sink_pos = *to_work(sinks.k, sinks.v), sinks.pos
