@@ -564,10 +564,11 @@ def cmd_score_heads(args, argv) -> int:
         raise UsageError(str(err)) from None
     layers, kv_heads = scores.retrieval.shape
     # a quarter of the kv heads by default: 22 of SmolLM2-135M's 90 (with 4 sinks + a 128 window elsewhere) kept
-    # the passkey at 1k-4k
-    top = round(layers * kv_heads / 4) if args.top is None else args.top
-    if top > layers * kv_heads:
-        raise UsageError(f"--top {top}: the model has {layers * kv_heads} kv heads ({layers} layers x {kv_heads})")
+    # the passkey at 1k-4k. Counted over the layers a conversion gives the kind (sliding-window layers stay exact)
+    top = round(scores.candidate_heads / 4) if args.top is None else args.top
+    if top > scores.candidate_heads:
+        raise UsageError(f"--top {top}: the model has {scores.candidate_heads} kv heads in the layers a conversion "
+                         f"converts ({layers} layers x {kv_heads} in all)")
     pairs = select_heads(scores, top)
     record = {"model": args.model, "class": type(model).__name__, "device": device, **scores.to_dict(), "top": top,
               "ranked": [[layer, head, float(scores.retrieval[layer, head])] for layer, head in pairs],

@@ -35,6 +35,7 @@ def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str) 
         f"- attention: `{a['attention']}`" + (f", PolyAttnConfig `{results.get('polyattn')}`"
                                                if results.get("polyattn") else ""),
         *_softmax_heads_bullet(folder, results),
+        *_layers_bullet(results),
         f"- data: `{a['data']}` ({results.get('data')})",
         f"- attention transfer steps: {a['transfer_steps']} (lr {a['transfer_lr']}), fine-tuning steps: "
         f"{a['finetune_steps']} (lr {a['finetune_lr']}, {'LoRA r=' + str(a['lora_r']) if a['lora'] else 'full'})",
@@ -69,6 +70,17 @@ def long_context_section(result: dict[str, Any], folder: Path) -> list[str]:
     if plot_long_context(result, folder / "long_context.png") is not None:
         lines += ["![perplexity vs context and passkey heatmaps](long_context.png)", ""]
     return lines
+
+
+def _layers_bullet(results: dict[str, Any]) -> list[str]:
+    """'- layers: ...' where the model has sliding-window layers (``results['layer_layout']``, from
+    ``hf_polyattn.integration.layer_layout``); nothing when every layer runs the kind."""
+    from ..integration.layout import describe_layout, has_sliding
+
+    entries = results.get("layer_layout") or []
+    if not has_sliding(entries):
+        return []
+    return [f"- layers: {describe_layout(entries)}"]
 
 
 def _softmax_heads_bullet(folder: Path, results: dict[str, Any]) -> list[str]:

@@ -8,6 +8,7 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 from .cache import PolyAttnCache, PolyAttnCacheLayer
 from .convert import convert, get_polyattn_config
 from .hub import write_model_card
+from .layout import layer_layout
 from .registry import register_all
 from .state import HFPolyAttention
 
@@ -19,6 +20,7 @@ __all__ = [
     "PolyAttnCacheLayer",
     "convert",
     "get_polyattn_config",
+    "layer_layout",
     "register_all",
     "write_model_card",
 ]
