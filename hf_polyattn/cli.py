@@ -42,7 +42,7 @@ TASKS = {
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # PolyAttnConfig fields that every kind reads (the others are listed under the kinds that read them)
-EVERY_KIND_FIELDS = ("seed", "softmax_heads")
+EVERY_KIND_FIELDS = ("seed", "softmax_heads", "sliding_layers")
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
@@ -567,8 +567,9 @@ def cmd_score_heads(args, argv) -> int:
     # the passkey at 1k-4k. Counted over the layers a conversion gives the kind (sliding-window layers stay exact)
     top = round(scores.candidate_heads / 4) if args.top is None else args.top
     if top > scores.candidate_heads:
-        raise UsageError(f"--top {top}: the model has {scores.candidate_heads} kv heads in the layers a conversion "
-                         f"converts ({layers} layers x {kv_heads} in all)")
+        where = "" if scores.layers is None else f" in the layers a conversion converts, {scores.layers},"
+        raise UsageError(f"--top {top}: the model has {scores.candidate_heads} kv heads{where} ({layers} layers x "
+                         f"{kv_heads})")
     pairs = select_heads(scores, top)
     record = {"model": args.model, "class": type(model).__name__, "device": device, **scores.to_dict(), "top": top,
               "ranked": [[layer, head, float(scores.retrieval[layer, head])] for layer, head in pairs],

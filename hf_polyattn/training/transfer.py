@@ -239,7 +239,7 @@ def transfer_loss(base_model: torch.nn.Module, batch: dict[str, torch.Tensor], c
     return coll.loss()
 
 
-_DECODERS = ("llama", "mistral", "qwen2", "gpt2")
+_DECODERS = ("llama", "mistral", "qwen2", "gpt2", "gemma3_text", "ministral", "olmo3", "exaone4")
 
 
 def teacher_student_mse(model, batch) -> float:

@@ -291,3 +291,59 @@ def test_score_heads_candidates_are_the_converted_layers():
         select_heads(scores, 5)
     every = score_heads(model, Chars(), num_prompts=1, length=400, sliding_layers="kind")
     assert every.layers is None and every.candidate_heads == 8
+
+
+def test_trust_remote_code_loads_the_same_layout_in_a_fresh_process(tmp_path):
+    """lm-eval / pipeline style: a process that never imports hf_polyattn itself loads the folder with
+    trust_remote_code=True and gets the same logits (the sliding layers kept exact there too)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    model = hf_polyattn.convert(_decoder("gemma3_text"), RECIPE)
+    model.save_pretrained(tmp_path / "model")
+    ids = prompt_ids(2, 16, seed=7)
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "ref.pt")
+    code = f"""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r}, trust_remote_code=True).eval()
+        ref = torch.load({str(tmp_path / 'ref.pt')!r})
+        with torch.no_grad():
+            assert torch.equal(model(ref["ids"]).logits, ref["logits"])
+        import hf_polyattn
+        print([e["role"] for e in hf_polyattn.layer_layout(model)])
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "['sliding', 'kind', 'sliding', 'kind']"
+
+
+def test_retrofit_pipeline_records_the_layout(tmp_path):
+    """results.json and the result card say which layers are which (hf_polyattn.integration.layer_layout)."""
+    import json
+
+    from tests.conftest import TEXT, build_tokenizer
+
+    from hf_polyattn.training.pipeline import RetrofitArgs, run
+
+    tok = build_tokenizer(tmp_path / "tok")
+    base = _decoder("gemma3_text", vocab_size=len(tok))
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    # sinks at their own positions: Gemma's RoPE is not in integration/rope.py's list yet
+    res = run(RetrofitArgs(model=str(tmp_path / "base"), data=str(TEXT), attention="linear", context=32,
+                           eval_context=32, eval_stride=32, max_eval_tokens=128, transfer_steps=1, eval_before=False,
+                           polyattn_json=json.dumps({"sink_position": "own"}), progress=False,
+                           output_dir=str(tmp_path / "out")))
+    assert [e["role"] for e in res["layer_layout"]] == ["sliding", "kind", "sliding", "kind"]
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["layer_layout"] == res["layer_layout"]
+    card = (tmp_path / "out" / "model" / "README.md").read_text()
+    assert "- layers: sliding (window 4, exact softmax): layers [0, 2]; linear: layers [1, 3]" in card
