@@ -315,6 +315,7 @@ def cmd_convert(args, argv) -> int:
         hf_polyattn.convert(model, cfg)
     except (TypeError, ValueError) as err:
         raise UsageError(f"cannot convert {args.model!r}: {err}") from None
+    kept = sum(e["role"] == "sliding" for e in hf_polyattn.layer_layout(model))  # sliding-window layers kept exact
     layers = sum(1 for m in model.modules() if isinstance(m, hf_polyattn.HFPolyAttention))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -326,7 +327,8 @@ def cmd_convert(args, argv) -> int:
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
         tokenizer_note = "tokenizer copied"
-    print(f"converted {args.model} ({type(model).__name__}, {layers} attention layers) to "
+    print(f"converted {args.model} ({type(model).__name__}, {layers} attention layers"
+          + (f"; {kept} sliding-window layers kept exact" if kept else "") + ") to "
           f"{describe_config(cfg)}\nsaved to {out} ({tokenizer_note})\n"
           f"load it with: import hf_polyattn; transformers.{type(model).__name__}.from_pretrained({str(out)!r})")
     return 0

@@ -329,9 +329,8 @@ def test_retrofit_pipeline_records_the_layout(tmp_path):
     """results.json and the result card say which layers are which (hf_polyattn.integration.layer_layout)."""
     import json
 
-    from tests.conftest import TEXT, build_tokenizer
-
     from hf_polyattn.training.pipeline import RetrofitArgs, run
+    from tests.conftest import TEXT, build_tokenizer
 
     tok = build_tokenizer(tmp_path / "tok")
     base = _decoder("gemma3_text", vocab_size=len(tok))

@@ -35,7 +35,8 @@ def _naive(q, k, v, window, causal, scale, softcap=None, mask=None):
 
 def _qkv(b=2, h=4, hkv=2, lq=9, lk=9, d=8, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, lq, d, generator=gen, dtype=dtype), torch.randn(b, hkv, lk, d, generator=gen, dtype=dtype),
+    return (torch.randn(b, h, lq, d, generator=gen, dtype=dtype),
+            torch.randn(b, hkv, lk, d, generator=gen, dtype=dtype),
             torch.randn(b, hkv, lk, d, generator=gen, dtype=dtype))
 
 
