@@ -92,7 +92,7 @@ def layer_layout(model: nn.Module, config: PolyAttnConfig | None = None) -> list
 
     For a converted model (``convert`` / ``from_pretrained(..., attn_implementation=KIND)``) what it runs; with
     ``config``, what ``convert(model, config)`` would make of it (an unconverted model too). Each entry:
-    ``{"layer": i, "module": name, "role": "kind" | "sliding" | "softmax", "text": "..."}`` plus
+    ``{"layer": i, "module": name, "role": "kind" | "sliding" | "softmax" | "unconverted", "text": "..."}`` plus
     ``"window"`` (a sliding layer kept exact: its window; a converted one: the window it had), ``"softcap"``,
     ``"softmax_kv_heads"`` (kv heads kept softmax in a converted layer). ``"softmax"``: a converted layer whose every
     kv head is softmax (it computes the model's own attention). JSON-ready (the model card and results.json carry it).
@@ -101,6 +101,10 @@ def layer_layout(model: nn.Module, config: PolyAttnConfig | None = None) -> list
     found = find_attention_modules(model)
     if not found:
         raise ValueError(f"{owner} has no attention module that calls ALL_ATTENTION_FUNCTIONS: no layer layout")
+    if config is None and not any(isinstance(mod._modules.get(n), (SlidingWindowSoftmax, HFPolyAttention))
+                                  for _, mod, _ in found for n in ("polyattn", "polyattn_sliding")):
+        raise ValueError(f"{owner} is not converted (no attention module has a polyattn module): pass the "
+                         "PolyAttnConfig to see the layout convert would give")
     entries = []
     for name, mod, idx in found:
         entry: dict[str, Any] = {"layer": idx, "module": name}
@@ -108,8 +112,9 @@ def layer_layout(model: nn.Module, config: PolyAttnConfig | None = None) -> list
             exact = mod._modules.get("polyattn_sliding")
             pa = mod._modules.get("polyattn")
             if not isinstance(exact, SlidingWindowSoftmax) and not isinstance(pa, HFPolyAttention):
-                raise ValueError(f"{owner} is not converted ({name} has no polyattn module): pass the PolyAttnConfig "
-                                 "to see the layout convert would give")
+                # e.g. a sub-model built with another attention implementation (a multimodal model's tower)
+                entries.append({**entry, "role": "unconverted", "text": "the model's own attention (not converted)"})
+                continue
             window = exact.window if isinstance(exact, SlidingWindowSoftmax) else None
             cfg = None if pa is None else pa.config
             had = mod.__dict__.get("_polyattn_replaced_window")
@@ -120,7 +125,8 @@ def layer_layout(model: nn.Module, config: PolyAttnConfig | None = None) -> list
         if window is not None:
             softcap = call_keyword_value(mod, "softcap")
             entry.update(role="sliding", window=window, softcap=softcap if isinstance(softcap, (int, float)) else None)
-            entry["text"] = f"sliding (window {window}, exact softmax" + (
+            span = str(window) if getattr(mod, "is_causal", True) else f"|i - j| < {window}"  # ModernBERT's local
+            entry["text"] = f"sliding (window {span}, exact softmax" + (
                 f", soft-capped at {entry['softcap']})" if entry["softcap"] is not None else ")")
         else:
             heads = list(softmax_heads_of(cfg, idx))
