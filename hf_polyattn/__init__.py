@@ -27,6 +27,7 @@ _LAZY = {
     "convert": "integration",
     "decode_memory": "integration",
     "get_polyattn_config": "integration",
+    "layer_layout": "integration",
     "write_model_card": "integration",
 }
 
@@ -43,6 +44,7 @@ __all__ = [
     "get_kind",
     "get_polyattn_config",
     "kind_names",
+    "layer_layout",
     "register",
     "register_kind",
     "write_model_card",
