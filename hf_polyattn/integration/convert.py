@@ -81,9 +81,9 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     for c in configs.values():
         check_supported_config(c)
     check_model_options(list(configs.values()), cfg, owner)
-    for _, mod, _ in found:
+    for _, mod, idx in found:
         check_attention_module(mod, cfg, owner)
-        sink_rope(mod, cfg)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
+        sink_rope(mod, cfg, idx)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
     for _, mod, idx in found:
         ref = next((p for p in mod.parameters() if p.is_floating_point()), None)
         device = ref.device if ref is not None else None
