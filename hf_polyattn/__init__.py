@@ -24,8 +24,10 @@ _LAZY = {
     "HFPolyAttention": "integration",
     "PolyAttnCache": "integration",
     "PolyAttnCacheLayer": "integration",
+    "cache_kwargs": "integration",
     "convert": "integration",
     "get_polyattn_config": "integration",
+    "returned_cache": "integration",
     "write_model_card": "integration",
 }
 
@@ -37,12 +39,14 @@ __all__ = [
     "PolyAttnCacheLayer",
     "PolyAttnConfig",
     "__version__",
+    "cache_kwargs",
     "convert",
     "get_kind",
     "get_polyattn_config",
     "kind_names",
     "register",
     "register_kind",
+    "returned_cache",
     "write_model_card",
 ]
 

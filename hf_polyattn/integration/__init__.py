@@ -6,6 +6,7 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 """
 
 from .cache import PolyAttnCache, PolyAttnCacheLayer
+from .compatibility import cache_kwargs, returned_cache
 from .convert import convert, get_polyattn_config
 from .hub import write_model_card
 from .registry import register_all
@@ -17,8 +18,10 @@ __all__ = [
     "HFPolyAttention",
     "PolyAttnCache",
     "PolyAttnCacheLayer",
+    "cache_kwargs",
     "convert",
     "get_polyattn_config",
     "register_all",
+    "returned_cache",
     "write_model_card",
 ]

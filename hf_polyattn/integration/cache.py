@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from ..ops import HybridState, RecurrentState
+from .compatibility import CACHE_ARGUMENT
 
 __all__ = ["PolyAttnCache", "PolyAttnCacheLayer", "polyattn_layer_of"]
 
@@ -177,7 +178,7 @@ def polyattn_layer_of(cache, layer_idx) -> PolyAttnCacheLayer:
         raise ValueError(
             f"hf_polyattn attention cannot use a {type(cache).__name__}: its kernels keep a recurrent state, not "
             "keys/values. Let generate() create the cache (cache_implementation=None), or pass "
-            "past_key_values=hf_polyattn.PolyAttnCache(model) (a plain DynamicCache also works)."
+            f"{CACHE_ARGUMENT}=hf_polyattn.PolyAttnCache(model) (a plain DynamicCache also works)."
         )
     layers = cache.layers
     while len(layers) <= layer_idx:
