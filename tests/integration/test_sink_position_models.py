@@ -260,6 +260,25 @@ def test_reading_leaves_the_module_alone_and_runs_on_the_meta_device():
     assert again is not rope and torch.equal(again.pairs, rope.pairs) and torch.equal(again.inv_freq, rope.inv_freq)
 
 
+def test_gemma3_layers_read_their_own_layer_types_rotation():
+    """Gemma 3 rotates its sliding layers with base 10,000 and its full-attention layers with base 1,000,000 (one
+    rotary embedding, per layer type, after q/k norms): each layer reads its own type's frequencies (the sliding
+    layers themselves are refused at convert for now; the reading is what a converted full layer gets)."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=16, max_position_embeddings=128, pad_token_id=0,
+                                           layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    rotary = model.model.rotary_emb
+    for idx, layer in enumerate(model.model.layers):
+        rope = model_rope(layer.self_attn, idx)
+        assert rope.pairs is None and torch.equal(rope.inv_freq, getattr(rotary, f"{config.layer_types[idx]}_inv_freq"))
+    assert not torch.equal(rotary.sliding_attention_inv_freq, rotary.full_attention_inv_freq)
+
+
 def test_a_bf16_model_reads_the_float32_rotation_and_decodes():
     """A bf16 Cohere (interleaved pairs): the rotation is read from a float32 probe, the same as the float32 model's;
     greedy decoding beyond w + s stays finite and within bf16 rounding of the uncached forward."""
