@@ -24,10 +24,12 @@ _LAZY = {
     "HFPolyAttention": "integration",
     "PolyAttnCache": "integration",
     "PolyAttnCacheLayer": "integration",
+    "cache_kwargs": "integration",
     "convert": "integration",
     "decode_memory": "integration",
     "get_polyattn_config": "integration",
     "layer_layout": "integration",
+    "returned_cache": "integration",
     "write_model_card": "integration",
 }
 
@@ -39,6 +41,7 @@ __all__ = [
     "PolyAttnCacheLayer",
     "PolyAttnConfig",
     "__version__",
+    "cache_kwargs",
     "convert",
     "decode_memory",
     "get_kind",
@@ -47,6 +50,7 @@ __all__ = [
     "layer_layout",
     "register",
     "register_kind",
+    "returned_cache",
     "write_model_card",
 ]
 

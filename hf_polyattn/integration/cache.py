@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from ..ops import AttentionBase, HybridAttention, HybridState, KVCacheAttention, PolyAttention, RecurrentState
 from ..ops.common import work_dtype
+from .compatibility import CACHE_ARGUMENT
 
 __all__ = ["DecodeMemory", "PolyAttnCache", "PolyAttnCacheLayer", "cache_nbytes", "decode_memory",
            "polyattn_layer_of"]
@@ -183,7 +184,7 @@ def polyattn_layer_of(cache, layer_idx) -> PolyAttnCacheLayer:
         raise ValueError(
             f"hf_polyattn attention cannot use a {type(cache).__name__}: its kernels keep a recurrent state, not "
             "keys/values. Let generate() create the cache (cache_implementation=None), or pass "
-            "past_key_values=hf_polyattn.PolyAttnCache(model) (a plain DynamicCache also works)."
+            f"{CACHE_ARGUMENT}=hf_polyattn.PolyAttnCache(model) (a plain DynamicCache also works)."
         )
     layers = cache.layers
     while len(layers) <= layer_idx:
