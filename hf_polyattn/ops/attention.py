@@ -383,7 +383,13 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, 1, self.head_dim)
         ring = state if isinstance(state, WindowRing) else from_recurrent(self, state, bsz, query.device, work,
                                                                           key.dtype)
-        sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
+        cfg = self.config
+        if (key_padding_mask is None and ring.seen is None and cfg.sinks and cfg.sink_position == "window"
+                and self.rope is not None):
+            # every row has seen `length` real keys: one delta for the whole batch (``window.sink_shifts``)
+            sink_q, seen = self.rope.rotate_by(q5, min(0, cfg.window + cfg.sinks - 1 - ring.length)), None
+        else:
+            sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
         out = ring_step(self, q5, key, value, key_padding_mask, scale, ring, sink_q)
         if seen is not None:
             ring.seen = seen
