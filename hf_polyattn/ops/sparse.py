@@ -56,9 +56,10 @@ from .common import _safe_divide, _with_normaliser, normalised_sum, to_work
 from .local import far_scale
 from .sketches import symmetric_square
 from .state import RecurrentState
-from .window import OUTSIDE, Sinks, gather_keys, keep_sinks, slot_scores
+from .window import OUTSIDE, Sinks, first_true, gather_keys, keep_sinks, slot_scores
 
-__all__ = ["SparseMixin", "recall_error", "select_and_fold"]
+__all__ = ["SparseMixin", "pending_log", "recall_error", "ring_leave", "select_and_fold", "sparse_from_recurrent",
+           "sparse_to_recurrent"]
 
 
 def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,10 @@ def select_and_fold(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, v
         # invalid candidates rank below every valid one (errors are >= 0), the older first: a deterministic choice
         age = torch.arange(n, device=err.device, dtype=err.dtype) / n
         score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0 - age)
-        keep = score.topk(budget, dim=-1).indices.sort(dim=-1).values
+        keep = score.topk(budget, dim=-1).indices
+        # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
+        # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
+        keep = keep.gather(-1, (keep + n * (~valid.gather(-1, keep))).argsort(dim=-1))
     kept = torch.zeros_like(valid).scatter_(-1, keep, True)
     weight = (valid & ~kept).to(vext.dtype)
     if to_ref is not None:
@@ -347,3 +351,158 @@ class SparseMixin:
                               None if bool(real.all()) else real, state.length + key.shape[2], *sink_parts,
                               sparse_k=ck.to(key.dtype), sparse_v=cvx[..., :d].to(value.dtype),
                               sparse_mask=cache_valid, sparse_kin=kin, sparse_logs=logs, sparse_skip=skip)
+
+
+# The decoding ring (``ops/decode.py``): ``extra`` = cache + chunk slots after the sinks, the cache's then the waiting
+# block's, in the ring's ``keys`` / ``vext`` / ``valid`` (read exactly with the window's), ``kin`` their kernel inputs,
+# ``slot_log`` (decay) the cache keys' log-decay to ``kv``'s reference and the waiting keys' own log-gates, ``pending``
+# (B,) the waiting keys per row (a sink among them holds its place and gate, not a candidate: ``valid`` False).
+
+
+def pending_log(ring) -> torch.Tensor:
+    """(B, Hkv): the log-gates of the keys waiting for selection, between ``kv``'s reference and the window."""
+    return ring.slot_log[..., ring.cache :].sum(-1)
+
+
+def ring_leave(module, ring, slot: int, is_sink: torch.Tensor | None, scale: float) -> None:
+    """The key in ring slot ``slot`` leaves the window: it waits in the block (a sink too, for its gate, but not as a
+    candidate) and, in the rows whose block is now complete, the cache is chosen (``select_and_fold``)."""
+    lam, s = ring.cache, ring.sinks
+    chunk = ring.extra - lam
+    real = ring.valid[:, slot]  # (B,): padded keys leave without a trace
+    at = (torch.arange(chunk, device=real.device) == ring.pending[:, None]) & real[:, None]  # (B, C)
+    wait = slice(s + lam, s + ring.extra)
+    pick = at[:, None, :, None]
+    ring.keys[:, :, wait] = torch.where(pick, ring.keys[:, :, slot : slot + 1], ring.keys[:, :, wait])
+    ring.vext[:, :, wait] = torch.where(pick, ring.vext[:, :, slot : slot + 1], ring.vext[:, :, wait])
+    ring.valid[:, wait] |= at if is_sink is None else at & ~is_sink[:, None]
+    kin = module.kernel_input(ring.keys[:, :, slot : slot + 1].unsqueeze(2), False).squeeze(2)  # (B, Hkv, 1, d')
+    ring.kin[:, :, lam:] = torch.where(pick, kin.to(ring.kin.dtype), ring.kin[:, :, lam:])
+    if ring.slot_log is not None:
+        gate = ring.logg[:, :, ring.head : ring.head + 1]  # the leaving key's log-gate (B, Hkv, 1)
+        ring.slot_log[:, :, lam:] = torch.where(at[:, None, :], gate, ring.slot_log[:, :, lam:])
+    ring.pending += real.long()
+    done = ring.pending == chunk
+    if bool(done.any()):
+        _ring_select(module, ring, done, scale)
+
+
+def _ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
+    """The rows ``done`` (B,) have a complete block: cache and block compete, the evicted join ``kv``, the block
+    slots empty."""
+    lam, s = ring.cache, ring.sinks
+    b, hkv = ring.keys.shape[:2]
+    both = slice(s, s + ring.extra)
+    feats = module._full_features(module._side_features(ring.kin.unsqueeze(2), scale, False)[0].squeeze(2))
+    valid = ring.valid[:, None, both].expand(b, hkv, ring.extra)
+    to_ref = decay = None
+    if ring.slot_log is not None:
+        waiting = ring.slot_log[..., lam:]
+        decay = waiting.sum(-1)  # the state moves its reference to the block's last key
+        to_ref = torch.cat([ring.slot_log[..., :lam] + decay[..., None], decay[..., None] - waiting.cumsum(-1)], -1)
+    new_kv, keep, keep_valid = select_and_fold(ring.kv, feats, ring.vext[:, :, both], valid, lam, to_ref, decay)
+    rows = done[:, None, None, None]
+    ring.kv.copy_(torch.where(rows, new_kv, ring.kv))
+    cache, wait = slice(s, s + lam), slice(s + lam, s + ring.extra)
+    kept_valid = keep_valid[:, 0]  # the same slots in every kv head (select_and_fold's order)
+    ring.keys[:, :, cache] = torch.where(rows, _take(ring.keys[:, :, both], keep), ring.keys[:, :, cache])
+    ring.vext[:, :, cache] = torch.where(rows, _take(ring.vext[:, :, both], keep) * keep_valid[..., None],
+                                         ring.vext[:, :, cache])
+    ring.kin[:, :, :lam] = torch.where(rows, _take(ring.kin, keep), ring.kin[:, :, :lam])
+    if ring.slot_log is not None:
+        ring.slot_log[..., :lam] = torch.where(done[:, None, None], to_ref.gather(-1, keep), ring.slot_log[..., :lam])
+        ring.slot_log[..., lam:] = torch.where(done[:, None, None], 0.0, ring.slot_log[..., lam:])
+    ring.valid[:, cache] = torch.where(done[:, None], kept_valid, ring.valid[:, cache])
+    ring.valid[:, wait] &= ~done[:, None]
+    ring.keys[:, :, wait] = torch.where(rows, 0.0, ring.keys[:, :, wait])
+    ring.vext[:, :, wait] = torch.where(rows, 0.0, ring.vext[:, :, wait])
+    ring.pending = torch.where(done, 0, ring.pending)
+
+
+def sparse_from_recurrent(module, ring, state: RecurrentState, region: int) -> None:
+    """Give ``ring`` (built by ``decode.from_recurrent`` with its extra slots empty) the state's sparse cache and its
+    waiting block: the real keys of ``state.k``'s first ``region`` positions after its ``sparse_skip`` ones; the
+    sinks among them (they left the window) go to the sink slots too."""
+    cfg = module.config
+    lam, chunk, s, d = cfg.sparse_cache, cfg.sparse_chunk, ring.sinks, module.head_dim
+    b, hkv = ring.keys.shape[:2]
+    work, device = ring.keys.dtype, ring.keys.device
+    ring.extra, ring.cache = lam + chunk, lam
+    ring.kin = torch.zeros(b, hkv, lam + chunk, module.kernel_dim, dtype=work, device=device)
+    ring.slot_log = None if ring.logg is None else torch.zeros(b, hkv, lam + chunk, dtype=work, device=device)
+    ring.pending = torch.zeros(b, dtype=torch.long, device=device)
+    if state.sparse_k is not None:
+        c_valid = state.sparse_mask[:, 0]
+        ring.keys[:, :, s : s + lam] = state.sparse_k.to(work)
+        ring.vext[:, :, s : s + lam] = _with_normaliser(state.sparse_v.to(work), None) * c_valid[:, None, :, None]
+        ring.valid[:, s : s + lam] = c_valid
+        ring.kin[:, :, :lam] = (state.sparse_k if state.sparse_kin is None else state.sparse_kin).to(work)
+        if ring.slot_log is not None:
+            ring.slot_log[..., :lam] = state.sparse_logs.to(work)
+    if not region:
+        return
+    real = torch.ones(b, region, dtype=torch.bool, device=device) if state.mask is None else state.mask[:, :region]
+    if state.sparse_skip is not None:
+        real = real & (real.long().cumsum(-1) > state.sparse_skip[:, None])
+    idx, found = first_true(real, chunk - 1)  # the waiting keys, in order
+    k = gather_keys(state.k[:, :, :region].to(work), idx, 2)
+    v = gather_keys(state.v[:, :, :region].to(work), idx, 2)
+    vext = _with_normaliser(v, None) * found[:, None, :, None]
+    is_sink = torch.zeros_like(found)
+    if ring.filled is not None:  # the row's next sinks: its first waiting keys
+        is_sink = found & (torch.arange(chunk - 1, device=device) < (s - ring.filled)[:, None])
+        sk, sv, sm = keep_sinks(ring.keys[:, :, :s], ring.vext[:, :, :s, :d], ring.valid[:, :s], k, v, is_sink, s)
+        ring.keys[:, :, :s] = sk
+        ring.vext[:, :, :s] = _with_normaliser(sv, None) * sm[:, None, :, None]
+        ring.valid[:, :s] = sm
+        ring.filled = sm.sum(-1)
+        if bool((ring.filled == s).all()):
+            ring.filled = None
+    wait = slice(s + lam, s + lam + chunk - 1)
+    ring.keys[:, :, wait] = k * found[:, None, :, None]
+    ring.vext[:, :, wait] = vext
+    ring.valid[:, wait] = found & ~is_sink
+    ring.kin[:, :, lam : lam + chunk - 1] = module.kernel_input(k.unsqueeze(2), False).squeeze(2).to(work)
+    if ring.slot_log is not None:
+        ring.slot_log[..., lam : lam + chunk - 1] = module.log_gates(v.unsqueeze(2), found).squeeze(2)
+    ring.pending = found.sum(-1)
+
+
+def sparse_to_recurrent(ring) -> RecurrentState:
+    """``ring`` with a sparse cache as the generic ``RecurrentState``: the waiting block (right-aligned in chunk - 1
+    positions, its sinks back among its keys instead of in their slots), then the window in order."""
+    lam, s, d = ring.cache, ring.sinks, ring.keys.shape[-1]
+    chunk = ring.extra - lam
+    b, hkv = ring.keys.shape[:2]
+    device = ring.keys.device
+    order = ring._ring_order()
+    base = s + ring.extra
+    win_k, win_v = ring.keys[:, :, base:][:, :, order], ring.vext[:, :, base:, :d][:, :, order]
+    win_real = ring.valid[:, base:][:, order]
+    t = torch.arange(chunk - 1, device=device)
+    at = t[None, :] - (chunk - 1 - ring.pending[:, None])  # the waiting slot at each position, < 0: none
+    here = at >= 0
+    wait = slice(s + lam, s + lam + chunk - 1)
+    wk = gather_keys(ring.keys[:, :, wait], at.clamp(min=0), 2)
+    wv = gather_keys(ring.vext[:, :, wait, :d], at.clamp(min=0), 2)
+    k = torch.cat([wk, win_k], dim=2).to(ring.key_dtype)
+    v = torch.cat([wv, win_v], dim=2).to(ring.key_dtype)
+    mask = torch.cat([here, win_real], dim=1)
+    sink_k = sink_v = sink_mask = None
+    if s and bool(ring.valid[:, :s].any()):
+        # the waiting sinks (real, not candidates) leave their slots: the generic state keeps them among its keys
+        waiting_sinks = ((torch.arange(chunk, device=device)[None, :] < ring.pending[:, None])
+                         & ~ring.valid[:, s + lam : s + ring.extra]).sum(-1)
+        filled = ring.valid[:, :s].sum(-1)
+        sink_mask = ring.valid[:, :s] & (torch.arange(s, device=device)[None, :] < (filled - waiting_sinks)[:, None])
+        if bool(sink_mask.any()):
+            sink_k = ring.keys[:, :, :s].to(ring.key_dtype)
+            sink_v = ring.vext[:, :, :s, :d].to(ring.key_dtype)
+        else:
+            sink_mask = None
+    c_valid = ring.valid[:, None, s : s + lam].expand(b, hkv, lam).clone()
+    return RecurrentState(ring.kv.unsqueeze(2), k, v, None if bool(mask.all()) else mask, ring.length, sink_k, sink_v,
+                          sink_mask, ring.seen, sparse_k=ring.keys[:, :, s : s + lam].to(ring.key_dtype),
+                          sparse_v=ring.vext[:, :, s : s + lam, :d].to(ring.key_dtype), sparse_mask=c_valid,
+                          sparse_kin=ring.kin[:, :, :lam].clone(),
+                          sparse_logs=None if ring.slot_log is None else ring.slot_log[..., :lam].clone())
