@@ -26,6 +26,7 @@ _LAZY = {
     "PolyAttnCacheLayer": "integration",
     "convert": "integration",
     "get_polyattn_config": "integration",
+    "reconfigure": "integration",
     "write_model_card": "integration",
 }
 
@@ -41,6 +42,7 @@ __all__ = [
     "get_kind",
     "get_polyattn_config",
     "kind_names",
+    "reconfigure",
     "register",
     "register_kind",
     "write_model_card",

@@ -199,12 +199,13 @@ class PolyAttnConfig:
         metadata={
             "help": "bounded sparse cache (LoLA, McDermott et al., arXiv:2505.23666): beside the sliding window and "
             "the kernel state, each kv head keeps this many past keys and values exactly (scored like window keys, "
-            "under the window's normaliser), the ones the kernel state recalls worst (self-recall error |v - "
-            "phi(k) S / phi(k) z|); the others are folded into the state. Selected at absolute blocks of "
-            "sparse_chunk real keys once a whole block has left the window (until then its keys stay exact), so the "
-            "whole-sequence forward, chunked prefill and decoding compute the same outputs. Constant memory: "
-            "sparse_cache + sparse_chunk - 1 keys per kv head beside the window. Causal only; needs window > 0 and "
-            "a kernel kind; no parameters (a trained model takes it training-free, hf_polyattn.reconfigure). 0 = off"
+            "under the window's normaliser), the ones the kernel state recalls worst (the error |v - phi(k) S / "
+            "phi(k) z| of what the state returns for the key); the others are folded into the state. Selected at "
+            "absolute blocks of sparse_chunk real keys once a whole block has left the window (until then its keys "
+            "stay exact), so the forward over a whole sequence, chunked prefill and decoding compute the same "
+            "outputs. Constant memory: sparse_cache + sparse_chunk - 1 keys per kv head beside the window. Causal "
+            "only; needs window > 0 and a kernel kind; adds no parameters (a trained model takes it without "
+            "training: hf_polyattn.reconfigure, or --set without --kind). 0 = off"
         },
     )
     sparse_chunk: int = field(

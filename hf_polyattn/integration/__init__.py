@@ -6,7 +6,7 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 """
 
 from .cache import PolyAttnCache, PolyAttnCacheLayer
-from .convert import convert, get_polyattn_config
+from .convert import convert, get_polyattn_config, reconfigure
 from .hub import write_model_card
 from .registry import register_all
 from .state import HFPolyAttention
@@ -19,6 +19,7 @@ __all__ = [
     "PolyAttnCacheLayer",
     "convert",
     "get_polyattn_config",
+    "reconfigure",
     "register_all",
     "write_model_card",
 ]

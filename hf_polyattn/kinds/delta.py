@@ -143,8 +143,8 @@ class DeltaAttention(SlidingWindowAttention):
 
 def _validate(config) -> None:
     if config.sparse_cache:
-        raise ValueError(f"kind='delta' does not take sparse_cache={config.sparse_cache}: the sparse cache (LoLA) picks "
-                         "the keys an additive kernel state recalls worst and scores them under the window's "
+        raise ValueError(f"kind='delta' does not take sparse_cache={config.sparse_cache}: the sparse cache (LoLA) "
+                         "picks the keys an additive kernel state recalls worst and scores them under the window's "
                          "normaliser, and the delta read-out is neither (it overwrites what a key holds and is added "
                          "to the window's output); use a kernel kind (linear, polysketch, performer, taylor)")
     if not config.window and config.options["delta_mix_init"] != 0.0:
