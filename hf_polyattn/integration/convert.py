@@ -128,6 +128,11 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
     cfg = old.replace(**changes)  # validated
     found = [(name, mod, idx) for name, mod, idx in find_attention_modules(model)
              if isinstance(getattr(mod, "polyattn", None), HFPolyAttention)]
+    owner = type(model).__name__
+    configs = {id(c): c for c in [model.config, *(mod.config for _, mod, _ in found)]}
+    check_model_options(list(configs.values()), cfg, owner)
+    for _, mod, _ in found:
+        check_attention_module(mod, cfg, owner)
     built = []
     for name, mod, idx in found:  # every layer built and checked before any is replaced
         current = mod.polyattn
@@ -149,7 +154,7 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
         built.append((mod, fresh))
     for mod, fresh in built:
         mod.polyattn = fresh
-    for c in {id(c): c for c in [model.config, *(mod.config for _, mod, _ in found)]}.values():
+    for c in configs.values():
         persist_settings(c, cfg)
     sync_config(model)
     return model

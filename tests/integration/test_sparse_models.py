@@ -127,6 +127,16 @@ def test_set_without_kind_on_a_trained_checkpoint(tmp_path, capsys):
                                trained(input_ids=ids, use_cache=False).logits, rtol=0, atol=1e-6)
 
 
+def test_encoders_refuse_it():
+    """Causal only: a bidirectional model is refused at convert and at reconfigure, naming the setting."""
+    with pytest.raises(ValueError, match="sparse_cache=2 is defined for causal attention only"):
+        build("bert", PolyAttnConfig(kind="linear", window=4, sparse_cache=2))
+    bert = build("bert", PolyAttnConfig(kind="linear", window=4))
+    with pytest.raises(ValueError, match="sparse_cache=2 is defined for causal attention only"):
+        hf_polyattn.reconfigure(bert, sparse_cache=2)
+    assert hf_polyattn.get_polyattn_config(bert).sparse_cache == 0
+
+
 def test_one_line_study_rows():
     cfg = build_config("linear", ["window=64", "sinks=4", "decay=gate", "sparse_cache=64"])
     assert cfg.sparse_cache == 64 and cfg.sparse_chunk == 64

@@ -145,6 +145,25 @@ def test_chunked_prefill_and_decoding_equal_the_forward(name, path):
     torch.testing.assert_close(out.detach()[1], full[1], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_selected_rows_continue_as_those_rows(grad):
+    """Beam search reorders rows (``index_select``): the ring's and the generic state's sparse buffers follow."""
+    pa = _module(CONFIGS["linear-sinks-gate-mix"])
+    q, k, v = _inputs(b=3)
+    _, states = _steps(pa, q[..., :40, :], k[..., :40, :], v[..., :40, :],
+                       spans=[(0, 13), *((i, i + 1) for i in range(13, 40))], grad=grad)
+    assert isinstance(states[-1], RecurrentState if grad else WindowRing)
+    state = states[-1].index_select(torch.tensor([2, 0]))
+    rows = torch.tensor([2, 0])
+    outs = []
+    with torch.set_grad_enabled(grad):
+        for i in range(40, N):
+            o, state = pa(q[rows, :, i : i + 1], k[rows, :, i : i + 1], v[rows, :, i : i + 1], causal=True, state=state)
+            outs.append(o)
+        full = pa(q[rows], k[rows], v[rows], causal=True)
+    torch.testing.assert_close(torch.cat(outs, dim=2).detach(), full[:, :, 40:].detach(), rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "sinks-beyond-a-block", "softmax-heads"])
 def test_left_padding_equals_each_row_alone(name):
     """Row 0 left-padded by 7 tokens (not a multiple of the block): the forward and decoding of that row equal the row
