@@ -52,9 +52,9 @@ class WindowRing:
     the next key goes to; ``count``: how many ring slots were ever written (<= W); ``length``, ``seen``: as
     ``RecurrentState``; ``filled`` (B,) int64: sink slots filled per row, None once every row has all of them
     (``sinks_full``); ``key_dtype``: the dtype of the model's keys, restored by ``to_recurrent``. ``extra``: the
-    sparse cache's slots after the sinks (``cache`` of them the cache, then the waiting block), 0 without one; ``kin``,
-    ``slot_log``, ``pending``: their kernel inputs,
-    log-decays and waiting keys per row (``ops/sparse.py``, ``ring_leave``)."""
+    sparse cache's slots after the sinks (``cache`` of them the cache, then the waiting block), 0 without one;
+    ``kin``, ``slot_log``, ``pending``: their kernel inputs, log-decays and waiting keys per row (``ops/sparse.py``,
+    ``ring_leave``)."""
 
     kv: torch.Tensor
     keys: torch.Tensor
