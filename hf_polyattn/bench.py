@@ -4,6 +4,8 @@
     hf-polyattn bench --quick          # the two shortest lengths, one repeat (a smoke run)
     hf-polyattn bench --device cuda    # the GPU grid below, against SDPA's flash path
     hf-polyattn bench --bidirectional  # encoder (non-causal) attention: the bidirectional kinds' rows
+    hf-polyattn bench --model DIR [--base DIR]   # a whole retrofitted model against its softmax base: see
+                                                 # hf_polyattn/bench_model.py and the options below
 
 Defaults per device (every one can be overridden):
 
@@ -23,9 +25,10 @@ kind memory / SDPA memory) are taken within this run only: machines are noisy, n
 against numbers from another run. An out-of-memory error is recorded as OOM for its cell (larger
 n of the same kind are then not run) and the run goes on.
 
-Also printed: the achieved GFLOP/s of the polysketch path (an analytic count of its matmul
-flops, forward + backward, divided by its time) next to torch.mm's GFLOP/s on 2048^2
-matrices measured in the same run.
+Also printed (the roofline rows, in the table and the JSON): the achieved GFLOP/s of the polysketch and linear
+paths, plain, with exact local blocks and with a window (an analytic count of their matmul flops, forward +
+backward, divided by their time: ``causal_flops``) next to torch.mm's GFLOP/s on 2048^2 matrices measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from . import bench_model
 
 
 def kind_rows(direction: str = "causal") -> dict[str, dict | None]:
@@ -66,6 +71,7 @@ DEFAULTS = {
              "repeats": 10, "external": True},
 }
 DEFAULT_OUT = Path("recipes/results/benchmark_attention")
+HEAD_DIM, TIMEOUT = 64, 900
 
 
 def _rss_bytes() -> int:
@@ -73,18 +79,57 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def polysketch_flops(n: int, heads: int, d: int, r: int, block: int, local: bool) -> float:
-    """Matmul flops of the polysketch causal path, forward + backward (see ops/causal.py).
+def causal_flops(row: dict, n: int, heads: int, d: int) -> float | None:
+    """Matmul flops of one causal forward + backward of a benchmark row's path (``kind_rows``' PolyAttnConfig
+    fields), or None where the path is not counted: polysketch (degree 4, gaussian sketch) and linear with elu + 1
+    features, on the block algorithm, plain, with exact local blocks or with a window.
 
-    Per token and head with F = r(r+1)/2 features and e = d+1 value columns: forward = state
-    update + query read (2 x 2Fe); backward = state recompute + dA + suffix + dB + dC (5 x 2Fe);
-    local exact blocks: scores 2bd + weights x values 2be, three times over (forward, backward);
-    the degree-2 sketch: 2 factors x 2dr for q and k, three times over.
+    Per token and head, F features, e = d + 1 value columns (the normaliser's), b the block, w the window, p the
+    kernel's input width (``feature_proj``, else d); every product counts 2 flops per multiply-add, and backward
+    two products per forward one (three passes):
+
+    - the kernel state (``ops/causal.py``): forward = state update + query read (2 x 2Fe), backward = state
+      recompute + dA + suffix + dB + dC (5 x 2Fe);
+    - the diagonal blocks read through the features (plain, and a window's far part): phi(A) phi(B)^T (2bF) and its
+      lower triangle times the values (2be), three passes; with exact local blocks instead: scores (2bd) and
+      weights x values (2be), three passes;
+    - a window (``ops/window.py``): tiles of w queries against 2w candidate keys, scores (2 x 2wd) and weights x
+      values (2 x 2we), three passes; its E sink slots (``sinks`` + ``learned_sinks``) the same with E keys:
+      3 x (2Ed + 2Ee);
+    - polysketch's features: F = r(r+1)/2, the degree-2 sketch's two p x r factors for q and for k (2 x 2 x 2pr),
+      three passes; elu + 1: F = p, elementwise (none counted);
+    - ``feature_proj``: q and k times a d x p matrix (2 x 2dp), three passes.
+
+    Elementwise work (the features' tensor square, exp, masks, decay factors, q/k LayerNorms, window_mix) is not
+    counted, nor the projection a backward pass recomputes: a lower bound of the work done, so the achieved GFLOP/s
+    are too. Where 'auto' runs other kernels for the layer (backend 'fla' on CUDA) the same count over their time is
+    an effective rate. Not counted (None): a short convolution, the cumsum algorithm, other kinds and feature maps.
     """
-    feats = r * (r + 1) // 2
-    e = d + 1
-    per_token = 7 * 2 * feats * e + 3 * 2 * 2 * d * r * 2
-    per_token += 3 * (2 * block * d + 2 * block * e) if local else 3 * (2 * block * feats + 2 * block * e)
+    from .config import PolyAttnConfig
+
+    cfg = PolyAttnConfig(**row)
+    if cfg.causal_algorithm != "block" or cfg.short_conv:
+        return None
+    width = cfg.feature_proj or d
+    if cfg.kind == "polysketch" and cfg.degree == 4 and cfg.sketch == "gaussian":
+        feats = cfg.sketch_size * (cfg.sketch_size + 1) // 2
+        per_token = 3 * 2 * 2 * 2 * width * cfg.sketch_size
+    elif cfg.kind == "linear" and cfg.feature_map == "elu":
+        feats, per_token = width, 0
+    else:
+        return None
+    e, b, w = d + 1, cfg.block_size, cfg.window
+    per_token += 7 * 2 * feats * e
+    if cfg.feature_proj:
+        per_token += 3 * 2 * 2 * d * width
+    if w:
+        slots = cfg.sinks + cfg.learned_sinks
+        per_token += 3 * (2 * 2 * w * d + 2 * 2 * w * e) + 3 * (2 * slots * d + 2 * slots * e)
+        per_token += 3 * (2 * b * feats + 2 * b * e)
+    elif cfg.local_exact:
+        per_token += 3 * (2 * b * d + 2 * b * e)
+    else:
+        per_token += 3 * (2 * b * feats + 2 * b * e)
     return float(per_token * n * heads)
 
 
@@ -290,13 +335,34 @@ def int_at_least(minimum: int):
 _positive_int = int_at_least(1)
 
 
+def int_items(minimum: int):
+    """argparse ``type=`` of an ``nargs='+'`` option that also takes comma lists: 'N' or 'N,N,...' (ints >=
+    ``minimum``) gives a list per item; ``flat`` joins them."""
+    one = int_at_least(minimum)
+
+    def parse(text: str) -> list[int]:
+        items = text.split(",")
+        if len(items) > 1 and not all(x.strip() for x in items):
+            raise argparse.ArgumentTypeError(f"expected N or N,N,... (integers >= {minimum}), got {text!r}")
+        return [one(x.strip()) for x in items]  # the message names the bad item
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+def flat(items: list[list[int]] | None) -> list[int] | None:
+    """The values of an ``int_items`` option in order, each once (None stays None)."""
+    return None if items is None else list(dict.fromkeys(v for item in items for v in item))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``python recipes/benchmark_attention.py`` and ``hf-polyattn bench``)."""
     cpu, cuda = DEFAULTS["cpu"], DEFAULTS["cuda"]
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where to run; picks the defaults of --lengths, --heads, --dtype, --repeats, --kinds")
-    p.add_argument("--lengths", type=_positive_int, nargs="+", metavar="N",
-                   help=f"context lengths n (default: {cpu['lengths']} on CPU, {cuda['lengths']} on CUDA)")
+    p.add_argument("--lengths", type=int_items(1), nargs="+", metavar="N",
+                   help=f"context lengths n, as N N ... or N,N,... (default: {cpu['lengths']} on CPU, "
+                        f"{cuda['lengths']} on CUDA)")
     choices = [*kind_rows("causal"), *EXTERNAL, *kind_rows("bidirectional")]
     p.add_argument("--kinds", nargs="+", choices=list(dict.fromkeys(choices)), metavar="KIND",
                    help=f"rows besides sdpa (always run): the kinds' benchmark rows {list(dict.fromkeys(choices))} "
@@ -306,19 +372,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "causal; rows of causal-only kinds are left out")
     p.add_argument("--heads", type=_positive_int,
                    help=f"attention heads H (default: {cpu['heads']} on CPU, {cuda['heads']} on CUDA)")
-    p.add_argument("--head-dim", type=_positive_int, default=64, help="head dimension d")
+    p.add_argument("--head-dim", type=_positive_int, help=f"head dimension d (default: {HEAD_DIM})")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help=f"q/k/v dtype (default: {cpu['dtype']} on CPU, {cuda['dtype']} on CUDA)")
     p.add_argument("--repeats", type=_positive_int,
                    help=f"timed passes per cell, the fastest counts (default: {cpu['repeats']} on CPU, "
                         f"{cuda['repeats']} on CUDA)")
     p.add_argument("--threads", type=_positive_int, default=2, help="torch CPU threads (OMP_NUM_THREADS)")
-    p.add_argument("--timeout", type=_positive_int, default=900,
-                   help="seconds one (kind, n) cell may take before it is recorded as a timeout")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help="output folder of DEVICE-DTYPE.md, .json and .png")
+    p.add_argument("--timeout", type=_positive_int,
+                   help=f"seconds one (kind, n) cell may take before it is recorded as a timeout (default: {TIMEOUT})")
+    p.add_argument("--out", type=Path,
+                   help=f"output folder of DEVICE-DTYPE.md, .json and .png; with --model its table, JSON and plot go "
+                        f"to {bench_model.DEFAULT_OUT} by default (default: {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true", help="the two shortest default lengths, one repeat (a smoke run)")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
+    bench_model.add_arguments(p)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -330,7 +398,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def resolve(args) -> argparse.Namespace:
     """Fill the device-dependent defaults in place (pure: no device is touched). Returns ``args``."""
     d = DEFAULTS[args.device]
+    args.lengths = flat(args.lengths)
     given = args.lengths is not None
+    args.head_dim = args.head_dim or HEAD_DIM
+    args.timeout = args.timeout or TIMEOUT
+    args.out = DEFAULT_OUT if args.out is None else args.out
     args.dtype = args.dtype or d["dtype"]
     args.heads = args.heads or d["heads"]
     args.repeats = args.repeats or d["repeats"]
@@ -453,18 +525,41 @@ def table(rows: list[dict], args, where: str, gflops_mm: float) -> str:
             speed = f"{r['sdpa_over_kind']:.2f}x" if r.get("sdpa_over_kind") is not None else "-"
             mem = f"{r['memory_over_sdpa']:.2f}" if r.get("memory_over_sdpa") is not None else "-"
             lines.append(f"| {kind} | {n} | {t} | {speed} | {r['peak_bytes'] / 2**20:.0f} | {mem} |")
-    lines.append("")
-    for n in args.lengths:
-        r = by.get(("polysketch-local", n))
-        if r and "seconds" in r:
-            fl = polysketch_flops(n, args.heads, args.head_dim, 32, 256, True)
-            lines.append(f"polysketch-local n={n}: {fl / r['seconds'] / 1e9:.1f} GFLOP/s achieved "
-                         f"(torch.mm: {gflops_mm:.1f} GFLOP/s)")
+    counted = [r for r in rows if r.get("gflops") is not None]
+    if counted:
+        lines += ["", f"Roofline: GFLOP/s achieved = the path's matmul flops (an analytic count, forward + backward: "
+                      f"bench.causal_flops) / its time, against torch.mm 2048^2 in this run ({gflops_mm:.1f} GFLOP/s)",
+                  "", "| kind | n | GFLOP | GFLOP/s achieved | share of torch.mm |", "|---|---|---|---|---|"]
+        for n in args.lengths:
+            for kind in args.kinds:
+                r = by.get((kind, n))
+                if r is not None and r.get("gflops") is not None:
+                    lines.append(f"| {kind} | {n} | {r['gflop']:.2f} | {r['gflops']:.1f} | "
+                                 f"{100 * r['mm_share']:.0f}% |")
+    elif direction(args) == "causal":
+        lines += ["", f"torch.mm 2048^2: {gflops_mm:.1f} GFLOP/s; no row here has a counted path (bench.causal_flops)"]
     return "\n".join(lines)
+
+
+def add_roofline(rows: list[dict], args, gflops_mm: float) -> None:
+    """gflop (analytic, ``causal_flops``), gflops (achieved) and mm_share (of torch.mm's GFLOP/s in the same run) of
+    every timed causal row whose path is counted."""
+    if direction(args) != "causal":
+        return
+    presets = kind_rows("causal")
+    for r in rows:
+        if "seconds" not in r or presets.get(r["kind"]) is None:
+            continue
+        flops = causal_flops(presets[r["kind"]], r["n"], args.heads, args.head_dim)
+        if flops is not None:
+            r["gflop"] = flops / 1e9
+            r["gflops"] = flops / r["seconds"] / 1e9
+            r["mm_share"] = r["gflops"] / gflops_mm
 
 
 def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: float, command: str) -> Path:
     """DEVICE-DTYPE.md (the table), .json (machine, rows) and .png (time and memory vs n) in ``args.out``."""
+    add_roofline(rows, args, gflops_mm)
     text = table(rows, args, where, gflops_mm)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -510,6 +605,8 @@ def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: 
 
 def run(args, *, command: str) -> int:
     """The benchmark for parsed and resolved ``args``; ``command`` is recorded in the outputs."""
+    if args.model:
+        return bench_model.run(args, command=command)
     where_info = machine_info(args)
     where = machine(args, where_info)  # read the load average before the runs add to it
     gflops_mm = mm_gflops(args)
@@ -527,8 +624,12 @@ def check_device(parser: argparse.ArgumentParser, args) -> None:
 
 
 def prepare(parser: argparse.ArgumentParser, args) -> argparse.Namespace:
-    """Resolve the defaults of parsed ``args`` and check the device (argparse errors, exit code 2)."""
-    resolve(args)
+    """Resolve the defaults of parsed ``args`` and check the device (argparse errors, exit code 2); with --model
+    the whole-model benchmark's (``bench_model.resolve``)."""
+    args._parser = getattr(args, "_parser", None) or parser
+    bench_model.resolve(parser, args)
+    if not args.model:
+        resolve(args)
     if not args.worker:
         check_device(parser, args)
     return args

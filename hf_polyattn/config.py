@@ -25,6 +25,8 @@ DECAYS = ("none", "scalar", "gate")
 SINK_POSITIONS = ("window", "own")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
 SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
+# Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
+EVERY_KIND_FIELDS = ("seed", "softmax_heads")
 
 # Allowed values of every str field and the minimum of every int field: __post_init__
 # validates each field by its annotation, so a new field without an entry here fails loudly.
@@ -242,9 +244,11 @@ class PolyAttnConfig:
     backend: str = field(
         default="auto",
         metadata={
-            "help": "causal product implementation: 'auto' (triton on CUDA when installed, batched on other "
-            "accelerators, loop on CPU), 'loop', 'batched', 'triton' or 'fla' (fla-core's chunk kernel, CUDA, "
-            "identity features: linear / performer) forces one; env HF_POLYATTN_BACKEND overrides 'auto'"
+            "help": "causal product implementation: 'auto' (on CUDA 'fla' for the layers it covers when fla-core "
+            "is installed, else triton when installed; batched on other accelerators, loop on CPU), 'loop', "
+            "'batched', 'triton' or 'fla' (CUDA: fla-core's chunk kernels for the kernel part, decayed or not, of "
+            "identity features (linear / performer), FlexAttention for a softmax window) forces one; env "
+            "HF_POLYATTN_BACKEND overrides 'auto'"
         },
     )
 
@@ -286,9 +290,6 @@ class PolyAttnConfig:
         if not self.decay_horizon > 1.0:
             raise ValueError(f"decay_horizon must be a real number > 1 (tokens: the initial 1/(1 - gamma)), got "
                              f"{self.decay_horizon}")
-        if self.decay != "none" and self.backend == "fla":
-            raise ValueError(f"decay={self.decay!r} needs backend='auto', 'loop', 'batched' or 'triton': fla-core's "
-                             "chunk_linear_attn (backend='fla') has no decay")
         if self.sparse_chunk != SPARSE_CHUNK and not self.sparse_cache:
             raise ValueError(f"sparse_chunk={self.sparse_chunk} needs sparse_cache > 0 (it is the sparse cache's "
                              "selection granularity)")
@@ -385,6 +386,16 @@ class PolyAttnConfig:
     @property
     def is_linear_time(self) -> bool:
         return self.spec.linear_time
+
+    def read_settings(self) -> dict[str, Any]:
+        """The settings this kind reads, JSON-ready: ``kind``, the shared fields its ``KindSpec.fields`` names, those
+        every kind reads (``EVERY_KIND_FIELDS``) and its own ``options``; the fields it ignores are left out (a model
+        card shows these). ``from_dict`` of it gives a config that computes the same attention."""
+        d = self.to_dict()
+        out = {name: d[name] for name in dict.fromkeys(("kind", *self.spec.fields, *EVERY_KIND_FIELDS))}
+        if "options" in d:
+            out["options"] = d["options"]
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

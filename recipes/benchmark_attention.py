@@ -6,9 +6,11 @@
 The tables go to <repository>/recipes/results/benchmark_attention/ from any working directory (--out changes it).
 """
 
-from _defaults import RESULTS
+from pathlib import Path
 
 from hf_polyattn import bench
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 if __name__ == "__main__":
     # the package's default is relative to the working directory (`hf-polyattn bench` of an installed package

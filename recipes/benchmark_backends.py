@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import torch
-from _defaults import RESULTS
-from _machine import machine
 
-from hf_polyattn import PolyAttnConfig
+from hf_polyattn import PolyAttnConfig, machine
 from hf_polyattn.ops import PolyAttention
 from hf_polyattn.ops.backend import ENV_VAR, triton_available
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 KINDS = {
     "polysketch-local": dict(kind="polysketch", sketch="learned", local_exact=True),
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{device.type}-{dtype_name}" + ("" if args.set == "plain" else f"-{args.set}")
-    info = machine(device.type)
+    info = machine.record(device.type)
     (out / f"{tag}.json").write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=1))
     lines = [f"# Causal backends, forward+backward, B=1, H={args.heads}, d=64, {dtype_name}, best of {args.repeats}",
              "", "Settings: " + "; ".join(f"{k}: {v}" for k, v in SETS[args.set].items()), "",

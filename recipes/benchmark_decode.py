@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from _cli import parser as recipe_parser
-from _defaults import RESULTS
-from _machine import describe
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_polyattn
-from hf_polyattn import PolyAttnCache, PolyAttnConfig
+from hf_polyattn import PolyAttnCache, PolyAttnConfig, machine
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -125,7 +124,7 @@ def main(args: BenchArgs) -> list[dict]:
     cfg = poly_config(args)
     hf_polyattn.convert(poly, cfg)
     label = cfg.spec.table_label(cfg)  # names the softmax kv heads too
-    print(f"machine: {describe()}")
+    print(f"machine: {machine.describe()}")
     print(f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv heads "
           f"(head_dim {args.hidden // args.heads}); {label}; median of {args.steps} decode steps")
     rows = []
@@ -133,7 +132,7 @@ def main(args: BenchArgs) -> list[dict]:
         res = decode_latency({"sdpa": (softmax, DynamicCache()), "poly": (poly, PolyAttnCache(poly))}, context, args)
         (sdpa_ms, sdpa_b), (poly_ms, poly_b) = res["sdpa"], res["poly"]
         rows.append(dict(context=context, sdpa_ms=sdpa_ms, poly_ms=poly_ms, sdpa_bytes=sdpa_b, poly_bytes=poly_b))
-    lines = [f"machine: {describe()}; load average before the run: "
+    lines = [f"machine: {machine.describe()}; load average before the run: "
              f"{load_before:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
              f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} kv "
              f"heads; {label}; median of {args.steps} decode steps", "",
@@ -159,5 +158,5 @@ def main(args: BenchArgs) -> list[dict]:
 
 
 if __name__ == "__main__":
-    (parsed,) = recipe_parser(BenchArgs).parse_args_into_dataclasses()
+    (parsed,) = HfArgumentParser(BenchArgs).parse_args_into_dataclasses()
     main(parsed)

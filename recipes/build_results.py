@@ -38,9 +38,9 @@ def main() -> int:
             parts += [p.read_text().strip() + "\n" for p in tables]
     for section in sorted(RESULTS.glob("SECTION_*.md")):
         parts.append(section.read_text().strip() + "\n")
-    pending = RESULTS / "PENDING.md"
-    if pending.exists():
-        parts.append(pending.read_text().strip() + "\n")
+    for last in ("PENDING.md", "REMOVED.md"):  # what is still to run, then what git history alone keeps
+        if (RESULTS / last).exists():
+            parts.append((RESULTS / last).read_text().strip() + "\n")
     (HERE / "RESULTS.md").write_text("\n".join(parts))
     print(f"wrote {HERE / 'RESULTS.md'} from {len(parts) - 1} parts")
     return 0

@@ -49,12 +49,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hf_polyattn  # noqa: E402
 from hf_polyattn import PolyAttnConfig  # noqa: E402
 from hf_polyattn.bench import int_at_least  # noqa: E402
-from recipes._machine import machine, uptime  # noqa: E402
+from hf_polyattn.machine import record, uptime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KINDS = {
@@ -466,7 +464,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     res = {"command": "python recipes/e2e_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "args": vars(args), "start": start,
-           "machine": {**machine(args.device), "cuda": torch.version.cuda, "dtype": args.dtype}}
+           "machine": {**record(args.device), "cuda": torch.version.cuda, "dtype": args.dtype}}
     res["train"] = ({"rows": [], "kinds": ["sdpa", *args.kinds], "crossover": {}} if args.skip_train
                     else train_speed(args))
     res["decode"] = decode_speed(args)

@@ -1,7 +1,7 @@
 """Peak memory of one bf16 attention layer's causal forward + backward against SDPA, counted by tensor storages.
 
 Issue 11's memory target: a layer at most 2x SDPA's (FlashAttention's) peak. Every layer of
-``hf_polyattn.live_memory.LAYERS`` is built as a bf16 model builds it (``module.to(bfloat16)``) on the
+``recipes/live_memory.py``'s ``LAYERS`` is built as a bf16 model builds it (``module.to(bfloat16)``) on the
 ``triton`` backend and run on bf16 q, k, v (B=1, H heads, d=64) under ``PeakLive``, which adds up the live
 storages made inside (inputs and weights excluded, gradients included): a lower bound on any allocator's peak,
 the same on every device. Without a GPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
@@ -32,10 +32,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from _defaults import RESULTS  # noqa: E402
-from _machine import machine  # noqa: E402
 
-from hf_polyattn.live_memory import LAYERS, attention_peak, layer_config  # noqa: E402
+from live_memory import LAYERS, attention_peak, layer_config  # noqa: E402  (recipes/live_memory.py)
+
+from hf_polyattn import machine  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def measure(name: str, n: int, heads: int, top: int, device: str) -> dict:
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
         command = "python recipes/memory_layers.py " + " ".join(argv if argv is not None else sys.argv[1:])
         device = torch.device(args.device).type
         where = "CUDA" if device == "cuda" else "CPU, Triton interpreter"
-        info = machine(device)
+        info = machine.record(device)
         gpu = f", {info['gpu']}" if info["gpu"] else ""
         head = (f"Run {info['date']}: `{command.strip()}`\n\nMachine: {info['cpu']}, {info['cpus']} CPUs{gpu}, torch "
                 f"{info['torch']} ({where}); bf16, B=1, d=64, causal forward+backward, backend='triton'; counted "

@@ -45,17 +45,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_polyattn  # noqa: E402
-from hf_polyattn import PolyAttnConfig  # noqa: E402
+from hf_polyattn import (
+    PolyAttnConfig,  # noqa: E402
+    machine,  # noqa: E402
+)
 from hf_polyattn.data import lm_batch, load_text_data  # noqa: E402
 from hf_polyattn.eval.metrics import perplexity  # noqa: E402
 from hf_polyattn.training.loop import LoopConfig, fingerprint_of, train_loop  # noqa: E402
-from recipes._defaults import RESULTS, TINY_SHAKESPEARE  # noqa: E402
-from recipes._kinds import PAPER_KINDS  # noqa: E402
-from recipes._kinds import PAPER_LABELS as LABELS  # noqa: E402
-from recipes._machine import machine  # noqa: E402
+from recipes._defaults import RESULTS, TINY_SHAKESPEARE  # noqa: E402  (the data path: see recipes/_defaults.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_TIMING_STEPS = 5
+# The grid: PolySketchFormer's Tables 1-2 rows (module docstring)
+PAPER_KINDS = ["softmax", "polynomial", "polysketch_random", "polysketch_learned", "polysketch_local", "performer"]
+LABELS = {
+    "softmax": "Softmax (sdpa)",
+    "polynomial": "Polynomial p=4 (exact)",
+    "polysketch_random": "Polysketch (random)",
+    "polysketch_learned": "Polysketch (learned)",
+    "polysketch_local": "Polysketch (learned + local exact)",
+    "performer": "Performer",
+}
 
 
 def polyattn_config(kind: str, args) -> PolyAttnConfig | None:
@@ -267,7 +277,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer(args.data, 0.1)
     data = load_text_data(args.data, tok, eval_fraction=0.1, max_eval_tokens=args.eval_tokens)
-    info = machine()
+    info = machine.record()
     print(f"{info['date']}  {info['uptime']}\nvocab {len(tok)} chars, train {data.train_ids.numel()} / eval "
           f"{data.eval_ids.numel()} tokens; grid {args.kinds} x {args.contexts}, {args.steps} steps, "
           f"{args.tokens_per_step} tokens/step", flush=True)
@@ -277,7 +287,7 @@ def main(argv=None) -> dict:
         for kind in args.kinds:
             results.append(run_one(kind, context, data, len(tok), args))
     md = tables(results, args.kinds, args.contexts)
-    info_end = machine()
+    info_end = machine.record()
     record = {
         "command": "python recipes/paper_tables.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine_start": info, "machine_end": info_end, "total_wall_s": time.time() - t0,

@@ -1,6 +1,6 @@
 """RoPE attention through the polynomial method + FFT (seed 003): its error and its speed on this machine.
 
-Two measurements of ``hf_polyattn.ops.rope_fft.rope_fft_attention`` (causal, exp kernel approximated by the
+Two measurements of ``rope_fft.rope_fft_attention`` (recipes/rope_fft.py) (causal, exp kernel approximated by the
 Chebyshev interpolant of degree g on [-R, R], R = score_radius(B)):
 
 (i)  error vs degree g and entry bound B: q, k entries uniform in [-B, B], v standard normal, float64, against
@@ -70,8 +70,7 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 def quadratic_rope_attention(q, k, v, *, theta: float = 10000.0, block: int = 1024):
     """Exact causal RoPE softmax attention, query rows in blocks (keys up to the block's end): O(n^2 d)."""
     import torch
-
-    from hf_polyattn.ops.rope_fft import rope_rotate
+    from rope_fft import rope_rotate
 
     n, d = q.shape[-2:]
     qr, kr = rope_rotate(q, theta=theta) / math.sqrt(d), rope_rotate(k, theta=theta)
@@ -87,8 +86,7 @@ def quadratic_rope_attention(q, k, v, *, theta: float = 10000.0, block: int = 10
 
 def error_study(args) -> list[dict]:
     import torch
-
-    from hf_polyattn.ops.rope_fft import (
+    from rope_fft import (
         exp_poly_error_bound,
         rope_attention_reference,
         rope_fft_attention,
@@ -155,8 +153,7 @@ def _time_pair(fast, quad, enough_s: float = 1.0, max_repeats: int = 15, min_rep
 
 def timing_study(args) -> list[dict]:
     import torch
-
-    from hf_polyattn.ops.rope_fft import rope_attention_reference, rope_fft_attention, term_count
+    from rope_fft import rope_attention_reference, rope_fft_attention, term_count
 
     rows = []
     started = time.perf_counter()
@@ -261,12 +258,10 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     import torch
+    from rope_fft import DEFAULT_MAX_TERMS, term_count
 
     from hf_polyattn import machine
-    from hf_polyattn.ops.rope_fft import DEFAULT_MAX_TERMS, term_count
-    from recipes._machine import uptime
 
     if args.quick:
         args.max_n = min(args.max_n, 2048)
@@ -282,7 +277,7 @@ def main(argv=None) -> int:
         "command": "python recipes/rope_fft_accuracy.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
         "settings": vars(args),
         "machine": {"cpu": machine.cpu_name(), "summary": machine.summary(), "gpu": machine.gpu_name(),
-                    "uptime": uptime(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
+                    "uptime": machine.uptime(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
         "max_terms": DEFAULT_MAX_TERMS, "term_count_d64_g4": term_count(2 * 64, 4),
         "accuracy": accuracy, "timing": timing, "crossings": crossings(timing),
         "total_s": time.perf_counter() - t0,

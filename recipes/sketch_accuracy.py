@@ -46,9 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_polyattn.config import PolyAttnConfig  # noqa: E402
+from hf_polyattn.machine import basics  # noqa: E402
 from hf_polyattn.ops import PolyAttention  # noqa: E402
 from recipes import _defaults  # noqa: E402
-from recipes._machine import basics  # noqa: E402
 
 SST2 = Path(_defaults.SST2)
 # two-sided 95% Student-t quantiles t_{0.975, df}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -35,13 +34,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_polyattn.config import PolyAttnConfig
+from hf_polyattn.machine import basics
+from hf_polyattn.ops import PolyAttention
 
-from hf_polyattn.config import PolyAttnConfig  # noqa: E402
-from hf_polyattn.ops import PolyAttention  # noqa: E402
-from recipes._defaults import RESULTS  # noqa: E402
-from recipes._kinds import THESIS_KINDS, THESIS_LABELS, THESIS_LEARNED, THESIS_SINGLE, THESIS_SQUARED  # noqa: E402
-from recipes._machine import basics  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 VOCAB = 10
 SEQ_LEN = 50
@@ -49,8 +46,17 @@ D_MODEL = 32
 D_FF = 128  # not stated in the thesis: 4 * d_e (BERT's ratio)
 D_FINAL = 32  # d_f of the final projection, not stated: d_e
 
-SINGLE, SQUARED, LEARNED, ALL_KINDS = THESIS_SINGLE, THESIS_SQUARED, THESIS_LEARNED, THESIS_KINDS
-LABELS = THESIS_LABELS
+# The grid: Chapter 5's attentions (single-term polynomials, softmax and elu+1; squared and learned squared
+# polynomials of degree 1-6)
+SINGLE = ["softmax", "elu", "x2", "x4", "x8"]
+SQUARED = [f"sq{d}" for d in range(1, 7)]
+LEARNED = [f"learned{d}" for d in range(1, 7)]
+ALL_KINDS = SINGLE + SQUARED + LEARNED
+LABELS = {
+    "softmax": "softmax", "elu": "elu+1 (linear)", "x2": "x^2", "x4": "x^4", "x8": "x^8",
+    **{f"sq{d}": "(" + " + ".join(["1", "x"] + [f"x^{i}" for i in range(2, d + 1)]) + ")^2" for d in range(1, 7)},
+    **{f"learned{d}": f"learned, degree {d}" for d in range(1, 7)},
+}
 GROUPS = {
     "single_softmax_elu": ("Single-term polynomials, softmax, elu+1", SINGLE),
     "squared": ("Squared polynomials (1 + x + ... + x^d)^2", SQUARED),

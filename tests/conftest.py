@@ -2,6 +2,7 @@
 tokenizer and small excerpts of real data, all built in code / shipped in tests/fixtures."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,16 @@ def cpu_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
+
+
+# an absolute POSIX path of two or more parts, not inside a URL or a relative path ("hf_polyattn/ops", "https://...")
+ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/[\w.+-]+/[\w.+/-]+")
+
+
+def assert_no_local_path(text: str, *folders: Path) -> None:
+    """No path of this machine in ``text`` (a model card): none of ``folders`` nor the home directory, no absolute
+    path at all, no ~/ path, no Windows drive path."""
+    for folder in (*folders, Path.home()):
+        assert str(folder) not in text, f"{folder} in the card"
+    assert not ABSOLUTE_PATH.findall(text), ABSOLUTE_PATH.findall(text)
+    assert "~/" not in text and not re.search(r"\b[A-Za-z]:\\", text)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_polyattn import bench
-from hf_polyattn.bench import main, polysketch_flops
+from hf_polyattn.bench import causal_flops, kind_rows, main
 from hf_polyattn.cli import main as cli_main
 
 
@@ -21,10 +21,40 @@ def test_benchmark_small_grid(tmp_path, capsys):
     assert kinds == {"sdpa", "polysketch-local", "linear-elu"}
     assert all(r["seconds"] > 0 for r in data["rows"])
     assert (tmp_path / "cpu-fp32.png").stat().st_size > 1000
+    # the roofline rows: both paths counted, from this run's time and torch.mm's GFLOP/s
+    roofline = out.split("Roofline")[1]
+    assert "| linear-elu | 256 |" in roofline and "| polysketch-local | 256 |" in roofline
+    for r in data["rows"]:
+        if r["kind"] == "sdpa":
+            assert "gflops" not in r
+            continue
+        assert r["gflop"] == causal_flops(kind_rows()[r["kind"]], 256, 2, 64) / 1e9
+        assert r["gflops"] == pytest.approx(r["gflop"] / r["seconds"], rel=1e-12)
+        assert r["mm_share"] == pytest.approx(r["gflops"] / data["mm_gflops"], rel=1e-12)
 
 
-def test_flop_count_is_linear_in_n():
-    assert polysketch_flops(2048, 4, 64, 32, 256, True) == 2 * polysketch_flops(1024, 4, 64, 32, 256, True)
+def test_flop_counts():
+    rows = kind_rows()
+    local, plain, linear = rows["polysketch-local"], rows["polysketch"], rows["linear-elu"]
+    assert causal_flops(local, 2048, 4, 64) == 2 * causal_flops(local, 1024, 4, 64) == 2 * 2 * causal_flops(
+        local, 1024, 2, 64)
+    # r = 32: F = 528 features, e = 65 value columns, b = 256: state 7 x 2Fe, sketch 3 x 2 x 2 x 2dr, exact local
+    # blocks 3 x (2bd + 2be) (the count the benchmark printed for polysketch-local before the other rows joined it)
+    assert causal_flops(local, 1, 1, 64) == (7 * 2 * 528 * 65 + 3 * 2 * 2 * 2 * 64 * 32
+                                             + 3 * (2 * 256 * 64 + 2 * 256 * 65))
+    # without local blocks the diagonal blocks go through the features: 3 x (2bF + 2be)
+    assert causal_flops(plain, 1, 1, 64) - causal_flops(local, 1, 1, 64) == 3 * 2 * 256 * (528 - 64)
+    # elu + 1: F = d, no feature matmul
+    assert causal_flops(linear, 1, 1, 64) == 7 * 2 * 64 * 65 + 3 * (2 * 256 * 64 + 2 * 256 * 65)
+    # a 128-token window adds its tiles of 2w candidate keys, 3 x (2 x 2wd + 2 x 2we)
+    assert causal_flops(rows["linear-window128"], 1, 1, 64) - causal_flops(linear, 1, 1, 64) == 3 * 4 * 128 * 129
+    # the demo's recipe: its 4 sinks add 3 x (2 x 4d + 2 x 4e); decay, qk_norm, window_mix are elementwise
+    recipe = rows["linear-elu-window128-gate"]
+    plain = {"kind": "linear", "feature_map": "elu", "window": 128, "block_size": recipe["block_size"]}
+    assert causal_flops(recipe, 1, 1, 64) - causal_flops(plain, 1, 1, 64) == 3 * (2 * 4 * 64 + 2 * 4 * 65)
+    for kind in ("performer", "taylor", "polysketch-cumsum", "polynomial-exact", "sliding-window128",
+                 "delta-window128"):
+        assert causal_flops(rows[kind], 1024, 4, 64) is None, kind
 
 
 def test_cli(capsys):

@@ -1,63 +1,169 @@
-"""Model card (README.md) of a retrofit result folder, generated from its results."""
+"""Model card (README.md) of a retrofit, generated from its results: the run's folder or the committed result files.
+
+``write_card(folder, results)`` is what the retrofit pipeline calls after saving; ``card_from_results(folder, results,
+config)`` writes the same card from a results record and the model's transformers config alone (no weights), which
+is how ``recipes/model_cards.py`` regenerates the cards in ``model_cards/`` from ``recipes/results/``.
+
+The card names no local path: the base model by its Hub id (``hf_polyattn.checkpoints.known_hub_id`` maps the
+packaged SmolLM2 / MiniLM and their local copies), a data file by its file name, a Hub dataset by its id (also the
+card's ``datasets`` metadata).
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["eval_results_for_card", "long_context_section", "results_markdown", "write_card"]
+__all__ = ["card_from_results", "data_name", "eval_results_for_card", "long_context_section", "results_markdown",
+           "write_card"]
+
+SECTION = "## Retrofit results (hf_polyattn)"
+_HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv", ".tsv", ".gz", ".zst")
+
+
+def _arg(results: dict[str, Any], name: str, default: Any = None) -> Any:
+    """A run argument from ``results["args"]``: flat, or one level down in argument groups."""
+    args = results.get("args") or {}
+    if name in args:
+        return args[name]
+    for group in args.values():
+        if isinstance(group, dict) and name in group:
+            return group[name]
+    return default
+
+
+def data_name(source: Any) -> tuple[str, str | None]:
+    """(how the card names the data, its Hub dataset id or None): a local file by its name, never its folder."""
+    if not source or not isinstance(source, str):
+        return "unknown", None
+    if source == "demo":
+        return "the demo text bundled with hf_polyattn (Tiny Shakespeare, public domain)", None
+    local = (os.path.isabs(source) or source.startswith(("~", ".")) or os.path.exists(source)
+             or Path(source).suffix in _FILE_SUFFIXES)
+    if not local and _HUB_DATASET.match(source.split(":")[0]):
+        hub_id = source.split(":")[0]
+        return f"[`{source}`](https://huggingface.co/datasets/{hub_id})", hub_id
+    return f"`{Path(source).name}`", None
 
 
 def results_markdown(results: dict[str, Any]) -> str:
     """The evaluation table of one run as Markdown."""
-    a = results["args"]
-    metric = "perplexity" if a["task"] == "causal_lm" else "accuracy"
+    metric = "perplexity" if _arg(results, "task", "causal_lm") == "causal_lm" else "accuracy"
     rows = ["| stage | " + metric + " | eval wall s |", "|---|---|---|"]
     for tag, r in results["evaluations"].items():
         rows.append(f"| {tag} | {r[metric]:.4f} | {r.get('wall_s', '')} |")
     return "\n".join(rows)
 
 
-def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str) -> Path:
-    """Write README.md into ``folder`` with the attention settings and eval results.
+def _training_bullets(results: dict[str, Any]) -> list[str]:
+    stages = results.get("stages") or {}
+    lines = []
+    steps = _arg(results, "transfer_steps") or (stages.get("transfer") or {}).get("steps")
+    if steps:
+        schedule = _arg(results, "transfer_schedule")
+        lines.append(f"- attention transfer: {steps} steps (lr {_arg(results, 'transfer_lr')}"
+                     + (f", schedule `{schedule}` = context:steps:batch" if schedule else "") + ")")
+    steps = _arg(results, "finetune_steps") or (stages.get("finetune") or {}).get("steps")
+    if steps:
+        how = f"LoRA r={_arg(results, 'lora_r')}" if _arg(results, "lora") else "full"
+        schedule = _arg(results, "finetune_schedule")
+        lines.append(f"- fine-tuning: {steps} steps ({how}, lr {_arg(results, 'finetune_lr')}"
+                     + (f", schedule `{schedule}`" if schedule else "") + ")")
+    return lines
 
-    A converted model's ``save_pretrained`` has already written the library's card (YAML metadata,
-    attention settings, eval results): the recipe's results section is appended to it (replaced on
-    a re-save). A softmax baseline gets a small card of its own.
-    """
-    folder = Path(folder)
-    a = results["args"]
-    body = [
-        "",
-        "## Retrofit results (hf_polyattn recipes)",
-        "",
-        f"- base model: `{a['model']}` (loaded from `{model_path}`)",
-        f"- attention: `{a['attention']}`" + (f", PolyAttnConfig `{results.get('polyattn')}`"
-                                               if results.get("polyattn") else ""),
-        *_softmax_heads_bullet(folder, results),
-        f"- data: `{a['data']}` ({results.get('data')})",
-        f"- attention transfer steps: {a['transfer_steps']} (lr {a['transfer_lr']}), fine-tuning steps: "
-        f"{a['finetune_steps']} (lr {a['finetune_lr']}, {'LoRA r=' + str(a['lora_r']) if a['lora'] else 'full'})",
-    ]
-    if a["task"] == "causal_lm":
-        body.append(f"- perplexity = exp(mean token NLL) on the held-out tail, context {a['eval_context']}, "
-                    f"stride {a['eval_stride']}")
+
+def _section(results: dict[str, Any], folder: Path, base: str | None, cfg, config,
+             command: str | None) -> list[str]:
+    """The card's retrofit section: how the model was made, its evaluations and the long-context table."""
+    data, _ = data_name(_arg(results, "data") or (results.get("data") or {}).get("source"))
+    body = ["", SECTION, ""]
+    if base:
+        body.append(f"- base model: [`{base}`](https://huggingface.co/{base})")
+    if cfg is not None:
+        body.append(f"- attention: {cfg.spec.table_label(cfg)}")
+        summary = _softmax_heads_summary(config, cfg)
+        if summary:
+            body.append(f"- softmax heads: {summary}")
     else:
-        body.append("- accuracy on a seeded validation split carved from the training file")
-    body += ["", results_markdown(results), "", f"Machine: {results.get('machine', '?')}; total wall time "
-             f"{results.get('total_wall_s', '?')} s, CPU time {results.get('total_cpu_s', '?')} s.", ""]
+        body.append("- attention: softmax (the base model's own)")
+    body.append(f"- data: {data}")
+    body += _training_bullets(results)
+    if command:
+        body.append(f"- command: `{command}`")
+    if results.get("evaluations"):
+        if _arg(results, "task", "causal_lm") == "causal_lm":
+            body.append("- perplexity = exp(mean token NLL) on the held-out tail, context "
+                        f"{_arg(results, 'eval_context')}, stride {_arg(results, 'eval_stride')}")
+        else:
+            body.append("- accuracy on a seeded validation split carved from the training data")
+        body += ["", results_markdown(results)]
+    timing = ""
+    if results.get("total_wall_s") is not None:
+        timing = (f"; total wall time {results.get('total_wall_s')} s, CPU time {results.get('total_cpu_s', '?')} s")
+    body += ["", f"Machine: {results.get('machine', '?')}{timing}.", ""]
     if results.get("long_context"):
         body += long_context_section(results["long_context"], folder)
-    text = "\n".join(body)
+    return body
+
+
+def _softmax_heads_summary(config, cfg) -> str | None:
+    from ..integration.hub import softmax_heads_summary
+
+    return softmax_heads_summary(config, cfg) if config is not None else None
+
+
+def card_from_results(folder: str | Path, results: dict[str, Any], config, *, base_model: str | None = None,
+                      command: str | None = None, model_name: str | None = None, eval_results=None,
+                      fresh: bool = True) -> Path:
+    """Write ``folder/README.md`` for a retrofit from its ``results`` record (the pipeline's results.json, or one
+    assembled from committed result files) and the model's transformers ``config`` (with its ``polyattn`` settings;
+    a softmax config gives the baseline's small card). ``fresh`` starts from an empty card (else the text outside
+    the library's section and this one is kept). Returns the README's path."""
+    from ..config import PolyAttnConfig
+    from ..integration.hub import write_model_card
+    from ..integration.settings import hub_model_id
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     readme = folder / "README.md"
-    if readme.exists():  # the library's card (hf_polyattn.write_model_card via save_pretrained): append
-        old = readme.read_text()
-        marker = "## Retrofit results (hf_polyattn recipes)"
-        if marker in old:
-            old = old[: old.index(marker)].rstrip() + "\n"
-        readme.write_text(old.rstrip() + "\n" + text)
-        return readme
-    return _plain_card(folder, results, text)
+    base = base_model or hub_model_id(_arg(results, "model"))
+    _, dataset = data_name(_arg(results, "data") or (results.get("data") or {}).get("source"))
+    settings = results.get("polyattn")
+    cfg = PolyAttnConfig.from_dict(settings) if settings else None
+    if fresh and readme.exists():
+        readme.unlink()
+    text = "\n".join(_section(results, folder, base, cfg, config, command))
+    if cfg is None:
+        return _plain_card(folder, base or str(_arg(results, "model")), text, dataset)
+    if getattr(config, "_attn_implementation", None) != cfg.kind:  # a config read from a file: name the kind
+        from ..integration.settings import persist_settings
+
+        persist_settings(config, cfg)
+        config._attn_implementation = cfg.kind
+    write_model_card(folder, config, base_model=base, datasets=[dataset] if dataset else None, model_name=model_name,
+                     eval_results=eval_results if eval_results is not None else eval_results_for_card(results))
+    old = readme.read_text()
+    if SECTION in old:
+        old = old[: old.index(SECTION)].rstrip() + "\n"
+    readme.write_text(old.rstrip() + "\n" + text)
+    return readme
+
+
+def write_card(folder: str | Path, results: dict[str, Any], *, model_path: str | None = None) -> Path:
+    """The card of a retrofit run's saved model folder (``folder`` holds config.json): the library's card
+    (``write_model_card``) with this run's results after it. ``model_path`` (where the base was loaded from) only
+    helps find the base model's Hub id; the card never shows it."""
+    from transformers import AutoConfig
+
+    from ..integration.settings import hub_model_id
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(folder)
+    base = hub_model_id(_arg(results, "model")) or hub_model_id(model_path)
+    return card_from_results(folder, results, config, base_model=base)
 
 
 def long_context_section(result: dict[str, Any], folder: Path) -> list[str]:
@@ -71,44 +177,51 @@ def long_context_section(result: dict[str, Any], folder: Path) -> list[str]:
     return lines
 
 
-def _softmax_heads_bullet(folder: Path, results: dict[str, Any]) -> list[str]:
-    """'- softmax heads: ...' for a hybrid (``PolyAttnConfig.softmax_heads``), read with the model's config.json in
-    ``folder``; nothing otherwise."""
-    settings = results.get("polyattn") or {}
-    if not settings.get("softmax_heads"):
-        return []
-    from transformers import AutoConfig
-
-    from ..config import PolyAttnConfig
-    from ..integration.hub import softmax_heads_summary
-
-    summary = softmax_heads_summary(AutoConfig.from_pretrained(folder), PolyAttnConfig.from_dict(settings))
-    return [f"- softmax heads: {summary}"]
-
-
 def eval_results_for_card(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """huggingface_hub.EvalResult fields of the last evaluation (for the card's model-index)."""
-    a = results["args"]
-    evals = results["evaluations"]
-    if not evals:
-        return []
-    last = evals[list(evals)[-1]]
-    if a["task"] == "causal_lm":
-        return [{"task_type": "text-generation", "dataset_type": "text", "dataset_name": Path(a["data"]).name,
-                 "metric_type": "perplexity", "metric_value": round(last["perplexity"], 4),
-                 "metric_config": f"context {a['eval_context']}, stride {a['eval_stride']}, held-out tail"}]
-    return [{"task_type": "text-classification", "dataset_type": "csv", "dataset_name": Path(a["data"]).name,
-             "metric_type": "accuracy", "metric_value": round(last["accuracy"], 4),
-             "metric_config": f"seeded validation split of {last['examples']} rows"}]
+    """huggingface_hub.EvalResult fields for the card's model-index: the last evaluation, and the model's row of the
+    long-context evaluation (perplexity at every context, passkey accuracy at every length)."""
+    evals = results.get("evaluations") or {}
+    name, hub_id = data_name(_arg(results, "data") or (results.get("data") or {}).get("source"))
+    data = {"dataset_type": hub_id or "text", "dataset_name": hub_id or name.strip("`")}
+    out = []
+    if evals:
+        last = evals[list(evals)[-1]]
+        if _arg(results, "task", "causal_lm") == "causal_lm":
+            out.append({"task_type": "text-generation", **data, "metric_type": "perplexity",
+                        "metric_value": round(last["perplexity"], 4),
+                        "metric_config": f"context {_arg(results, 'eval_context')}, stride "
+                                         f"{_arg(results, 'eval_stride')}, held-out tail"})
+        else:
+            out.append({"task_type": "text-classification", **data, "dataset_type": hub_id or "csv",
+                        "metric_type": "accuracy", "metric_value": round(last["accuracy"], 4),
+                        "metric_config": f"seeded validation split of {last['examples']} rows"})
+    long = results.get("long_context")
+    row = next((r for r in (long or {}).get("rows", []) if not r.get("baseline")), None)
+    if row is not None:
+        for p in row["perplexity"]:
+            out.append({"task_type": "text-generation", **data, "metric_type": "perplexity",
+                        "metric_name": f"perplexity @ {p['context']:,} tokens",
+                        "metric_value": round(p["perplexity"], 2),
+                        "metric_config": f"context {p['context']}, the first {long['tokens']:,} held-out tokens"})
+        pk = row.get("passkey")
+        for n, hits in zip(pk["lengths"], pk["hits"]) if pk else ():
+            out.append({"task_type": "text-generation", **data, "metric_type": "accuracy",
+                        "metric_name": f"passkey retrieval @ {n:,} tokens", "metric_value": sum(hits) / len(hits),
+                        "metric_config": f"{len(hits)} needle depths, seed {pk['seed']}, greedy"})
+    return out
 
 
-def _plain_card(folder: Path, results: dict[str, Any], text: str) -> Path:
+def _plain_card(folder: Path, base: str, text: str, dataset: str | None) -> Path:
     """Card of a softmax (unconverted) result folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    a = results["args"]
-    data = ModelCardData(library_name="transformers", tags=["hf_polyattn-baseline", "softmax"])
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n# {a['model']} fine-tuned with softmax attention\n"
+    from ..integration.settings import hub_model_id
+
+    hub_id = hub_model_id(base)
+    data = ModelCardData(library_name="transformers", base_model=hub_id, tags=["hf_polyattn-baseline", "softmax"],
+                         datasets=[dataset] if dataset else None)
+    name = hub_id.split("/")[-1] if hub_id else "the base model"
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n# {name} fine-tuned with softmax attention\n"
                      "\nThe softmax baseline of an hf_polyattn retrofit comparison.\n" + text)
     path = folder / "README.md"
     card.save(str(path))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .metrics import perplexity
-from .passkey import passkey_prompt
+from .passkey import TEMPLATES, draw_passkey, passkey_prompt
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -75,6 +75,10 @@ class LongContextSettings:
     passkey_depths: int = field(default=10, metadata={
         "help": "needle depths per length, the centres of that many equal parts of the filler"})
     passkey_seed: int = field(default=0, metadata={"help": "seed of the keys"})
+    passkey_templates: tuple[str, ...] = field(default=("classic",), metadata={
+        "help": f"passkey templates, each scored at every length and depth: {list(TEMPLATES)} ('classic': the "
+                "Landmark-Attention prompt; 'vault': other filler, phrasing and 4-7 digit keys; 'multi': four "
+                "labelled keys, one asked)"})
     baselines: tuple[str, ...] = field(default=("softmax", "streaming"), metadata={
         "help": "baseline rows on the same tokens: 'softmax' (the checkpoint), 'streaming' (StreamingLLM)"})
     streaming_sinks: int = field(default=4, metadata={"help": "StreamingLLM row: sink tokens"})
@@ -91,6 +95,11 @@ class LongContextSettings:
                 raise ValueError(f"{name} must be an int >= {0 if name == 'streaming_sinks' else 1}, got {v!r}")
         if isinstance(self.passkey_seed, bool) or not isinstance(self.passkey_seed, int):
             raise ValueError(f"passkey_seed must be an int, got {self.passkey_seed!r}")
+        self.passkey_templates = tuple(self.passkey_templates)
+        bad = [name for name in self.passkey_templates if name not in TEMPLATES]
+        if not self.passkey_templates or bad or len(set(self.passkey_templates)) != len(self.passkey_templates):
+            raise ValueError(f"passkey_templates must be distinct names from {list(TEMPLATES)}, got "
+                             f"{list(self.passkey_templates)!r}")
         self.baselines = tuple(self.baselines)
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
@@ -138,11 +147,19 @@ _NUMBER = re.compile(r"\d+")
 
 @torch.no_grad()
 def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10, *, seed: int = 0,
-                      max_new_tokens: int = 8, progress: bool = False) -> dict[str, Any]:
-    """Greedy passkey retrieval at every (length, depth); hits are exact matches of the first number answered."""
+                      max_new_tokens: int | None = None, progress: bool = False,
+                      template: str = "classic") -> dict[str, Any]:
+    """Greedy passkey retrieval at every (length, depth) with the prompts of ``template`` (``passkey.TEMPLATES``);
+    hits are exact matches of the first number answered. The keys come from ``seed`` (the classic template's are
+    those of earlier runs: one 5-digit draw per cell). ``max_new_tokens``: the template's longest key + 3 by default
+    (8 for the classic 5-digit keys, as before)."""
     lengths = _check_lengths("lengths", lengths, 64)
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
         raise ValueError(f"depths must be an int >= 1, got {depths!r}")
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {list(TEMPLATES)}, got {template!r}")
+    if max_new_tokens is None:
+        max_new_tokens = TEMPLATES[template].digits[1] + 3
     limit = _max_positions(model)
     if limit and max(lengths) + max_new_tokens > limit:
         raise ValueError(f"passkey length {max(lengths)} (+{max_new_tokens} answer tokens) is longer than the "
@@ -164,16 +181,17 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
         it = tqdm(cells, desc="passkey", unit="prompt")
     try:
         for length, depth in it:
-            key = rng.randint(10000, 99999)
-            ids = torch.tensor([passkey_prompt(tokenizer, length=length, depth=depth, key=str(key)).prompt],
-                               device=device)
+            drawn = draw_passkey(rng, template)
+            key = drawn["key"]
+            ids = torch.tensor([passkey_prompt(tokenizer, length=length, depth=depth, template=template,
+                                               **drawn).prompt], device=device)
             t0 = time.time()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad)
             seconds.append(time.time() - t0)
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             found = _NUMBER.search(text)
-            hits.append(int(found is not None and found.group(0) == str(key)))
+            hits.append(int(found is not None and found.group(0) == key))
             answers.append(text)
             keys.append(key)
     finally:
@@ -183,7 +201,8 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     def rows(xs):
         return [xs[i * nd:(i + 1) * nd] for i in range(len(lengths))]
 
-    return {"lengths": list(lengths), "depths": grid, "seed": seed, "hits": rows(hits), "keys": rows(keys),
+    return {"template": template, "lengths": list(lengths), "depths": grid, "seed": seed, "hits": rows(hits),
+            "keys": rows(keys),
             "answers": rows(answers),
             "accuracy": {str(length): sum(h) / nd for length, h in zip(lengths, rows(hits))},
             "wall_s": round(sum(seconds), 1)}
@@ -214,9 +233,11 @@ def evaluate_model(label: str, model, tokenizer, ids: torch.Tensor, settings: Lo
     row: dict[str, Any] = {"label": label, "attention": _attention_of(model)}
     row["perplexity"] = perplexity_curve(model, ids, settings.contexts, tokens_per_batch=settings.tokens_per_batch,
                                          progress=progress)
-    if settings.passkey_lengths:
-        row["passkey"] = passkey_retrieval(model, tokenizer, settings.passkey_lengths, settings.passkey_depths,
-                                           seed=settings.passkey_seed, progress=progress)
+    for template in settings.passkey_templates if settings.passkey_lengths else ():
+        # the first template's grid is the row's "passkey" (the heatmap, the card); the others sit beside it
+        name = "passkey" if template == settings.passkey_templates[0] else f"passkey_{template}"
+        row[name] = passkey_retrieval(model, tokenizer, settings.passkey_lengths, settings.passkey_depths,
+                                      seed=settings.passkey_seed, progress=progress, template=template)
     row["wall_s"] = round(time.time() - t0, 1)
     return row
 
@@ -273,7 +294,11 @@ def long_context_markdown(result: dict[str, Any]) -> str:
     contexts = result["settings"]["contexts"]
     lengths = result["settings"]["passkey_lengths"]
     soft = _softmax_row(result)
-    head = ["attention", *[f"ppl @ {c:,}" for c in contexts], *[f"passkey @ {n:,}" for n in lengths]]
+    templates = result["settings"].get("passkey_templates", ["classic"])
+    grids = [("passkey" if i == 0 else f"passkey_{name}", name) for i, name in enumerate(templates)]
+    named = len(templates) > 1 or templates[0] != "classic"
+    head = ["attention", *[f"ppl @ {c:,}" for c in contexts],
+            *[f"{'passkey' if not named else name} @ {n:,}" for _, name in grids for n in lengths]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"]]
@@ -283,19 +308,21 @@ def long_context_markdown(result: dict[str, Any]) -> str:
             if soft is not None and r is not soft:
                 ratio = f" ({v / soft['perplexity'][i]['perplexity']:.2f}x)"
             cells.append(f"{v:.2f}{ratio}")
-        pk = r.get("passkey")
-        for n in lengths:
-            if pk is None:
-                cells.append("–")
-            else:
-                hits = pk["hits"][pk["lengths"].index(n)]
-                cells.append(f"{sum(hits)}/{len(hits)}")
+        for key, _ in grids:
+            pk = r.get(key)
+            for n in lengths:
+                if pk is None:
+                    cells.append("–")
+                else:
+                    hits = pk["hits"][pk["lengths"].index(n)]
+                    cells.append(f"{sum(hits)}/{len(hits)}")
         lines.append("| " + " | ".join(cells) + " |")
     s = result["settings"]
     note = (f"\nPerplexity = exp(mean token NLL) over the first {result['tokens']:,} held-out tokens, non-overlapping "
             f"windows of each context (every token but a window's first scored once); ratios to the softmax row. "
             f"Passkey: {s['passkey_depths']} depths per length, seed {s['passkey_seed']}, greedy decoding through the "
-            f"model's own cache, exact match of the 5-digit key. Machine: {result.get('machine', '?')}.")
+            f"model's own cache, exact match of the key (templates: {', '.join(templates)}: "
+            f"hf_polyattn/eval/passkey.py). Machine: {result.get('machine', '?')}.")
     return "\n".join(lines) + "\n" + note + "\n"
 
 

@@ -5,7 +5,7 @@ Importing it registers every attention kind (``hf_polyattn.registry``) with
 that gives polyattn models their per-layer ``polyattn`` submodules.
 """
 
-from .cache import PolyAttnCache, PolyAttnCacheLayer
+from .cache import PolyAttnCache, PolyAttnCacheLayer, decode_memory
 from .convert import convert, get_polyattn_config, reconfigure
 from .hub import write_model_card
 from .registry import register_all
@@ -18,6 +18,7 @@ __all__ = [
     "PolyAttnCache",
     "PolyAttnCacheLayer",
     "convert",
+    "decode_memory",
     "get_polyattn_config",
     "reconfigure",
     "register_all",

@@ -17,6 +17,10 @@ recurrent step and writes the new state back into ``layer.state``.
 A layer with softmax heads (``PolyAttnConfig.softmax_heads``, ``ops/hybrid.py``) keeps a ``HybridState``: the
 softmax kv heads' keys and values in full (growing by one per token, as a ``DynamicCache`` would for those heads)
 beside the other heads' constant-size state; ``nbytes()`` counts both.
+
+``decode_memory(model_or_config, lengths)`` states those bytes before anything runs: per token and in total after
+a prompt of each length, for the polyattn model and for the same model with softmax attention (a ``DynamicCache``),
+from the configs alone (what a model card prints); ``cache_nbytes(cache)`` measures a real cache.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from ..ops import HybridState, RecurrentState
+from ..ops import AttentionBase, HybridAttention, HybridState, KVCacheAttention, PolyAttention, RecurrentState
+from ..ops.common import work_dtype
 
-__all__ = ["PolyAttnCache", "PolyAttnCacheLayer", "polyattn_layer_of"]
+__all__ = ["DecodeMemory", "PolyAttnCache", "PolyAttnCacheLayer", "cache_nbytes", "decode_memory",
+           "polyattn_layer_of"]
 
 
 def _state_tensors(state) -> list[torch.Tensor]:
@@ -198,3 +204,273 @@ def polyattn_layer_of(cache, layer_idx) -> PolyAttnCacheLayer:
     layer = PolyAttnCacheLayer()
     layers[layer_idx] = layer
     return layer
+
+
+# ----------------------------------------------------------------------------------------------- decode memory
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes a generation cache holds: ``PolyAttnCache.nbytes()``, or the keys and values of every layer of a
+    transformers cache (``DynamicCache``; its sliding-window layers hold what they kept)."""
+    if isinstance(cache, PolyAttnCache):
+        return cache.nbytes()
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a transformers Cache, got {type(cache).__name__}")
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, PolyAttnCacheLayer):  # a DynamicCache whose layers a polyattn model replaced
+            total += layer.nbytes()
+            continue
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMemory:
+    """Bytes of a generation cache after prompts of ``lengths`` tokens and ``decoded`` tokens generated from each
+    (``batch`` unpadded rows, weights in ``dtype``), from :func:`decode_memory`.
+
+    ``per_token``: what the cache stores per token for good (the softmax heads' keys and values; 0 for a model whose
+    every head keeps a constant-size state); ``total[i]``: the whole cache (the constant states, windows, sinks and
+    the softmax heads' room for the next tokens included). ``softmax_*``: the same model with softmax attention and
+    transformers' ``DynamicCache`` (what ``generate()`` gives it). ``kind``: the polyattn kind, None for a softmax
+    model (its figures are then the softmax ones).
+    """
+
+    kind: str | None
+    dtype: torch.dtype
+    batch: int
+    decoded: int
+    lengths: tuple[int, ...]
+    per_token: int
+    total: tuple[int, ...]
+    softmax_per_token: int
+    softmax_total: tuple[int, ...]
+
+    def rows(self) -> list[dict]:
+        """One dict per length: length, bytes, softmax_bytes, ratio (softmax bytes / bytes)."""
+        return [{"length": n, "bytes": b, "softmax_bytes": s, "ratio": s / b if b else None}
+                for n, b, s in zip(self.lengths, self.total, self.softmax_total)]
+
+
+def _softmax_buffer_tokens(prompt: int, decoded: int) -> int:
+    """Positions of a softmax head's key buffer after a prompt of ``prompt`` tokens (one call) and ``decoded``
+    single-token steps, without a recorded gradient (``generate()``): ``ops.hybrid.buffer_length`` of the prompt,
+    grown again each time a token finds it full."""
+    from ..ops.hybrid import buffer_length
+
+    size = buffer_length(prompt)
+    while size < prompt + decoded:
+        size = buffer_length(size + 1)
+    return size
+
+
+def _decodes_on_ring(module: PolyAttention) -> bool:
+    """Whether the module's single-token steps keep a ``WindowRing`` (``ops/decode.py``) instead of its state."""
+    from ..ops.decode import ring_supported
+
+    with torch.no_grad():
+        return ring_supported(module, RecurrentState(None, None, None, None, 0))
+
+
+def _kept_per_token(module: AttentionBase, batch: int, item: int, work: torch.dtype) -> int:
+    """Bytes one layer's state keeps for good per token: a hybrid's softmax heads' keys and values, every key of a
+    kind that keeps them all (``KVCacheAttention``, the exact polynomial's quadratic path); 0 for a constant state."""
+    if isinstance(module, HybridAttention):
+        kernel = 0 if module.kernel is None else _kept_per_token(module.kernel, batch, item, work)
+        return 2 * batch * len(module.softmax_kv_heads) * module.head_dim * item + kernel
+    if isinstance(module, KVCacheAttention) or (isinstance(module, PolyAttention)
+                                                and module._recurrent_path() == "quadratic"):
+        return _layer_state_bytes(module, 2, 0, batch, item, work) - _layer_state_bytes(module, 1, 0, batch, item,
+                                                                                         work)
+    return 0
+
+
+def _layer_state_bytes(module: AttentionBase, prompt: int, decoded: int, batch: int, item: int,
+                       work: torch.dtype) -> int:
+    """Bytes of one layer's decoding state after a prompt of ``prompt`` unpadded tokens (one call) and ``decoded``
+    single-token steps.
+
+    Mirrors what the modules store (``ops/recurrent.py``, ``ops/decode.py``, ``ops/hybrid.py``, ``kinds/delta.py``,
+    ``KVCacheAttention``); ``tests/integration/test_decode_memory.py`` checks it against real caches. ``item``: bytes
+    of one number in the model's dtype (keys and values are kept as the model made them); ``work``: the working
+    dtype (kernel states, rings and convolution inputs are kept in it: fp32 for a half-precision model)."""
+    hk, d, n = module.num_kv_heads, module.head_dim, prompt + decoded
+    w_item = torch.empty((), dtype=work).element_size()
+    if isinstance(module, HybridAttention):  # the softmax heads' buffers, with room for the next tokens
+        grows = 2 * batch * len(module.softmax_kv_heads) * d * item * _softmax_buffer_tokens(prompt, decoded)
+        kernel = 0 if module.kernel is None else _layer_state_bytes(module.kernel, prompt, decoded, batch, item, work)
+        return grows + kernel
+    if isinstance(module, KVCacheAttention):  # every key and value (a shared-QK Reformer: keys from the queries)
+        keys = module.num_heads * w_item if getattr(module, "shared_qk", False) else hk * item
+        return n * batch * d * (keys + hk * item)
+    if not isinstance(module, PolyAttention):
+        raise ValueError(f"decode_memory: the decoding state of {type(module).__name__} (kind "
+                         f"{module.config.kind!r}) is not modelled")
+    cfg = module.config
+    key_value = 2 * batch * hk * d * item
+    path = module._recurrent_path()
+    if path == "quadratic":  # exact polynomial without tensor features: every key
+        return n * key_value
+    s, w = cfg.sinks, cfg.window
+    if cfg.sparse_cache:
+        return _sparse_state_bytes(module, prompt, decoded, batch, item, w_item)
+    # a single-token call (every decoding step, and a one-token prompt) keeps a ring: fixed buffers of S + W slots of
+    # keys and [v 1], their flags and log-gates, and the state
+    if (decoded or prompt == 1) and _decodes_on_ring(module):
+        ring = batch * hk * (s + w) * (2 * d + 1) * w_item + batch * (s + w)
+        ring += batch * hk * module.num_features * (d + 1) * w_item
+        if cfg.decay != "none":
+            ring += batch * hk * w * w_item
+        if s and n - w < s:  # sink slots still to fill: a (B,) int64 count of them
+            ring += 8 * batch
+        return ring
+    if w:
+        keep = min(w, n)  # the window's raw keys and values
+    elif cfg.resolved_local_kernel is not None:
+        keep = n % cfg.block_size  # the keys of the current incomplete block
+    else:
+        keep = 0
+    total = keep * key_value
+    if path == "delta":  # the delta-rule state S, features x head_dim per kv head, after any key
+        feats = d if module.delta_map is None else module.delta_map.num_features
+        total += batch * hk * feats * d * w_item
+    elif module.num_features and n > keep:  # a key was folded: phi(K)^T [V 1], (B, Hkv, F, D + 1)
+        # in the dtype the path computes in: the working dtype, float64 for exact tensor features
+        probe = torch.empty(0, device="meta", dtype=work)
+        state_item = module.path_inputs(path, probe, probe, probe)[0].element_size()
+        total += batch * hk * module.num_features * (d + 1) * state_item
+    if w and s and n > w:  # the sink slots (all of them once a key left) + their flags
+        total += s * key_value + batch * s
+    if cfg.short_conv > 1:  # the convolution's last size - 1 inputs: the G queries and the key of each kv head
+        total += batch * hk * (module.groups + 1) * (cfg.short_conv - 1) * d * w_item
+    return total
+
+
+def _sparse_state_bytes(module: PolyAttention, prompt: int, decoded: int, batch: int, item: int, w_item: int) -> int:
+    """``_layer_state_bytes`` of a layer with ``sparse_cache`` m and blocks of C (``ops/sparse.py``). The ring: S + m +
+    C + W slots of keys and [v 1] and their flags, the kernel inputs of the m + C cache and waiting slots (and their
+    log-decays with decay), a (B,) count of waiting keys, the state, the window's log-gates. The generic state: the
+    last W + C - 1 keys and values raw, the state (from the first call on), the cache's m keys and values (raw), flags,
+    kernel inputs (where q/k maps or a convolution make them differ from the keys), log-decays (decay) and a (B,)
+    count of kept keys of complete blocks, the sink slots once a block is complete."""
+    cfg = module.config
+    hk, d, n, kdim = module.num_kv_heads, module.head_dim, prompt + decoded, module.kernel_dim
+    s, w, m, chunk = cfg.sinks, cfg.window, cfg.sparse_cache, cfg.sparse_chunk
+    decay = cfg.decay != "none"
+    state = batch * hk * module.num_features * (d + 1) * w_item
+    if (decoded or prompt == 1) and _decodes_on_ring(module):
+        slots = s + m + chunk + w
+        ring = batch * hk * slots * (2 * d + 1) * w_item + batch * slots + state + 8 * batch
+        ring += batch * hk * (m + chunk) * (kdim + decay) * w_item + decay * batch * hk * w * w_item
+        if s and n - w < s:  # sink slots still to fill: a (B,) int64 count of them
+            ring += 8 * batch
+        return ring
+    key_value = 2 * batch * hk * d * item
+    total = min(n, w + chunk - 1) * key_value + state + m * key_value + batch * hk * m + 8 * batch
+    if module._maps_inputs or cfg.short_conv:
+        total += batch * hk * m * kdim * w_item
+    if decay:
+        total += batch * hk * m * w_item
+    if s and n - w >= chunk:  # a block is complete: the sink slots + their flags
+        total += s * key_value + batch * s
+    if cfg.short_conv > 1:
+        total += batch * hk * (module.groups + 1) * (cfg.short_conv - 1) * d * w_item
+    return total
+
+
+def _polyattn_modules(model_or_config, dtype: torch.dtype) -> tuple[str | None, list[AttentionBase]]:
+    """(kind, one attention module per layer): a model's own ``polyattn`` modules, or modules built from a
+    config's ``polyattn`` settings and head sizes; (None, []) for a softmax model or config."""
+    from .settings import CONFIG_KEY, polyattn_kind, resolve_polyattn_config
+
+    if isinstance(model_or_config, torch.nn.Module):
+        found = [m._modules["polyattn"] for m in model_or_config.modules()
+                 if isinstance(m._modules.get("polyattn"), AttentionBase)]
+        return (found[0].config.kind if found else None), found
+    config = model_or_config
+    cfg = resolve_polyattn_config(config) if polyattn_kind(config) else None
+    stored = getattr(config, CONFIG_KEY, None)
+    if cfg is None and isinstance(stored, dict):  # a config read from disk without the kind as its implementation
+        from ..config import PolyAttnConfig
+
+        cfg = PolyAttnConfig.from_dict(stored)
+    if cfg is None:
+        return None, []
+    from ..ops import build_attention
+
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    with torch.device("meta"):  # sizes only: no memory, no random draws
+        return cfg.kind, [build_attention(cfg, heads, head_dim, kv_heads, i).to(dtype)
+                          for i in range(text.num_hidden_layers)]
+
+
+def _model_dtype(model_or_config, dtype) -> torch.dtype:
+    if dtype is not None:
+        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(model_or_config, torch.nn.Module):
+        return next((p.dtype for p in model_or_config.parameters() if p.is_floating_point()), torch.float32)
+    stored = getattr(model_or_config.get_text_config(decoder=True), "dtype", None)
+    if isinstance(stored, str) and stored != "auto":
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else torch.float32
+
+
+def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int = 1, decoded: int = 0,
+                  dtype: torch.dtype | str | None = None) -> DecodeMemory:
+    """The bytes of a generation cache after prompts of ``lengths`` tokens, from the configs alone.
+
+    ``model_or_config``: a polyattn model (or a softmax one), or its transformers config (``config.polyattn`` read,
+    nothing loaded: the layers are built on the meta device for their sizes). ``dtype``: the weights' dtype
+    (default: the model's, else the config's ``dtype``, else float32). ``batch``: unpadded rows. ``decoded``: tokens
+    generated after the prompt (one by one, as ``generate()`` does; 0: right after the prompt's forward, one call).
+
+    Softmax (``DynamicCache``): 2 x layers x kv_heads x head_dim x dtype bytes per token and row. A polyattn model
+    (``PolyAttnCache``): per layer, its softmax kv heads' keys and values per token, in buffers with room for 1/8
+    more tokens (at least 256: decoding writes in place), plus the other heads' constant state: the kernel state
+    F x (head_dim + 1) per kv head in the working dtype (fp32 for half precision), the window's last ``window`` keys
+    and values, ``sinks`` sink keys and values and their flags, the short convolution's last inputs; with
+    ``local_exact`` the keys of the current incomplete block. While decoding, a windowed layer keeps these in its ring
+    (``ops/decode.py``: the window and sink slots in the working dtype, their flags and log-gates). Padded prompts add
+    a key padding flag (1 byte) per key kept and 8 bytes per row; not counted here. Raises ValueError for a kind
+    whose state is not modelled and for a softmax config whose cache is not a plain ``DynamicCache`` of full layers
+    (sliding-window layers).
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if isinstance(decoded, bool) or not isinstance(decoded, int) or decoded < 0:
+        raise ValueError(f"decoded must be an int >= 0, got {decoded!r}")
+    lengths = tuple(lengths)
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"lengths must be ints >= 1, got {lengths!r}")
+    config = model_or_config.config if isinstance(model_or_config, torch.nn.Module) else model_or_config
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"decode_memory needs a transformers model or config, got {type(model_or_config).__name__}")
+    dt = _model_dtype(model_or_config, dtype)
+    item = torch.empty((), dtype=dt).element_size()
+    kind, modules = _polyattn_modules(model_or_config, dt)
+    text = config.get_text_config(decoder=True)
+    if modules:  # the layers' own head sizes
+        softmax_per_token = sum(2 * batch * m.num_kv_heads * m.head_dim * item for m in modules)
+    else:
+        odd = {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
+        if odd:
+            raise ValueError(f"decode_memory: this model's DynamicCache has {sorted(odd)} layers (sliding window / "
+                             "shared layers), whose size is not modelled")
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        softmax_per_token = 2 * batch * text.num_hidden_layers * kv_heads * head_dim * item
+    softmax_total = tuple(softmax_per_token * (n + decoded) for n in lengths)
+    if not modules:
+        return DecodeMemory(None, dt, batch, decoded, lengths, softmax_per_token, softmax_total, softmax_per_token,
+                            softmax_total)
+    work = work_dtype(dt)
+    per_token = sum(_kept_per_token(m, batch, item, work) for m in modules)
+    total = tuple(sum(_layer_state_bytes(m, n, decoded, batch, item, work) for m in modules) for n in lengths)
+    return DecodeMemory(kind, dt, batch, decoded, lengths, per_token, total, softmax_per_token, softmax_total)

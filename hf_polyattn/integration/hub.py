@@ -25,16 +25,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from torch import nn
 
 from ..config import PolyAttnConfig
+from .cache import decode_memory
 from .remote_code import LOADER_FILE, set_auto_map, write_loader
 from .settings import BASE_MODEL_KEY, hub_model_id
 from .state import HFPolyAttention, get_polyattn_config, sync_config
 
-__all__ = ["hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained", "softmax_heads_note",
-           "softmax_heads_summary", "write_model_card"]
+__all__ = ["card_title", "decode_memory_rows", "hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained",
+           "softmax_heads_note", "softmax_heads_summary", "write_model_card"]
 
 _START, _END = "<!-- hf_polyattn:start -->", "<!-- hf_polyattn:end -->"
 
@@ -59,13 +61,17 @@ def _as_eval_results(eval_results) -> list[EvalResult] | None:
     return out
 
 
-def _cache_dims(config) -> tuple[int, int, int]:
-    """(layers, kv heads per layer, head_dim) of a transformers config: what its softmax KV cache holds per token."""
+# the decode-memory table's prompt lengths
+MEMORY_LENGTHS = (4096, 16384, 32768)
+
+
+def cache_dims(config) -> tuple[int, int, int, int]:
+    """(layers, query heads, kv heads per layer, head_dim) of a transformers config's decoder."""
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, kv_heads, head_dim
+    return text.num_hidden_layers, heads, kv_heads, head_dim
 
 
 def softmax_heads_summary(config, cfg: PolyAttnConfig) -> str | None:
@@ -76,7 +82,7 @@ def softmax_heads_summary(config, cfg: PolyAttnConfig) -> str | None:
     and token, plus the other heads' constant-size state (it does not grow with the length)."""
     if not cfg.softmax_heads:
         return None
-    layers, kv_heads, head_dim = _cache_dims(config)
+    layers, _, kv_heads, head_dim = cache_dims(config)
     n = len(cfg.softmax_heads)
     full, kept = 2 * kv_heads * head_dim * layers, 2 * n * head_dim
     return (f"{n} of the {layers * kv_heads} KV heads ({layers} layers x {kv_heads}) keep exact softmax attention and "
@@ -90,12 +96,45 @@ def softmax_heads_note(config, cfg: PolyAttnConfig) -> str | None:
     summary = softmax_heads_summary(config, cfg)
     if summary is None:
         return None
+    layers, _, kv_heads, _ = cache_dims(config)
     by_layer: dict[int, list[int]] = {}
     for layer, head in cfg.softmax_heads:
         by_layer.setdefault(layer, []).append(head)
-    listed = "; ".join(f"layer {layer}: {', '.join(map(str, heads))}" for layer, heads in sorted(by_layer.items()))
-    return (f"KV heads kept as softmax (each with all its query heads), by layer: {listed}.\n\n"
-            f"{summary[0].upper()}{summary[1:]}. The other heads run `{cfg.kind}`: {cfg.spec.memory_note(cfg)}")
+    # the layout, one row per layer: which kv heads stay softmax and how many run the kind
+    rows = ["| layer | softmax kv heads | kv heads running `" + cfg.kind + "` |", "|---|---|---|"]
+    rows += [f"| {layer} | {', '.join(map(str, sorted(by_layer.get(layer, [])))) or '–'} | "
+             f"{kv_heads - len(by_layer.get(layer, []))} of {kv_heads} |" for layer in range(layers)]
+    # HOOK(layer_layout): see write_model_card
+    return (f"{summary[0].upper()}{summary[1:]}. The other heads run `{cfg.kind}`: {cfg.spec.memory_note(cfg)}\n\n"
+            + "\n".join(rows))
+
+
+def _bytes(n: int) -> str:
+    """1,234 B / 12.3 KiB / 45.6 MiB / 1.23 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n:,} B"
+
+
+def decode_memory_rows(model, base: str | None, lengths: tuple[int, ...] = MEMORY_LENGTHS
+                       ) -> tuple[list[dict[str, Any]], torch.dtype | None]:
+    """The card's decode-memory rows, the softmax model and this one (``cache.decode_memory`` of ``model``, a model
+    or its config, one sequence), and the dtype they count; ([], None) where the kind's decoding state is not
+    modelled there."""
+    try:
+        mem = decode_memory(model, lengths)
+    except ValueError:  # e.g. the quadratic polynomial kind, whose state keeps every key: not a constant to state
+        return [], None
+    rows = []
+    for label, per_token, totals in (
+            (f"softmax `{base}`" if base else "softmax (the base model)", mem.softmax_per_token, mem.softmax_total),
+            ("this model", mem.per_token, mem.total)):
+        shown = [_bytes(b) + (f" ({s / b:.1f}x smaller)" if totals is mem.total else "")
+                 for b, s in zip(totals, mem.softmax_total)]
+        rows.append({"label": label, "per_token": _bytes(per_token) if per_token else "0 (constant)",
+                     "totals": shown})
+    return rows, mem.dtype
 
 
 _AUTO_CLASSES = (
@@ -105,6 +144,10 @@ _AUTO_CLASSES = (
     (("ForTokenClassification",), "AutoModelForTokenClassification"),
     (("ForQuestionAnswering",), "AutoModelForQuestionAnswering"),
 )
+_PIPELINE_TAGS = {"AutoModelForCausalLM": "text-generation", "AutoModelForMaskedLM": "fill-mask",
+                  "AutoModelForSequenceClassification": "text-classification",
+                  "AutoModelForTokenClassification": "token-classification",
+                  "AutoModelForQuestionAnswering": "question-answering"}
 
 
 def _auto_class(architectures: list[str]) -> str:
@@ -114,9 +157,31 @@ def _auto_class(architectures: list[str]) -> str:
     return "AutoModel"
 
 
+def _setting_rows(cfg: PolyAttnConfig) -> list[tuple[str, str]]:
+    """(name, value) of the settings the kind reads (``read_settings``), the kind's options flattened; the softmax
+    heads summarised (they are listed in their own section)."""
+    settings = cfg.read_settings()
+    options = settings.pop("options", {})
+    rows = []
+    for name, value in [*settings.items(), *options.items()]:
+        if name == "softmax_heads" and value:
+            rows.append((name, f"{len(value)} (layer, kv head) pairs, listed below"))
+        else:
+            rows.append((name, f"`{value}`"))
+    return rows
+
+
+def card_title(base: str | None, cfg: PolyAttnConfig, fallback: str) -> str:
+    """'SmolLM2-135M-Instruct with linear attention (22 softmax kv heads)': the base model and the attention."""
+    name = base.split("/")[-1] if base else fallback
+    n = len(cfg.softmax_heads or ())
+    heads = f" and {n} softmax kv head{'s' if n != 1 else ''}" if n else ""
+    return f"{name} with {cfg.kind} attention{heads}"
+
+
 def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=None, tags: list[str] | None = None,
                      base_model: str | None = None, model_name: str | None = None, repo_id: str | None = None,
-                     ) -> ModelCard:
+                     datasets: list[str] | None = None) -> ModelCard:
     """Create or update ``save_directory/README.md`` for a polyattn model; returns the card.
 
     Args:
@@ -126,8 +191,11 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
             (task_type, dataset_type, dataset_name, metric_type, metric_value, ...).
             ``None`` keeps the results already in the card.
         tags: extra tags (``hf_polyattn`` and the kind are always added).
-        base_model: Hub id of the base checkpoint; default: recorded at conversion/loading.
-        model_name, repo_id: names shown in the card (default: the folder name).
+        base_model: Hub id of the base checkpoint; default: recorded at conversion/loading (a local folder never is).
+        model_name, repo_id: names shown in the card (default: the base model's name and the kind).
+        datasets: Hub ids of the datasets it was trained on (the card's ``datasets`` metadata); default: kept.
+
+    The card names no local path: the base model by its Hub id, the repository by ``repo_id`` or ``model_name``.
     """
     config = model.config if isinstance(model, nn.Module) else model
     cfg = get_polyattn_config(model)
@@ -140,9 +208,10 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
     existing = ModelCard.load(readme) if readme.exists() else None
     old = existing.data.to_dict() if existing is not None else {}
 
-    name = model_name or old.get("model_name") or save_directory.resolve().name
+    base = (base_model or getattr(config, BASE_MODEL_KEY, None) or hub_model_id(getattr(config, "_name_or_path", None))
+            or old.get("base_model"))
+    name = model_name or old.get("model_name") or f"{(base or save_directory.resolve().name).split('/')[-1]}-{cfg.kind}"
     repo = repo_id or name
-    base = base_model or getattr(config, BASE_MODEL_KEY, None) or hub_model_id(getattr(config, "_name_or_path", None))
     model_tags = list(getattr(model, "model_tags", None) or []) if isinstance(model, nn.Module) else []
     all_tags = []
     for t in ["hf_polyattn", cfg.kind, *model_tags, *(tags or []), *(old.get("tags") or [])]:
@@ -152,35 +221,48 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
     if evals is None and existing is not None:
         evals = existing.data.eval_results
     extra = {k: v for k, v in old.items()
-             if k not in {"library_name", "base_model", "tags", "model-index", "model_name", "polyattn"}}
+             if k not in {"library_name", "base_model", "tags", "model-index", "model_name", "polyattn", "datasets",
+                          "pipeline_tag"}}
+    auto_class = _auto_class(getattr(config, "architectures", None) or [])
     data = ModelCardData(
         library_name="transformers",
-        base_model=base if base is not None else old.get("base_model"),
+        base_model=base,
+        pipeline_tag=_PIPELINE_TAGS.get(auto_class),
         tags=all_tags,
+        datasets=datasets if datasets is not None else old.get("datasets"),
         model_name=name if evals else None,
         eval_results=evals or None,
-        polyattn=cfg.to_dict(),
+        polyattn=cfg.read_settings(),
         **extra,
     )
-    auto_class = _auto_class(getattr(config, "architectures", None) or [])
-    settings = [(k, v) for k, v in cfg.to_dict().items()]
-    rows = [vars(r) for r in (evals or [])]
+    # HOOK(layer_layout): when hf_polyattn.integration.layer_layout(model) lands (branch "sliding": which layers are
+    # converted, kept exact at the model's own sliding window, or hybrid), its per-layer roles go into the card here
+    # (a "Layers" section beside "Softmax heads"), and decode_memory must count a sliding layer's window instead of
+    # the kind's state for it.
+    # decode memory only where the model generates (an encoder keeps no cache)
+    memory_rows, memory_dtype = (decode_memory_rows(model, base) if auto_class == "AutoModelForCausalLM"
+                                 else ([], None))
     rendered = ModelCard.from_template(
         data,
         template_path=template_path(),
-        model_name=name,
-        description=f"A transformers checkpoint with hf_polyattn `{cfg.kind}` attention.",
+        # a name given by the caller (push_to_hub's repo) heads the title, then the base model and the attention
+        title=(f"{model_name}: " if model_name else "") + card_title(base, cfg, save_directory.resolve().name),
+        description=(f"A transformers checkpoint with hf_polyattn `{cfg.kind}` attention"
+                     + (f", made from `{base}`." if base else ".")),
         kind=cfg.kind,
         kind_title=cfg.spec.title,
-        base_model=data.base_model,
+        base_model=base,
         auto_class=auto_class,
         repo_id=repo,
-        settings=settings,
+        settings=_setting_rows(cfg),
         memory_note=cfg.spec.memory_note(cfg) if not cfg.softmax_heads else "",
+        memory_rows=memory_rows,
+        memory_lengths=[f"{n:,}" for n in MEMORY_LENGTHS],
+        memory_dtype=str(memory_dtype).replace("torch.", ""),
         softmax_heads_note=softmax_heads_note(config, cfg),
         remote_code=(save_directory / LOADER_FILE).exists(),  # written by the save that precedes the card
         loader_file=LOADER_FILE,
-        eval_rows=rows,
+        eval_rows=[vars(r) for r in (evals or [])],
     )
     if existing is not None:
         section = rendered.text[rendered.text.index(_START): rendered.text.index(_END) + len(_END)]

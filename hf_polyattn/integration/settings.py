@@ -42,7 +42,14 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def hub_model_id(name: str | None) -> str | None:
-    """``name`` if it looks like a Hub repo id (``org/model``) rather than a local path."""
+    """The Hub repo id ``name`` stands for: ``name`` if it looks like one (``org/model``) rather than a local path;
+    the id of a checkpoint ``hf_polyattn.checkpoints`` resolves offline, given by alias or local copy (the
+    de-quantised SmolLM2 -> ``HuggingFaceTB/SmolLM2-135M-Instruct``); None otherwise."""
+    from ..checkpoints import known_hub_id
+
+    known = known_hub_id(name)
+    if known is not None:
+        return known
     if not name or not isinstance(name, str) or os.path.isdir(name) or not _HUB_ID.match(name):
         return None
     return name

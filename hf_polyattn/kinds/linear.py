@@ -32,5 +32,10 @@ SPEC = register_kind(KindSpec(
     bench={
         "linear-elu": dict(kind="linear", feature_map="elu", block_size=256),
         "linear-window128": dict(kind="linear", feature_map="elu", window=128, block_size=256),
+        # the long-context default of a retrofitted causal LM (training/pipeline.py RECOMMENDED_LONG_CONTEXT,
+        # RECOMMENDED_DECAY_HORIZON) less its projection to head_dim (a d x d matmul per side; --head-dim varies)
+        "linear-elu-window128-gate": dict(kind="linear", feature_map="elu", window=128, sinks=4, decay="gate",
+                                          decay_horizon=256.0, window_mix=True, window_mix_init=0.01, qk_norm=True,
+                                          block_size=64),
     },
 ))

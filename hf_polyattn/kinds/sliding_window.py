@@ -6,8 +6,9 @@ With ``sinks`` s > 0 it is StreamingLLM (Xiao et al., arXiv:2309.17453): each qu
 first s real keys of its row, the "attention sinks" a softmax model parks its surplus attention on, under the
 same softmax. No kernel part, nothing to train: the training-free way to run a softmax checkpoint at any length
 with s + w keys of state. Measured on SmolLM2-135M in this project: a 128-token window alone is 2x worse in
-perplexity than 4 sinks + the same window; 4 sinks + 128 gave 46.8 / 39.1 / 38.0 / 38.2 at 256 / 1k / 2k / 4k
-tokens against softmax's 44.2 / 31.5 / 29.1 / 27.4 (shared/PEERS.md; sinks at their own positions). Scored at
+perplexity than 4 sinks + the same window; 4 sinks + 128 gave 45.13 / 37.64 / 36.72 / 36.71 at 256 / 1k / 2k / 4k
+tokens against softmax's 43.66 / 31.02 / 29.00 / 27.75 (sinks at their own positions; the rows `streaming` and
+`softmax` of recipes/results/SECTION_long_context.md). Scored at
 StreamingLLM's positions within the cache instead (``sink_position='window'``, the default: ops/window.py), 4 sinks +
 128 broke down less beyond 4k tokens: per-1k perplexity 29.1 / 37.7 / 45.9 / 36.9 over tokens 4k-8k against 31.2 /
 50.9 / 62.4 / 67.1 (SmolLM2-135M, 2026-11-24, first 8,192 held-out Tiny Shakespeare tokens). It retrieves nothing

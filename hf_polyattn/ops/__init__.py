@@ -6,7 +6,6 @@ from .causal import lt_multiply, lt_multiply_cumsum
 from .feature_maps import FEATURE_MAPS, FeatureMap, register_feature_map
 from .hybrid import HybridAttention, HybridState, build_attention, softmax_attention
 from .reference import reference_attention, reference_weights
-from .rope_fft import rope_attention_reference, rope_fft_attention
 from .rotary import RopeRotation
 from .sketches import PolynomialSketch, symmetric_power, symmetric_square
 
@@ -29,8 +28,6 @@ __all__ = [
     "reference_attention",
     "reference_weights",
     "register_feature_map",
-    "rope_attention_reference",
-    "rope_fft_attention",
     "softmax_attention",
     "symmetric_power",
     "symmetric_square",

@@ -51,6 +51,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
 from .conv import ShortConv
 from .decode import WindowRing, from_recurrent, ring_step, ring_supported
 from .feature_maps import FeatureMap
+from .flex import layer_backend
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
 from .sketches import project, symmetric_square
@@ -314,7 +315,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         out_dtype = query.dtype
         path = self._recurrent_path() if state is not None else self.choose_path(lq, lk, causal)
         work = work_dtype(query.dtype)
-        if state is None and query.dtype in HALF and self._half_on_triton(path, causal, query.device):
+        if state is None and query.dtype in HALF and self._half_on_triton(path, causal, query.device, query.dtype):
             # the kernels load bf16/fp16 and convert on chip: fp32 copies of q, k, v (2 bf16 query units each, kept
             # for backward) and an fp32 [v, 1] were 2 to 7 units of a bf16 layer's peak (recipes/memory_layers.py)
             work = query.dtype
@@ -415,20 +416,29 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
             return sink_q, None
         return sink_q, seen + (lk if key_mask is None else key_mask.sum(-1))  # one of the two is a (B,) tensor
 
-    def _half_on_triton(self, path: str, causal: bool, device: torch.device) -> bool:
+    def _half_on_triton(self, path: str, causal: bool, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether half-precision q, k, v go to this call's kernels as they are, without fp32 copies: on the
         'triton' backend the causal product and the exact local part (blocks, window) read bf16/fp16 and convert to
-        fp32 on load, while the feature maps and the q/k maps (``kernel_inputs``) upcast their own inputs. Only the
-        kernel product path of this class (a subclass's own ``run_path`` keeps its fp32 inputs), without a recurrent
-        state, causal or with a window (the bidirectional product without one is a PyTorch matmul), and not the
-        per-token cumsum. Where the product or the local part still falls back to PyTorch under 'auto' (over 256
-        feature columns, head dims over 128, squared coefficient polynomials) they upcast there."""
+        fp32 on load (on 'fla' FlexAttention runs the window in the half dtype with fp32 statistics and fla-core's
+        products take fp32 features and [v, 1]), while the feature maps and the q/k maps (``kernel_inputs``) upcast
+        their own inputs. Only the kernel product path of this class (a subclass's own ``run_path`` keeps its fp32
+        inputs), without a recurrent state, causal or with a window (the bidirectional product without one is a
+        PyTorch matmul), and not the per-token cumsum. Where the product or the local part still falls back to
+        PyTorch under 'auto' (over 256 feature columns, head dims over 128, squared coefficient polynomials) they
+        upcast there."""
         cfg = self.config
         return (path == "linear" and self.feature_map is not None and (causal or bool(cfg.window))
                 and cfg.causal_algorithm != "cumsum" and not cfg.short_conv  # the convolution computes in fp32
                 and type(self).run_path is PolyAttention.run_path
                 and type(self).path_inputs is PolyAttention.path_inputs
-                and resolve_backend(cfg.backend, device) == "triton")
+                and resolve_backend(self._layer_backend(device, dtype), device) in ("triton", "fla"))
+
+    def _layer_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The backend of this layer's products and exact window on ``device`` for inputs of ``dtype``: 'fla' where
+        'auto' covers the layer or 'fla' is asked for, else the config's (``flex.layer_backend``)."""
+        own = type(self).run_path is not PolyAttention.run_path
+        own = own or type(self).path_inputs is not PolyAttention.path_inputs
+        return layer_backend(self.config, self.feature_map, device, dtype, own)
 
     def kernel_inputs(self, q5: torch.Tensor, k5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k as the kernel sees them: the learnable projection (feature_proj), then the q/k
@@ -532,7 +542,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         if (not KERNEL_ACTIVATIONS or fm.activation is None or fm.scaled_inputs or not causal or kv0 is not None
                 or cfg.window or cfg.causal_algorithm == "cumsum"):
             return None
-        return fm.activation if product_backend(cfg.backend, x.device, x.dtype, fm.num_features) == "triton" else None
+        which = product_backend(self._layer_backend(x.device, x.dtype), x.device, x.dtype, fm.num_features)
+        return fm.activation if which == "triton" else None
 
     def _linear(self, q5, k5, v5, mask, causal, scale, kv0, raw, tf32=None, sinks=None):
         cfg = self.config
@@ -585,7 +596,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
             if cfg.causal_algorithm == "cumsum":
                 far = lt_multiply_cumsum(full(fq), full(fk), vext, decay=decay)
             else:
-                far = lt_product(fq, fk, vext, block, local is None, square, cfg.backend, tf32, act, decay)
+                far = lt_product(fq, fk, vext, block, local is None, square, self._layer_backend(fq.device, q5.dtype),
+                                 tf32, act, decay)
             if kv0 is not None:
                 far = far + read_state(full(fq), kv0, logs)
             if local is not None:

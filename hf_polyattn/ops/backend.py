@@ -13,11 +13,14 @@ Three implementations of one algorithm (PolySketchFormer Section 3), one naive t
   squared features on chip (``pip install hf_polyattn[gpu]``).
 * ``fla``: fla-core's ``chunk_linear_attn`` (``pip install hf_polyattn[fla]``, pinned), CUDA only,
   for identity features with the diagonal included: the linear and performer kinds without
-  ``local_exact`` (their plain product and a window's far part). Measured on one H100 (bf16,
+  ``local_exact`` (their plain product and a window's far part); a decayed product on its
+  ``chunk_simple_gla`` (one log-decay per key and head), and a layer's sliding window through
+  FlexAttention (``ops/flex.py``, which also says which layers 'auto' runs on it). Measured on one H100 (bf16,
   H=16, d=64, elu+1 features, causal forward+backward, n = 32k): 3.8 ms (issue 11's table), where
   the whole ``triton`` linear elu+1 layer took 9.75 ms (``profile_gpu_kernels/h100-bf16.jsonl``;
-  not the same run, and before the Triton product's side column and 64-row chunks). Opt-in until one
-  run compares them (``recipes/profile_gpu_kernels.py fla_rows layer_rows``). Its dots follow
+  not the same run, and before the Triton product's side column and 64-row chunks). 'auto' takes it
+  for the layers it covers, as a kernel its maintainers keep fast; the run that compares them in one
+  process is ``recipes/gpu_checks.sh flex`` (pending: no GPU measured it yet). Its dots follow
   fla-core (tf32 for fp32 inputs: ~2^-10 relative, as ``triton`` in a half-precision model);
   squared features (polysketch) and dropped diagonal blocks are refused by name.
 
@@ -31,9 +34,10 @@ up to 2.6x slower than the loop (``recipes/results/benchmark_backends/cpu-fp32.m
 product (``decay='scalar'`` or ``'gate'``, the long-context default): the loop's per-block decay factors (a few
 small exps and scalings per block, forward and twice backward) cost more than the batched path's materialised
 states, so 'auto' takes ``batched`` for it on the CPU (``recipes/results/benchmark_backends/cpu-fp32-decay.md``).
-``PolyAttnConfig.backend`` forces one ('auto' never picks ``fla``); so does the environment variable
-``HF_POLYATTN_BACKEND`` when the config says ``auto`` (handy for benchmarks and CI without
-touching saved configs).
+``PolyAttnConfig.backend`` forces one; so does the environment variable ``HF_POLYATTN_BACKEND`` when the
+config says ``auto`` (handy for benchmarks and CI without touching saved configs). 'auto' takes ``fla`` for
+a whole layer, on CUDA with fla-core installed, where it covers the layer (``flex.layer_backend``); this module's
+'auto' (a product alone) never picks it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.nn import functional as F
 
 from ..config import BACKENDS
 from .causal import check_decay, lt_multiply, lt_multiply_batched
@@ -128,28 +133,44 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
     return requested
 
 
-def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """lt(A B^T) C, diagonal included, by fla-core's ``chunk_linear_attn`` (fp32 output).
+def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    decay: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """lt(A B^T) C, diagonal included, by fla-core's ``chunk_linear_attn`` (fp32 output); with ``decay=(qlog,
+    klog)`` (``lt_product``'s contract) term (i, j) times exp(qlog_i - klog_j) by its ``chunk_simple_gla``.
 
     A (..., n, r), B (..., n, r), C (..., n, e) with broadcastable leading dims (query groups of a
     kv head included). fla-core takes (batch, n, heads, features) with one key per query head, so
     every leading index becomes a head: B and C are copied per query group (G-fold; the Triton
     kernels read them in place). The inputs run in their common dtype (fp32 when any is fp32).
+    chunk_simple_gla weighs term (i, j) by exp(g_{j+1} + ... + g_i), one log-gate g_t per key and head: here g_t =
+    klog_t - klog_{t-1} (g_0 = 0), and row i of A is scaled by exp(qlog_i - klog_i) <= 1 (the same product; in float32
+    the gates' differences of the cumulative sums are off by about |klog| 2^-24 each).
     """
-    from fla.ops.linear_attn import chunk_linear_attn
-
     if a.shape[-1] > FLA_MAX_FEATURES:
         raise ValueError(f"backend='fla': feature size r = {a.shape[-1]} > {FLA_MAX_FEATURES} is beyond fla-core's "
                          "kernels (performer num_features): use backend='triton' or 'batched'")
     n = a.shape[-2]
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2],
+                                  *(() if decay is None else (x.shape[:-1] for x in decay)))
     dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), c.dtype)
 
-    def heads(x: torch.Tensor) -> torch.Tensor:  # (..., n, f) -> (1, n, heads, f), contiguous
-        x = x.to(dtype).expand(*lead, n, x.shape[-1]).reshape(-1, n, x.shape[-1])
+    def heads(x: torch.Tensor, dt=dtype) -> torch.Tensor:  # (..., n, f) -> (1, n, heads, f), contiguous
+        x = x.to(dt).expand(*lead, n, x.shape[-1]).reshape(-1, n, x.shape[-1])
         return x.transpose(0, 1).unsqueeze(0).contiguous()
 
-    out, _ = chunk_linear_attn(heads(a), heads(b), heads(c), scale=1.0, normalize=False)
+    if decay is None:
+        from fla.ops.linear_attn import chunk_linear_attn
+
+        out, _ = chunk_linear_attn(heads(a), heads(b), heads(c), scale=1.0, normalize=False)
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        qlog, klog = (x.float() for x in decay)
+        gates = F.pad(klog[..., 1:] - klog[..., :-1], (1, 0))  # g_0 = 0: only differences of klog matter
+        a = a * torch.exp(qlog - klog).unsqueeze(-1).to(torch.promote_types(a.dtype, torch.float32))
+        dtype = torch.promote_types(dtype, a.dtype)
+        out, _ = chunk_simple_gla(heads(a, dtype), heads(b, dtype), heads(c, dtype),
+                                  g=heads(gates.unsqueeze(-1), torch.float32).squeeze(-1), scale=1.0)
     return out.squeeze(0).transpose(0, 1).reshape(*lead, n, c.shape[-1]).float()
 
 
@@ -181,16 +202,13 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     ``decay=(qlog, klog)``: term (i, j) weighted by exp(qlog_i - klog_j), cumulative log-decays per row, qlog
     broadcasting like a's leading dims and klog like b's and c's; contract: klog non-increasing, qlog_i <= klog_i
     (``causal``'s module doc). None is the undecayed product, by the same code as without the argument. The
-    PyTorch backends compute a decayed product of half inputs in float32; 'fla' refuses it.
+    PyTorch backends and 'fla' compute a decayed product of half inputs in float32.
     """
     if activation is not None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be None or one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if square:
             raise ValueError(f"activation={activation!r} is for identity features: square must be False")
-    if decay is not None and "fla" in (backend, os.environ.get(ENV_VAR, "").strip() if backend == "auto" else None):
-        raise ValueError("backend='fla' (fla-core's chunk_linear_attn) has no decay: a decayed product (decay "
-                         "'scalar' or 'gate') needs backend='triton', 'batched' or 'loop' (or 'auto')")
     which = product_backend(backend, a.device, a.dtype, a.shape[-1], decay is not None)
     if decay is not None:
         decay = check_decay(a, b, c, decay)
@@ -207,7 +225,7 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
                              "performer kinds without local_exact); " + ("polysketch's squared features" if square
                              else "local_exact's dropped diagonal blocks") + " need backend='triton', 'batched' or "
                              "'loop' (or 'auto')")
-        return lt_multiply_fla(a, b, c)
+        return lt_multiply_fla(a, b, c, decay)
     if which == "triton":
         from .triton import lt_multiply_triton
 

@@ -156,15 +156,20 @@ class HybridState:
 _MIN_ROOM = 256
 
 
+def buffer_length(tokens: int) -> int:
+    """The positions of a softmax-head buffer made to hold ``tokens`` tokens while decoding: room for 1/8 more, at
+    least ``_MIN_ROOM`` (what ``integration.cache.decode_memory`` counts)."""
+    return tokens + max(_MIN_ROOM, tokens // 8)
+
+
 def _append(buf: torch.Tensor | None, used: int, new: torch.Tensor, dim: int, in_place: bool) -> torch.Tensor:
     """``buf`` (its first ``used`` positions along ``dim`` in use) with ``new`` written after them: in place when
     ``in_place`` and there is room, else in a new buffer with room for more (``in_place``) or of the exact size (a
     recorded gradient: an in-place write would invalidate what backward needs)."""
     n = used + new.shape[dim]
     if buf is None or not in_place or buf.shape[dim] < n:
-        room = max(_MIN_ROOM, n // 8) if in_place else 0
         shape = list(new.shape)
-        shape[dim] = n + room
+        shape[dim] = buffer_length(n) if in_place else n
         grown = new.new_empty(shape)
         if buf is not None and used:
             grown.narrow(dim, 0, used).copy_(buf.narrow(dim, 0, used))

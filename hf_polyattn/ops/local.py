@@ -9,6 +9,7 @@ factor with FAVOR+'s per-query feature scale.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 from torch.nn import functional as F
@@ -16,8 +17,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .backend import _is_auto, resolve_backend
 from .common import _with_normaliser, normalised_sum, read_state, to_work
+from .flex import flex_window
 from .sketches import symmetric_square
 from .window import OUTSIDE, Sinks, first_true, gather_keys, shifted_lt, sink_flags, window_scores, window_tiles
+from .window_flash import flash_window_available, window_flash
 
 __all__ = ["LocalExactMixin", "far_scale"]
 
@@ -93,7 +96,7 @@ class LocalExactMixin:
         exp(G_i - G_j); the window is exact and undecayed.
         """
         cfg = self.config
-        w, block, backend = cfg.window, cfg.block_size, cfg.backend
+        w, block, backend = cfg.window, cfg.block_size, self._layer_backend(q5.device, q5.dtype)
         lq, lk = q5.shape[3], k5.shape[3]
         if causal:
             pad = lk - lq  # bottom-right aligned rows: queries sit at the last lq key positions
@@ -126,12 +129,30 @@ class LocalExactMixin:
     def _window_local(self, qs, ks, vext, mask, causal, scale, q_log_scale=None, tf32=None, sinks=None):
         """(loc, far scale) of the exact window part (and its ``sinks``, ``mask`` leaving them out): the Triton
         kernels on the 'triton' backend (weights recomputed in their backward), else ``_window_exact``
-        rematerialised in backward (the n x 2w scores and weights are not kept)."""
+        rematerialised in backward (the n x 2w scores and weights are not kept); on the 'fla' backend
+        FlexAttention (``flex.flex_window``)."""
+        if self._layer_backend(qs.device, qs.dtype) == "fla":
+            kernel = self.config.resolved_local_kernel
+            if kernel != "softmax":
+                raise ValueError(f"backend='fla' runs a sliding window through FlexAttention with softmax weights; "
+                                 f"local_kernel={kernel!r} needs backend 'triton', 'batched' or 'loop' (or 'auto')")
+            if sinks is not None and sinks.q is not None:
+                sinks = replace(sinks, q=_aligned(sinks.q, qs))
+            loc, log_far = flex_window(qs, ks, vext, mask, causal, scale, self.config.window, sinks)
+            return loc, far_scale(log_far, q_log_scale)
         triton = self._local_triton(qs, ks, vext, mask, causal, scale, self.config.resolved_local_kernel,
                                     q_log_scale, tf32, window=self.config.window, sinks=sinks)
         if triton is not None:
             return triton
         qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
+        if (not torch.is_grad_enabled() and causal and q_log_scale is None and flash_window_available(qs)
+                and self.config.resolved_local_kernel == "softmax"):
+            # inference on the CPU: the fused kernel on the window's tiles (ops/window_flash.py)
+            sink_q = None if sinks is None or sinks.q is None else to_work(_aligned(sinks.q, qs))[0]
+            if sinks is not None:
+                sinks = replace(sinks, k=to_work(sinks.k)[0], v=to_work(sinks.v)[0])
+            loc, log_far = window_flash(qs, ks, vext, mask, self.config.window, scale, sinks, sink_q)
+            return loc, torch.exp(log_far)
         sink_k = sink_v = sink_pos = sink_q = None
         if sinks is not None:
             sink_k, sink_v, sink_pos = *to_work(sinks.k, sinks.v), sinks.pos
@@ -238,12 +259,13 @@ class LocalExactMixin:
 
     def _local_uses_triton(self, kernel: str, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether ``_local_triton`` runs the exact local part with ``kernel`` on ``head_dim``-wide q/k and values."""
-        from .triton import LOCAL_MAX_HEAD_DIM
-
         cfg = self.config
         if resolve_backend(cfg.backend, device, dtype) != "triton" or (
                 kernel != "softmax" and cfg.poly_coefficients is not None):
             return False
+        # imported only on the Triton backend: importing triton took ~5 s, paid by a CPU model's first windowed call
+        from .triton import LOCAL_MAX_HEAD_DIM
+
         return head_dim <= LOCAL_MAX_HEAD_DIM or not _is_auto(cfg.backend)
 
     def _local_triton(self, qs, ks, vext, mask, causal, scale, kernel, q_log_scale, tf32, window=0, sinks=None):

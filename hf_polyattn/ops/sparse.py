@@ -336,7 +336,9 @@ class SparseMixin:
             kept = kept & mask
         sink_parts = state.sink_k, state.sink_v, state.sink_mask
         if sinks is not None and sinks.flags is not None:  # the sinks of the complete blocks go to their slots
-            sink_parts = keep_sinks(*sink_parts, raw_k, raw_v, sinks.flags & ~kept, cfg.sinks)
+            leaving = sinks.flags & ~kept
+            if bool(leaving.any()):
+                sink_parts = keep_sinks(*sink_parts, raw_k, raw_v, leaving, cfg.sinks)
         size = min(lk, w + chunk - 1)
         b = raw_k.shape[0]
         real = (torch.ones(b, lk, dtype=torch.bool, device=raw_k.device) if pad_mask is None

@@ -1,4 +1,4 @@
-"""The user contract on a GPU (skipped without CUDA; run where one is lent, see recipes/results/PENDING.md).
+"""The user contract on a GPU (skipped without CUDA; recipes/gpu_checks.sh tests runs it on a CUDA machine).
 
 Every kind x Llama (grouped-query attention, RoPE) / GPT-2 / BERT in bf16 on CUDA, where
 ``backend='auto'`` takes the Triton kernels: ``convert()`` of a model already on the GPU draws the

@@ -1,6 +1,6 @@
 """Dtype contract: every kind in bf16 and fp16 models through every route a user takes.
 
-Contract (README, "Dtypes and devices"): polyattn parameters and buffers follow the model's
+Contract (docs/numerics_and_backends.md, "Dtypes and devices"): polyattn parameters and buffers follow the model's
 dtype and device like every other weight (``from_pretrained(dtype=...)``, ``.to()``,
 ``.half()``, ``convert()`` of a half model); the kernels compute in float32 (the exact
 tensor path in float64) and return the model's dtype. Before this contract, polysketch

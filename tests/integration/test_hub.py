@@ -30,7 +30,11 @@ def test_save_writes_model_card(tmp_path):
     assert data["library_name"] == "transformers"
     assert data["base_model"] == "my-org/tiny-llama"
     assert data["tags"][:2] == ["hf_polyattn", "polysketch"]
-    assert data["polyattn"] == KIND_CONFIGS["polysketch"].to_dict()
+    # the settings polysketch reads, nothing else (feature_map, alpha, exact_path, ... are other kinds'); they
+    # rebuild the same attention
+    assert data["polyattn"] == KIND_CONFIGS["polysketch"].read_settings()
+    assert hf_polyattn.PolyAttnConfig.from_dict(data["polyattn"]) == KIND_CONFIGS["polysketch"]
+    assert not {"feature_map", "alpha", "exact_path", "num_features"} & set(data["polyattn"])
     assert "| `sketch` | `learned` |" in card.text and "import hf_polyattn" in card.text
     assert "AutoModelForCausalLM" in card.text
     assert "model-index" not in data  # no eval results known
@@ -123,7 +127,8 @@ def test_push_to_hub_uploads_weights_config_and_card(captured_upload):
     assert card.data.tags == ["hf_polyattn", "polysketch", "demo"]
     assert card.data.base_model == "my-org/tiny-llama"
     assert 'from_pretrained("me/tiny-polysketch")' in card.text
-    assert "# tiny-polysketch" in card.text.splitlines()  # titled after the repo, not the temp folder
+    # titled after the repo, not the temp folder, then the base model and the attention
+    assert "# tiny-polysketch: tiny-llama with polysketch attention" in card.text.splitlines()
     reloaded = AutoModelForCausalLM.from_pretrained(folder)  # what the Hub would serve
     torch.testing.assert_close(reloaded(ids, use_cache=False).logits, ref, rtol=0, atol=1e-5)
 

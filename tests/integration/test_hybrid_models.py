@@ -223,7 +223,8 @@ def test_model_card_names_the_softmax_heads_and_decode_memory(tmp_path):
     card = ModelCard.load(tmp_path / "README.md")
     text = " ".join(card.text.split())
     assert "### Softmax heads" in card.text
-    assert "by layer: layer 0: 1; layer 1: 0, 1." in text
+    # the layout, one row per layer: its softmax kv heads and how many run the kind
+    assert "| 0 | 1 | 1 of 2 |" in card.text and "| 1 | 0, 1 | 0 of 2 |" in card.text
     # softmax: 2 x 2 kv heads x 16 x 2 layers = 128 numbers per token; the hybrid: 2 x 3 x 16 = 96
     assert "3 of the 4 KV heads (2 layers x 2)" in text
     assert "per token (all layers): 2 x 3 x 16 = 96 numbers against softmax's 2 x 2 x 16 x 2 = 128 (0.750x)" in text

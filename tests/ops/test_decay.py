@@ -236,5 +236,3 @@ def test_bad_decay_arguments():
         lt_product(a, b, c, 4, True, False, "loop", decay=(q, q))  # one decay per query group: not a key's
     with pytest.raises(ValueError, match="float"):
         lt_multiply(a, b, c, 4, True, False, (q, k.long()))
-    with pytest.raises(ValueError, match="backend='fla'.*no decay"):
-        lt_product(a, b, c, 4, True, False, "fla", decay=(q, k))

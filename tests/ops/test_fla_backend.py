@@ -4,7 +4,9 @@ fla-core's kernels need CUDA (its autotuner does not run under Triton's interpre
 interpret either: fla-core 0.6.0, triton 3.9). On the CPU the glue is tested against a stand-in with fla-core's
 documented contract (B, T, H, K) inputs, o_i = scale sum_{j <= i} (q_i . k_j) v_j, one key head per query head,
 same dtype, contiguous): the layout, the query-group copies, the dtype, the gradients, the dispatch and every
-refusal. ``test_real_fla_on_cuda`` runs the real kernels where a GPU and fla-core are present.
+refusal. A window's exact part runs through FlexAttention on 'fla', here its dense stand-in (PyTorch runs no
+FlexAttention backward on the CPU; tests/ops/flex_fla_standins.py). ``test_real_fla_on_cuda`` runs the real kernels
+where a GPU and fla-core are present.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import pytest
 import torch
 
 import hf_polyattn.ops.backend as backend_mod
+import hf_polyattn.ops.flex as flex_mod
 from hf_polyattn import PolyAttnConfig
 from hf_polyattn.ops import PolyAttention
 from hf_polyattn.ops.backend import ENV_VAR, lt_multiply_fla, lt_product
 from hf_polyattn.ops.causal import lt_multiply_batched
+
+from .flex_fla_standins import dense_flex, hide_fla
 
 
 def _standin(calls: list):
@@ -54,6 +59,7 @@ def fla_standin(monkeypatch):
     for name, module in _standin(calls).items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(backend_mod, "_FLA_DEVICES", ("cuda", "cpu"))  # the stand-in runs anywhere
+    monkeypatch.setattr(flex_mod, "_flex_function", lambda device: dense_flex)
     monkeypatch.delenv(ENV_VAR, raising=False)
     return calls
 
@@ -105,8 +111,7 @@ def test_refusals_name_the_problem(fla_standin):
 
 def test_refused_without_fla_or_cuda(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    for name in ("fla", "fla.ops", "fla.ops.linear_attn"):  # import fla -> ImportError, even after a real import
-        monkeypatch.setitem(sys.modules, name, None)
+    hide_fla(monkeypatch)  # import fla -> ImportError, even after a real import (every fla.* module hidden)
     a, b, c = _inputs()
     with pytest.raises(ValueError, match=r"needs fla-core: pip install 'hf_polyattn\[fla\]'"):
         lt_product(a, b, c, 8, True, False, backend="fla")

@@ -90,28 +90,61 @@ def test_boolean_help_is_truthful(helps):
         assert text == f"same as --{name} false", (name, text)
 
 
-def _shell_scripts() -> list[Path]:
-    return sorted(EXPERIMENTS.rglob("*.sh"))
+def _studies() -> list[str]:
+    return sorted(p.parent.name for p in EXPERIMENTS.glob("*/rows.py") if p.parent.name != "long_context")
 
 
-def test_experiment_scripts_exist():
-    assert len(_shell_scripts()) >= 10  # thesis 1, paper tables 3, retrofit 7
+def test_every_study_is_inputs_and_the_runner():
+    """PEFT's method_comparison shape: each study folder holds its inputs (rows.py) and its section writer, no shell
+    scripts; the runner lists them from any directory."""
+    assert _studies() == ["paper_tables_long", "retrofit_kinds", "retrofit_window", "rope_fft", "thesis_reversal"]
+    assert sorted(EXPERIMENTS.rglob("*.sh")) == []
+    for study in _studies():
+        assert (EXPERIMENTS / study / "fill_section.py").exists(), study
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "run.py")], cwd="/", capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split() == _studies(), proc.stderr
 
 
-@pytest.mark.parametrize("script", _shell_scripts(), ids=lambda p: str(p.relative_to(EXPERIMENTS)))
-def test_experiment_script_convention(script):
-    lines = script.read_text().splitlines()
-    assert lines[0] == "#!/usr/bin/env bash", script
-    code = [ln.strip() for ln in lines[1:] if ln.strip() and not ln.lstrip().startswith("#")]
-    assert code[0] == "set -euo pipefail", f"{script}: first command is {code[0]!r}"
-    # the repository root, computed from the script's own location (recipes/experiments/<study>/x.sh)
-    assert code[1].startswith('cd "$(dirname "${BASH_SOURCE[0]}")/../../.."'), code[1]
-    assert not any(".venv" in ln and ".venv/bin/python" not in ln for ln in code), "a python other than .venv's"
-    # one convention: every path from the repository root (../shared/data is the project's data, next to it)
-    assert not any("../" in ln.replace("../shared/", "") for ln in code[2:]), "a path not from the repository root"
-    assert any(".venv/bin/python" in ln for ln in code)
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    assert os.access(script, os.X_OK), f"{script} is not executable"
+@pytest.mark.parametrize("study", _studies())
+def test_study_commands_name_what_exists(study, tmp_path):
+    """The runner's dry run (from an unrelated directory) prints one command per row and then AFTER; every script
+    and module a command names exists in the checkout, every row writes under runs/ or recipes/results/."""
+    env = {**os.environ, "HF_POLYATTN_SST2": str(ROOT / "tests" / "fixtures" / "tiny_sst2.tsv")}
+    run = [sys.executable, str(EXPERIMENTS / "run.py"), study]
+    rows = subprocess.run([*run, "--list"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert rows.returncode == 0, rows.stderr
+    names = rows.stdout.split()
+    proc = subprocess.run([*run, "--dry-run"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) >= len(names) > 0
+    for line in lines:
+        words = line.split()
+        words = words[next(i for i, w in enumerate(words) if w == "python") + 1:]
+        if words[0] == "-m":
+            module = ROOT / (words[1].replace(".", "/") + ".py")
+            assert module.exists() or words[1] == "torch.distributed.run", line
+        else:
+            assert (ROOT / words[0]).is_file(), line
+        for flag in ("--out", "--output_dir"):
+            if flag in words:
+                assert words[words.index(flag) + 1].startswith(("runs/", "recipes/results/")), line
+        assert not re.search(r"\{(out|results|sst2)\}", line) and "../" not in line, line
+
+
+def test_runner_refuses_unknown_study_and_row():
+    run = [sys.executable, str(EXPERIMENTS / "run.py")]
+    bad = subprocess.run([*run, "no_such_study"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown study 'no_such_study'" in bad.stderr
+    bad = subprocess.run([*run, "rope_fft", "no_such_row"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown rows ['no_such_row']" in bad.stderr
+
+
+def test_sst2_rows_need_the_file(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HF_POLYATTN_SST2"}
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "run.py"), "retrofit_kinds", "--dry-run"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode != 0 and "HF_POLYATTN_SST2" in proc.stderr
 
 
 def test_results_hold_no_code():
@@ -120,11 +153,26 @@ def test_results_hold_no_code():
     assert not [p for p in RESULTS.rglob("scripts") if p.is_dir()]
 
 
-def test_archive_readme_lists_every_archived_run():
-    archive = RESULTS / "archive"
-    readme = (archive / "README.md").read_text()
-    for folder in (p for p in archive.iterdir() if p.is_dir()):
-        assert f"`{folder.name}/`" in readme, f"archive/{folder.name} is not described in archive/README.md"
+def test_results_hold_data_and_generated_text_only():
+    """No archive of superseded runs, no captured test logs, no hand-written readings inside a study's folder (a
+    reading is a SECTION_*.md beside them, assembled into RESULTS.md)."""
+    assert not (RESULTS / "archive").exists() and not (RESULTS / "cuda_tests").exists()
+    readmes = sorted(str(p.relative_to(RESULTS)) for p in RESULTS.rglob("README.md"))
+    assert readmes == [], readmes
+
+
+def test_no_path_hacks_nor_private_recipe_modules():
+    """Scripts import the package and their sibling modules, not sys.path edits or the recipes' private helpers;
+    paper_tables.py and sketch_accuracy.py still read their data paths from recipes/_defaults.py, and long_context/
+    is its own runner's."""
+    allowed = {"paper_tables.py", "sketch_accuracy.py", "experiments/long_context/run_rows.py",
+               "experiments/long_context/fill_section.py"}
+    for path in RECIPES.rglob("*.py"):
+        name = str(path.relative_to(RECIPES))
+        text = path.read_text()
+        if name not in allowed:
+            assert "sys.path.insert" not in text, name
+        assert not re.search(r"\b_(kinds|machine)\b", text), name
 
 
 def test_single_model_card():
@@ -162,13 +210,6 @@ def test_thesis_section_regenerates_byte_identical(tmp_path):
     assert out.read_bytes() == (RESULTS / "SECTION_thesis.md").read_bytes()
 
 
-def test_retrofit_section_regenerates_byte_identical(tmp_path):
-    out = tmp_path / "SECTION_retrofit.md"
-    _run_module("recipes.experiments.retrofit.fill_section",
-                str(EXPERIMENTS / "retrofit/SECTION_retrofit.template.md"), str(out))
-    assert out.read_bytes() == (RESULTS / "SECTION_retrofit.md").read_bytes()
-
-
 def test_paper_tables_long_section_regenerates_byte_identical(tmp_path):
     pytest.importorskip("matplotlib")
     # a copy of the results folder: the script also redraws its plots next to the results it reads
@@ -193,8 +234,9 @@ def test_results_md_assembles_from_sections(tmp_path):
     (copy / "results").mkdir()
     for p in RESULTS.glob("SECTION_*.md"):
         shutil.copy(p, copy / "results" / p.name)
-    if (RESULTS / "PENDING.md").exists():
-        shutil.copy(RESULTS / "PENDING.md", copy / "results" / "PENDING.md")
+    for last in ("PENDING.md", "REMOVED.md"):
+        if (RESULTS / last).exists():
+            shutil.copy(RESULTS / last, copy / "results" / last)
     for folder in RESULTS.glob("benchmark_*"):
         shutil.copytree(folder, copy / "results" / folder.name, ignore=shutil.ignore_patterns("*.png", "*.json"))
     subprocess.run([sys.executable, str(copy / "build_results.py")], cwd=tmp_path, check=True, capture_output=True)

@@ -34,7 +34,7 @@ def test_rope_fft_section_names_machine_command_and_numbers():
     res = json.loads((RESULTS / "rope_fft" / "results.json").read_text())
     text = (RESULTS / "SECTION_rope_fft.md").read_text()
     assert res["machine"]["cpu"] in text and res["machine"]["summary"] in text
-    assert f"`{res['command']}`" in text and "run_rope_fft.sh" in text
+    assert f"`{res['command']}`" in text and "`python recipes/experiments/run.py rope_fft`" in text
     for r in res["timing"]:  # every timing row, as recorded
         assert f"| {r['d']} | {r['g']} | {r['terms']} | {r['n']} | {r['fast_s']:.4f} | {r['quadratic_s']:.4f} |" in text
     assert res["accuracy"] and res["crossings"]

@@ -3,8 +3,9 @@
     python -m recipes.experiments.paper_tables_long.fill_section [--dir DIR] [--out FILE]
 
 (from the repository root). Reads DIR/seed<S>/ctx<C>/results.json (one paper_tables.py call per seed and context,
-written by recipes/experiments/paper_tables_long/run_grid.sh) and lays the perplexities and speeds out like
-PolySketchFormer's Tables 1 and 2 (rows = attention, columns = context). No number is typed by hand.
+the rows ``seed<S>/ctx<C>`` of rows.py, run by ``python recipes/experiments/run.py paper_tables_long``) and lays
+the perplexities and speeds out like PolySketchFormer's Tables 1 and 2 (rows = attention, columns = context). No
+number is typed by hand.
 """
 
 import argparse
@@ -13,9 +14,9 @@ import math
 import statistics
 from pathlib import Path
 
-from recipes._defaults import RESULTS
 from recipes.paper_tables import LABELS, PAPER_KINDS, running_mean
 
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 D = RESULTS / "paper_tables_long"
 PLATEAU = 12  # perplexity per character: all kinds sat at 12.5-12.9 after 150 steps (the 150-step tables)
 PAPER_GAP = "PolySketchFormer: polysketch 6-10 % worse than softmax"
@@ -108,8 +109,8 @@ def long_part(folder: Path, grid: dict) -> list[str]:
 
     lines = [
         f"**Trained longer at context {context}: {n_steps} steps** (same setup, its own warm-up and cosine "
-        f"schedule over {n_steps} steps; `recipes/experiments/paper_tables_long/run_ctx2048_longer.sh`, one "
-        "`paper_tables.py` call per seed and kind):",
+        f"schedule over {n_steps} steps; the rows `seed<S>/long2048_<kind>` of "
+        "`recipes/experiments/paper_tables_long/rows.py`, one `paper_tables.py` call per seed and kind):",
         "",
         "```bash",
         *[f"{rec['command']}   # {rec['machine_start']['date']}, {rec['total_wall_s'] / 60:.1f} min wall"
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
     first = runs[min(runs)]
     setup = first["setup"]
     # A run whose checkpoint was already finished when its paper_tables.py call started was trained by an earlier
-    # call (run_ctx256_three_kinds.sh): only its evaluation is from this grid, its speed from that earlier call.
+    # call (the rows seed<S>/ctx256_first): only its evaluation is from this grid, its speed from that earlier call.
     reused = {key for key, r in res.items() if r["resumed_from"] == r["steps"]}
     ppl = {key: r["perplexity"] for key, r in res.items()}
     sps = {key: r["steps_per_s"]["per_cpu_s"] for key, r in res.items()}
@@ -204,9 +205,9 @@ def main(argv=None) -> int:
         f"From {dates[0]} to {max(rec['machine_end']['date'] for rec in runs.values())}. Steps/s are per CPU-second "
         "of the process (robust to what else ran); perplexities do not depend on the load.",
         "",
-        "Commands: `recipes/experiments/paper_tables_long/run_grid.sh 0` and `... 1` (verbatim there; one "
-        "`paper_tables.py` call per context, 2048 first), then this section with "
-        "`python -m recipes.experiments.paper_tables_long.fill_section`. The calls that ran:",
+        "Commands: `python recipes/experiments/run.py paper_tables_long`, the rows `seed<S>/ctx<C>` (inputs in "
+        "`recipes/experiments/paper_tables_long/rows.py`; one `paper_tables.py` call per context, 2048 first), then "
+        "this section with `python -m recipes.experiments.paper_tables_long.fill_section`. The calls that ran:",
         "",
         "```bash",
         *[f"{runs[key]['command']}   # {runs[key]['machine_start']['date']}, "
@@ -217,9 +218,8 @@ def main(argv=None) -> int:
     ]
     if reused:
         lines += [
-            "Trained earlier by `recipes/experiments/paper_tables_long/run_ctx256_three_kinds.sh` (same runs folder, "
-            "same "
-            "fingerprint: the call found them finished and only evaluated them again): "
+            "Trained earlier by the rows `seed<S>/ctx256_first` (same runs folder, same fingerprint: the call found "
+            "them finished and only evaluated them again): "
             + ", ".join(sorted(f"{LABELS[k]} @ {c} seed {s}" for s, k, c in reused))
             + ". Their steps/s are from that call, when the other core was not always free (the thesis grid's "
             "last run, its merge and timing check, a test file).",

@@ -3,18 +3,20 @@ tables of recipes/results/benchmark_attention_kinds/.
 
     .venv/bin/python -m recipes.experiments.retrofit_kinds.fill_section
 
-Every number comes from the tables that run_minilm_sst2_kinds.sh / run_smollm2_kinds.sh (compare_runs) and
-`hf-polyattn bench` wrote (no number typed).
+Every number comes from the tables the study's rows wrote (``python recipes/experiments/run.py retrofit_kinds``,
+compare_runs), the rows' own options (``rows.py``) and what `hf-polyattn bench` wrote (no number typed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
-from recipes._defaults import RESULTS
+from ..run import option
+from .rows import ROWS, TABLES
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 
 INTRO = """## The seed documents' other systems as kinds (issue 14): retrofit rows and CPU speed
 
@@ -25,10 +27,10 @@ The registry's new kinds (`hf_polyattn/kinds/`, one file each): `linformer`, `ny
 MINILM = """
 ### MiniLM on SST-2 (bidirectional kinds)
 
-`bash recipes/experiments/retrofit_kinds/run_minilm_sst2_kinds.sh`: all-MiniLM-L6-v2, {finetune} fine-tuning steps
-x 16 sentences for every row (lr 1e-4), {eval_rows} held-out sentences; linformer's E, F first get {transfer}
-attention-transfer steps, the parameter-free kinds cannot be transferred; softmax in the same session. Settings per
-row in the table's labels and `minilm_sst2_kinds.json`. Machine: {machine}.
+`python recipes/experiments/run.py retrofit_kinds` (the rows `minilm_sst2_kinds/*`): all-MiniLM-L6-v2, {finetune}
+fine-tuning steps x 16 sentences for every row (lr 1e-4), {eval_rows} held-out sentences; linformer's E, F first
+get {transfer} attention-transfer steps, the parameter-free kinds cannot be transferred; softmax in the same
+session. Settings per row in the table's labels and `minilm_sst2_kinds.json`. Machine: {machine}.
 
 {table}
 {summary}
@@ -37,7 +39,7 @@ row in the table's labels and `minilm_sst2_kinds.json`. Machine: {machine}.
 SMOLLM2 = """
 ### SmolLM2-135M on Tiny Shakespeare (causal kinds)
 
-`bash recipes/experiments/retrofit_kinds/run_smollm2_kinds.sh`: {finetune} LoRA r=8 steps (q/k/v/o plus the polyattn
+The rows `smollm2_kinds/*`: {finetune} LoRA r=8 steps (q/k/v/o plus the polyattn
 parameters, 4 x 256 tokens a step) for every row, after {transfer} attention-transfer steps for the kind with
 parameters (taylor's projection); bigbird and reformer have none. Perplexity on {eval_tokens} held-out tokens.
 Machine: {machine}.
@@ -62,12 +64,6 @@ def _summary(table: dict, higher_is_better: bool) -> str:
     return f"Final metric / softmax's ({what}): " + ", ".join(parts) + "." if parts else ""
 
 
-def _script_option(script: str, option: str) -> str:
-    """The value the experiment script passes for ``option`` (the tables do not record it)."""
-    text = (Path(__file__).resolve().parent / script).read_text()
-    return re.search(rf"{option} (\S+)", text).group(1)
-
-
 def _section_from_table(template: str, path: Path, higher_is_better: bool) -> str:
     table = json.loads(path.with_suffix(".json").read_text())
     rows = table["rows"]
@@ -76,7 +72,7 @@ def _section_from_table(template: str, path: Path, higher_is_better: bool) -> st
     data = table.get("data", {})
     return template.format(
         finetune="/".join(map(str, finetune)), transfer="/".join(map(str, transfer)) or "0",
-        eval_rows=data.get("eval_rows", "?"), eval_tokens=_script_option("run_smollm2_kinds.sh", "--max_eval_tokens"),
+        eval_rows=data.get("eval_rows", "?"), eval_tokens=option(ROWS, TABLES["smollm2_kinds"], "--max_eval_tokens"),
         machine=table["machine"], table=path.with_suffix(".md").read_text().strip(),
         summary=_summary(table, higher_is_better))
 

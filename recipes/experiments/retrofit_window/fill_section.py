@@ -2,9 +2,9 @@
 
     .venv/bin/python -m recipes.experiments.retrofit_window.fill_section
 
-Every number comes from the tables that run_demo_budget.sh / run_demo_budget_more.sh / run_ablation.sh /
-run_smollm2_two_stage.sh / run_minilm_sst2_window.sh wrote, the per-step batch and the context of the demo's
-budget from those scripts' own options (no number typed); also draws ablation.png next to the tables.
+Every number comes from the tables the study's rows wrote (``python recipes/experiments/run.py retrofit_window``),
+the per-step batch and the context of the demo's budget from the rows' own options in ``rows.py`` (no number
+typed); also draws ablation.png next to the tables.
 """
 
 from __future__ import annotations
@@ -14,15 +14,19 @@ import json
 import re
 from pathlib import Path
 
-from recipes._defaults import EXPERIMENTS, RESULTS
+from ..run import option
+from .rows import ROWS, TABLES
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+RUN = "python recipes/experiments/run.py retrofit_window"
 
 INTRO = """## Retrofit at the demo's budget: block-diagonal exact blocks vs a sliding window (issue 13)
 
 SmolLM2-135M-Instruct on Tiny Shakespeare, the demo's budget for every row: {steps} attention-transfer steps of
 4 x 256 tokens (only the polyattn parameters train, to match each layer's softmax output), no fine-tuning,
 perplexity on {eval_tokens} held-out tokens (context 256, stride 256). Machine: {machine}; one run after another.
-Commands: `bash recipes/experiments/retrofit_window/run_demo_budget.sh`, then `run_demo_budget_more.sh` (its
-table covers the runs of both).
+Command: `{run}` (the rows `demo_budget/*`; the inputs of every row are in
+`recipes/experiments/retrofit_window/rows.py`).
 
 """
 
@@ -41,7 +45,7 @@ OUTRO = """
 TWO_STAGE = """
 ### Two stages: attention transfer, then LoRA
 
-`bash recipes/experiments/retrofit_window/run_smollm2_two_stage.sh`: the 128-token window with the projection,
+The rows `two_stage/*` (`{run}`): the 128-token window with the projection,
 {transfer} transfer steps then {finetune} steps of LoRA r=8 on q/k/v/o plus the polyattn parameters (lr 1e-3,
 4 x 256 tokens a step); softmax gets the same {finetune} LoRA steps. {eval_tokens} held-out tokens. Machine:
 {machine}.
@@ -54,8 +58,8 @@ Final perplexity {ratio:.3f}x softmax's after the same fine-tuning, at {cpu:.0f}
 """
 
 TWO_STAGE_KINDS = """
-The other kinds through the same two stages (`bash recipes/experiments/retrofit_window/run_smollm2_two_stage_kinds.sh`:
-the same options and budget, softmax rerun with its own {finetune} LoRA steps in that session): linear (elu + 1) and
+The other kinds through the same two stages (the rows `two_stage_kinds/*`: the same options and budget, softmax
+rerun with its own {finetune} LoRA steps in that session): linear (elu + 1) and
 Performer with the 128-token window and the projection, the exact polynomial kernel (degree 4, quadratic time, with
 the projection, no window). Machine: {machine}.
 
@@ -67,8 +71,8 @@ Final perplexity relative to softmax after the same fine-tuning: {ratios}.
 MINILM = """
 ### MiniLM on SST-2 with a bidirectional window
 
-`bash recipes/experiments/retrofit_window/run_minilm_sst2_window.sh`: each token attends exactly (softmax) to the
-tokens within {window} positions on either side and through the kernel to the rest; the budget of the retrofit
+The rows `minilm_sst2_window/*` (SST-2 from `$HF_POLYATTN_SST2`): each token attends exactly (softmax) to the
+tokens within {window} positions on either side and through the kernel to the rest; the budget of issue 4's
 section's MiniLM runs ({transfer} transfer + {finetune} fine-tuning steps x 16 sentences), softmax rerun in the same
 session. Machine: {machine}.
 
@@ -80,7 +84,7 @@ Accuracy relative to softmax: {ratios}.
 ABLATION = """
 ### Ablation at the demo's budget
 
-`bash recipes/experiments/retrofit_window/run_ablation.sh` ran the rows the demo_budget table lacked, with the same
+The rows `ablation/*` ran what the demo_budget table lacked, with the same
 options, softmax rerun in the same session (`ablation.{{md,json}}`); the table below combines them with the rows of
 `demo_budget.{{md,json}}`. One budget for every row: attention transfer only, {steps} steps x {batch} sequences x
 {context} tokens = {tokens:,} tokens (only the polyattn parameters train), no fine-tuning; perplexity on
@@ -113,7 +117,7 @@ best setting); contexts longer than 256 tokens, where the kernel part carries mo
 window no longer covers half of them; more than one seed per row.
 """
 
-# the rows run_ablation.sh runs (its output folder names) and what they are
+# the ablation rows (rows.py, ablation/<name>) and what they are
 ABLATION_PLAN = {
     "polysketch_r32_window128_proj": dict(kind="polysketch", sketch_size=32, window=128, feature_proj=64),
     "polysketch_window0_proj": dict(kind="polysketch", sketch_size=16, window=0, local_exact=False, feature_proj=64),
@@ -127,22 +131,10 @@ HEADER = ("| kind | sketch r | exact local part | projection (feature_proj) | pe
 KIND_ORDER = {"softmax": 0, "polysketch": 1, "polynomial": 2, "linear": 3, "performer": 4}
 
 
-def _script_option(script: str, option: str) -> str:
-    """The value of OPTION in the shared option lines of an experiment script (its single source)."""
-    values = set(re.findall(rf"{re.escape(option)} (\S+)", (EXPERIMENTS / "retrofit_window" / script).read_text()))
-    if len(values) != 1:
-        raise ValueError(f"{script}: expected one value of {option}, found {sorted(values)}")
-    return values.pop()
-
-
 def _budget() -> tuple[int, int]:
-    """(sequences per transfer step, tokens per sequence), the same in the three scripts of the combined table."""
-    scripts = ("run_demo_budget.sh", "run_demo_budget_more.sh", "run_ablation.sh")
-    found = {(_script_option(s, "--transfer_batch_size"), _script_option(s, "--context")) for s in scripts}
-    if len(found) != 1:
-        raise ValueError(f"the scripts do not share one budget: {sorted(found)}")
-    batch, context = found.pop()
-    return int(batch), int(context)
+    """(sequences per transfer step, tokens per sequence), the same in every row of the combined table."""
+    rows = TABLES["demo_budget"] + TABLES["ablation"]
+    return int(option(ROWS, rows, "--transfer_batch_size")), int(option(ROWS, rows, "--context"))
 
 
 def _local_part(c: dict) -> str:
@@ -204,7 +196,7 @@ def _ablation(folder: Path) -> str:
     missing = [name for name, want in ABLATION_PLAN.items()
                if not any(all(c.get(k) == v for k, v in want.items()) for c in got)]
     missing_text = ("" if not missing else
-                    f"- Missing from `run_ablation.sh`'s table (failed, or not started within the session's time box; "
+                    f"- Missing from the ablation rows' table (failed, or not started within the session's time box; "
                     f"see the run's log): {', '.join(f'`{m}`' for m in missing)}.\n")
     _plot(rows, folder / "ablation.png", steps, batch, context)
     return ABLATION.format(
@@ -283,7 +275,7 @@ def main(argv=None) -> int:
     steps = {r["transfer_steps"] for r in rows if r["polyattn"]}
     if len(steps) != 1:
         raise ValueError(f"the rows do not share one transfer budget: {sorted(steps)}")
-    text = (INTRO.format(steps=steps.pop(), eval_tokens=table["data"]["eval_tokens"], machine=table["machine"])
+    text = (INTRO.format(steps=steps.pop(), eval_tokens=table["data"]["eval_tokens"], machine=table["machine"], run=RUN)
             + stem.with_suffix(".md").read_text().strip() + "\n"
             + OUTRO.format(blocks=blocks["vs_softmax"], w64=w64["vs_softmax"], w64p=w64p["vs_softmax"],
                            w64pm=w64pm["vs_softmax"], w128p=w128p["vs_softmax"], w128cpu=w128p["transfer_cpu_s"]))
@@ -296,7 +288,7 @@ def main(argv=None) -> int:
         if len(poly) != 1:
             raise ValueError(f"two_stage: expected one retrofitted run, found {len(poly)}")
         r = poly[0]
-        text += TWO_STAGE.format(transfer=r["transfer_steps"], finetune=r["finetune_steps"],
+        text += TWO_STAGE.format(run=RUN, transfer=r["transfer_steps"], finetune=r["finetune_steps"],
                                  eval_tokens=t2["data"]["eval_tokens"], machine=t2["machine"],
                                  table=two.with_suffix(".md").read_text().strip(), ratio=r["vs_softmax"],
                                  cpu=r["total_cpu_s"])

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m recipes.experiments.rope_fft.fill_section
 
-Every number comes from the JSON that ``recipes/rope_fft_accuracy.py`` wrote (run by run_rope_fft.sh): the command,
+Every number comes from the JSON that ``recipes/rope_fft_accuracy.py`` wrote (the study's row): the command,
 the machine, the error grid, the timings and where the two algorithms cross. Nothing is measured here.
 """
 
@@ -13,17 +13,17 @@ import json
 import math
 from pathlib import Path
 
-from recipes._defaults import RESULTS
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 
 INTRO = """## RoPE attention through the polynomial method + FFT (seed 003)
 
-`hf_polyattn/ops/rope_fft.py` implements the seed paper's algorithm ("Fast RoPE attention: combining the polynomial
+`recipes/rope_fft.py` implements the seed paper's algorithm ("Fast RoPE attention: combining the polynomial
 method and FFT"): the score matrix s_ij = q_i^T W_(i-j) k_j / sqrt(d) is split along the support of the per-offset
 matrices W into rescaled Toeplitz matrices, exp is replaced by a degree-g polynomial (Chebyshev interpolant on
 [-R, R], R the score bound for entries |q|, |k| <= B: R = B^2 sqrt(d) for RoPE), the polynomial is expanded into
 C(2d + g, g) rescaled Toeplitz terms (RoPE's support has 2d entries) and each is applied with FFTs of length 2n.
 Causal attention zeroes the negative offsets of every Toeplitz factor (still Toeplitz). Command:
-`bash recipes/experiments/rope_fft/run_rope_fft.sh`, which ran `{command}` ({total_s:.0f} s). Machine: {cpu};
+`python recipes/experiments/run.py rope_fft`, which ran `{command}` ({total_s:.0f} s). Machine: {cpu};
 {summary}; `uptime` at the end: `{uptime}`; {date}. Results: `recipes/results/rope_fft/` (`results.json`,
 `table.md`, `rope_fft.png`).
 

@@ -11,10 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-from recipes._defaults import RESULTS
-from recipes._kinds import THESIS_COMPILE_CHECK_KINDS
 from recipes.thesis_reversal import ALL_KINDS, CHANCE_PER_POSITION, LABELS, SOLVED, fmt, seconds_per_iteration
 
+from .rows import COMPILE_CHECK_KINDS
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 D = RESULTS / "thesis_reversal"
 TEMPLATE = Path(__file__).resolve().parent / "SECTION_thesis.template.md"
 OUT = RESULTS / "SECTION_thesis.md"
@@ -51,7 +52,7 @@ def fields() -> dict:
     firsts = [r["first_iteration_seconds"] for r in runs if r.get("first_iteration_seconds") is not None]
     f["COMPILE_RANGE"] = f"{min(firsts):.1f}-{max(firsts):.1f} s"
     gains = []
-    for kind in THESIS_COMPILE_CHECK_KINDS:
+    for kind in COMPILE_CHECK_KINDS:
         t = {}
         for mode in ("eager", "compile"):
             p = D / "compile_check" / mode / "results.json"

@@ -1,1 +1,0 @@
-"""Scripts of the retrofit study (run from anywhere; see recipes/experiments/README.md)."""

@@ -1,8 +1,0 @@
-#!/usr/bin/env bash
-# MiniLM (all-MiniLM-L6-v2) on SST-2: the softmax baseline, 400 fine-tuning steps (was scripts/minilm.sh).
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
-set -x
-CLS="--model minilm --task classification --data ../shared/data/sst2_train.tsv --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress true"
-P=.venv/bin/python
-$P recipes/retrofit.py $CLS --attention softmax --eval_before false --output_dir runs/r2/minilm-softmax
