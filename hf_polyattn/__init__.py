@@ -27,6 +27,7 @@ _LAZY = {
     "convert": "integration",
     "decode_memory": "integration",
     "get_polyattn_config": "integration",
+    "layer_layout": "integration",
     "reconfigure": "integration",
     "write_model_card": "integration",
 }
@@ -44,6 +45,7 @@ __all__ = [
     "get_kind",
     "get_polyattn_config",
     "kind_names",
+    "layer_layout",
     "reconfigure",
     "register",
     "register_kind",

@@ -41,7 +41,9 @@ SMOLLM2_ID, MINILM_ID = "HuggingFaceTB/SmolLM2-135M-Instruct", "sentence-transfo
 
 # Architectures whose attention goes through transformers' AttentionInterface (TRANSFORMERS_NOTES.md)
 # and that the recipes were run on or tested with tiny configs.
-SUPPORTED_MODEL_TYPES = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2",
+                         # with sliding-window layers (kept exact, tests/integration/test_sliding_models.py)
+                         "gemma3_text", "ministral", "olmo3", "exaone4", "modernbert")
 
 
 class CheckpointError(ValueError):

@@ -43,7 +43,7 @@ TASKS = {
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # PolyAttnConfig fields that every kind reads (the others are listed under the kinds that read them)
-EVERY_KIND_FIELDS = ("seed", "softmax_heads")
+EVERY_KIND_FIELDS = ("seed", "softmax_heads", "sliding_layers")
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
@@ -349,6 +349,7 @@ def cmd_convert(args, argv) -> int:
             hf_polyattn.convert(model, cfg)
         except (TypeError, ValueError) as err:
             raise UsageError(f"cannot convert {args.model!r}: {err}") from None
+    kept = sum(e["role"] == "sliding" for e in hf_polyattn.layer_layout(model))  # sliding-window layers kept exact
     layers = sum(1 for m in model.modules() if isinstance(m, hf_polyattn.HFPolyAttention))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -360,7 +361,8 @@ def cmd_convert(args, argv) -> int:
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
         tokenizer_note = "tokenizer copied"
-    print(f"converted {args.model} ({type(model).__name__}, {layers} attention layers) to "
+    print(f"converted {args.model} ({type(model).__name__}, {layers} attention layers"
+          + (f"; {kept} sliding-window layers kept exact" if kept else "") + ") to "
           f"{describe_config(cfg)}\nsaved to {out} ({tokenizer_note})\n"
           f"load it with: import hf_polyattn; transformers.{type(model).__name__}.from_pretrained({str(out)!r})")
     return 0
@@ -602,10 +604,12 @@ def cmd_score_heads(args, argv) -> int:
         raise UsageError(str(err)) from None
     layers, kv_heads = scores.retrieval.shape
     # a quarter of the kv heads by default: 22 of SmolLM2-135M's 90 (with 4 sinks + a 128 window elsewhere) kept
-    # the passkey at 1k-4k
-    top = round(layers * kv_heads / 4) if args.top is None else args.top
-    if top > layers * kv_heads:
-        raise UsageError(f"--top {top}: the model has {layers * kv_heads} kv heads ({layers} layers x {kv_heads})")
+    # the passkey at 1k-4k. Counted over the layers a conversion gives the kind (sliding-window layers stay exact)
+    top = round(scores.candidate_heads / 4) if args.top is None else args.top
+    if top > scores.candidate_heads:
+        where = "" if scores.layers is None else f" in the layers a conversion converts, {scores.layers},"
+        raise UsageError(f"--top {top}: the model has {scores.candidate_heads} kv heads{where} ({layers} layers x "
+                         f"{kv_heads})")
     pairs = select_heads(scores, top)
     record = {"model": args.model, "class": type(model).__name__, "device": device, **scores.to_dict(), "top": top,
               "ranked": [[layer, head, float(scores.retrieval[layer, head])] for layer, head in pairs],

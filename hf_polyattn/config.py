@@ -23,6 +23,7 @@ CAUSAL_ALGORITHMS = ("block", "cumsum")
 BACKENDS = ("auto", "loop", "batched", "triton", "fla")
 DECAYS = ("none", "scalar", "gate")
 SINK_POSITIONS = ("window", "own")
+SLIDING_LAYERS = ("exact", "kind")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
 SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
 # Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
@@ -38,6 +39,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "backend": BACKENDS,
     "decay": DECAYS,
     "sink_position": SINK_POSITIONS,
+    "sliding_layers": SLIDING_LAYERS,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
@@ -261,6 +263,19 @@ class PolyAttnConfig:
             "G query heads of each such kv head); the other heads run the kind, whose module is built for them only. "
             "JSON: [[layer, kv_head], ...]; command line: --set softmax_heads=6:0,7:2 or =@scores.json (`hf-polyattn "
             "score-heads` ranks the heads). None = every head runs the kind"
+        },
+    )
+
+    sliding_layers: str = field(
+        default="exact",
+        metadata={
+            "help": "what the model's own sliding-window layers become (config.layer_types 'sliding_attention': Gemma "
+            "2 / 3, OLMo 3, EXAONE 4, Qwen2 with use_sliding_window, ModernBERT's local layers; or sliding_window on "
+            "every layer: Mistral): 'exact' keeps them as the model computes them, softmax over each query's last "
+            "sliding_window keys (already linear time; decoding keeps those keys), and only the full-attention "
+            "layers get the kind; 'kind' converts them too (the kind then attends beyond the window). A model whose "
+            "every layer is sliding needs 'kind' to be converted at all. No effect on models without sliding layers "
+            "(hf_polyattn.integration.layer_layout(model) lists which layers are which)"
         },
     )
 

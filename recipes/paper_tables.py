@@ -15,7 +15,7 @@ Tokenizer: characters (the alphabet of the training part, unknown characters -> 
 sensible choice on a CPU: the embedding and LM head are tiny and 1024 tokens are 1024 characters.
 Data: ``load_text_data`` (last 10 % of the lines held out, never trained on) and ``lm_batch``; training
 loop ``train_loop`` (AdamW, 5 % warm-up, cosine to 10 %, grad clip 1); perplexity: ``metrics.perplexity``
-at the training context, stride = context (hf_polyattn.training, as scratch.train_gpt2 uses them).
+at the training context, stride = context (hf_polyattn.training, as scratch.train_scratch uses them).
 The number of tokens per optimizer step is the same at every context (batch = tokens_per_step / context),
 as the paper halves its batch when it doubles the context.
 

@@ -1,4 +1,5 @@
-"""Train a small GPT-2 (softmax attention) from scratch on Tiny Shakespeare, then retrofit it like the others.
+"""Train a small GPT-2 (softmax attention) from scratch on Tiny Shakespeare, then retrofit it like the others
+(``--family gemma3``: a Gemma 3 text model with its sliding-window layers instead).
 
     accelerate launch recipes/train_gpt2_scratch.py --steps 600 --output_dir runs/gpt2-scratch
     accelerate launch recipes/retrofit.py --model runs/gpt2-scratch/model --attention polysketch \\
@@ -8,9 +9,9 @@
 from _cli import parser as recipe_parser
 from _defaults import TINY_SHAKESPEARE
 
-from hf_polyattn.training.scratch import ScratchArgs, train_gpt2
+from hf_polyattn.training.scratch import ScratchArgs, train_scratch
 
 if __name__ == "__main__":
     parser = recipe_parser(ScratchArgs, data=TINY_SHAKESPEARE)
     (args,) = parser.parse_args_into_dataclasses()
-    train_gpt2(args)
+    train_scratch(args)

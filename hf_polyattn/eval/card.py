@@ -89,6 +89,7 @@ def _section(results: dict[str, Any], folder: Path, base: str | None, cfg, confi
             body.append(f"- softmax heads: {summary}")
     else:
         body.append("- attention: softmax (the base model's own)")
+    body += _layers_bullet(results)
     body.append(f"- data: {data}")
     body += _training_bullets(results)
     if command:
@@ -175,6 +176,17 @@ def long_context_section(result: dict[str, Any], folder: Path) -> list[str]:
     if plot_long_context(result, folder / "long_context.png") is not None:
         lines += ["![perplexity vs context and passkey heatmaps](long_context.png)", ""]
     return lines
+
+
+def _layers_bullet(results: dict[str, Any]) -> list[str]:
+    """'- layers: ...' where the model has sliding-window layers (``results['layer_layout']``, from
+    ``hf_polyattn.integration.layer_layout``); nothing when every layer runs the kind."""
+    from ..integration.layout import describe_layout, has_sliding
+
+    entries = results.get("layer_layout") or []
+    if not has_sliding(entries):
+        return []
+    return [f"- layers: {describe_layout(entries)}"]
 
 
 def eval_results_for_card(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..validation import check_int
+from ..validation import check_choice, check_int
 from .passkey import PasskeyPrompt, passkey_prompt
 
 __all__ = ["HeadScores", "parse_head_pairs", "score_heads", "select_heads"]
@@ -43,6 +43,15 @@ class HeadScores:
     window: int
     prompt_lengths: list[int] = field(default_factory=list)
     text_windows: int = 0
+    # the layers a conversion gives the kind (a model's sliding-window layers kept exact are not among them):
+    # select_heads picks among these; None = every layer
+    layers: list[int] | None = None
+
+    @property
+    def candidate_heads(self) -> int:
+        """How many kv heads ``select_heads`` may pick: those of the candidate layers (``layers``)."""
+        rows = self.retrieval.shape[0] if self.layers is None else len(self.layers)
+        return rows * self.retrieval.shape[1]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +59,7 @@ class HeadScores:
             "beyond_window": None if self.beyond_window is None else self.beyond_window.tolist(),
             "num_prompts": self.num_prompts, "length": self.length, "seed": self.seed, "sinks": self.sinks,
             "window": self.window, "prompt_lengths": self.prompt_lengths, "text_windows": self.text_windows,
+            "layers": self.layers,
         }
 
 
@@ -116,7 +126,7 @@ def _per_kv_head(model, layers, ids: Sequence[int], reduce: Callable[[torch.Tens
 
 def score_heads(model, tokenizer, *, num_prompts: int = 8, length: int = 2048, seed: int = 0,
                 text_ids: Sequence[int] | torch.Tensor | None = None, sinks: int = 4, window: int = 128,
-                ) -> HeadScores:
+                sliding_layers: str = "exact") -> HeadScores:
     """Retrieval scores of every kv head of a causal LM with its softmax attention (module docstring).
 
     Args:
@@ -129,14 +139,22 @@ def score_heads(model, tokenizer, *, num_prompts: int = 8, length: int = 2048, s
         seed: seed of the keys (5-digit numbers).
         text_ids: a 1-D token stream of ordinary text for the ``beyond_window`` score (None: not measured).
         sinks, window: the sinks + window a streaming head keeps (DuoAttention: 4 + 128 here).
+        sliding_layers: ``PolyAttnConfig.sliding_layers`` of the conversion the heads are for: with 'exact' a model's
+            sliding-window layers stay exact softmax and are no candidates (``HeadScores.layers``).
 
-    Returns: :class:`HeadScores` with ``retrieval`` and ``beyond_window`` of shape (num_layers, num_kv_heads).
+    Returns: :class:`HeadScores` with ``retrieval`` and ``beyond_window`` of shape (num_layers, num_kv_heads) (every
+    layer scored) and ``layers``, the candidate layers.
     """
     num_prompts = check_int("num_prompts", num_prompts, 1)
     length = check_int("length", length, 2)
     seed = check_int("seed", seed, 0)
     sinks, window = check_int("sinks", sinks, 0), check_int("window", window, 1)
+    from ..config import SLIDING_LAYERS
+    from ..integration.layout import converted_layers
+
+    check_choice("sliding_layers", sliding_layers, SLIDING_LAYERS)
     layers = _attention_layers(model)
+    candidates = converted_layers(model, sliding_layers)
     rng = random.Random(seed)
     prompts = [passkey_prompt(tokenizer, length=length, depth=(i + 0.5) / num_prompts,
                               key=str(rng.randint(10000, 99999))) for i in range(num_prompts)]
@@ -159,7 +177,8 @@ def score_heads(model, tokenizer, *, num_prompts: int = 8, length: int = 2048, s
             beyond = sum(_per_kv_head(model, layers, c, _beyond_mass(len(c), sinks, window)) for c in chunks)
             beyond = beyond / len(chunks)
     return HeadScores(retrieval.float(), None if beyond is None else beyond.float(), num_prompts, length, seed,
-                      sinks, window, [len(p.ids) for p in prompts], len(chunks))
+                      sinks, window, [len(p.ids) for p in prompts], len(chunks),
+                      None if len(candidates) == len(layers) else candidates)
 
 
 def _beyond_mass(n: int, sinks: int, window: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -179,17 +198,22 @@ def _beyond_mass(n: int, sinks: int, window: int) -> Callable[[torch.Tensor], to
 
 def select_heads(scores: torch.Tensor | HeadScores, k: int) -> tuple[tuple[int, int], ...]:
     """The ``k`` (layer, kv_head) pairs with the highest scores, best first (ties: the lower layer, then head, first);
-    a :class:`HeadScores` gives its retrieval scores. For ``PolyAttnConfig(softmax_heads=...)``."""
+    a :class:`HeadScores` gives its retrieval scores, among its candidate layers (``HeadScores.layers``: the layers
+    the kind converts). For ``PolyAttnConfig(softmax_heads=...)``."""
+    candidates = None
     if isinstance(scores, HeadScores):
-        scores = scores.retrieval
+        scores, candidates = scores.retrieval, scores.layers
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         shown = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"scores must be a 2-D float tensor (num_layers, num_kv_heads), got {shown}")
     if not bool(torch.isfinite(scores).all()):
         raise ValueError("scores must be finite, got NaN or inf")
-    k = check_int("k", k, 0, scores.numel())
     heads = scores.shape[1]
-    order = torch.sort(-scores.flatten().double(), stable=True).indices[:k]
+    keys = -scores.double()
+    if candidates is not None:  # layers kept exact (sliding windows) last, and never taken
+        keys[[i for i in range(scores.shape[0]) if i not in candidates]] = float("inf")
+    k = check_int("k", k, 0, scores.numel() if candidates is None else len(candidates) * heads)
+    order = torch.sort(keys.flatten(), stable=True).indices[:k]
     return tuple((int(i) // heads, int(i) % heads) for i in order)
 
 

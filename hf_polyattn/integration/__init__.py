@@ -8,6 +8,7 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 from .cache import PolyAttnCache, PolyAttnCacheLayer, decode_memory
 from .convert import convert, get_polyattn_config, reconfigure
 from .hub import write_model_card
+from .layout import layer_layout
 from .registry import register_all
 from .state import HFPolyAttention
 
@@ -20,6 +21,7 @@ __all__ = [
     "convert",
     "decode_memory",
     "get_polyattn_config",
+    "layer_layout",
     "reconfigure",
     "register_all",
     "write_model_card",

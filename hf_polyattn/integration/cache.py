@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..ops import AttentionBase, HybridAttention, HybridState, KVCacheAttention, PolyAttention, RecurrentState
 from ..ops.common import work_dtype
@@ -191,7 +191,10 @@ def polyattn_layer_of(cache, layer_idx) -> PolyAttnCacheLayer:
     layer = layers[layer_idx]
     if isinstance(layer, PolyAttnCacheLayer):
         return layer
-    if type(layer) is not DynamicLayer:
+    # DynamicCache(config=...) (what a model's forward makes with use_cache=True) gives a model's sliding layers a
+    # DynamicSlidingWindowLayer: still empty, it is replaced like a DynamicLayer (a kept-exact sliding layer's state
+    # holds its own last window - 1 keys)
+    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
         raise ValueError(
             f"cache layer {layer_idx} is a {type(layer).__name__} (sliding window / special layer): not supported "
             "by hf_polyattn attention"

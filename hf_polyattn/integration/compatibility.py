@@ -33,11 +33,15 @@ from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
 
 from ..config import PolyAttnConfig
+from .settings import config_sliding
 
 __all__ = [
+    "EXACT_WINDOW_KWARGS",
     "HANDLED_KWARGS",
+    "UNKNOWN",
     "OUTPUT_ATTENTIONS_ERROR",
     "attention_call_keywords",
+    "call_keyword_value",
     "check_attention_module",
     "check_call_kwargs",
     "check_model_options",
@@ -72,13 +76,16 @@ _HARMLESS = ("position_ids", "cache_position", "use_cache", "past_key_values", "
              "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
              "deterministic")
 HANDLED_KWARGS = frozenset(_SIGNATURE + _ENFORCED + _HARMLESS)
+# What a sliding-window layer kept exact (``ops/sliding.py``) applies besides: Gemma 2's logit soft-capping.
+EXACT_WINDOW_KWARGS = ("softcap",)
 
 # What the usual refused arguments mean, for the error message.
 _WHAT = {
     "position_bias": "a position bias added to the attention scores (T5-style relative positions)",
     "attention_bias": "a bias added to the attention scores",
     "alibi": "an ALiBi bias added to the attention scores",
-    "softcap": "logit soft-capping tanh(score / cap) * cap",
+    "softcap": "logit soft-capping tanh(score / cap) * cap (applied where hf_polyattn keeps a sliding-window layer "
+               "exact, PolyAttnConfig.sliding_layers='exact'; a layer the kind converts has no score to cap)",
     "s_aux": "attention sinks (extra logits in the softmax normaliser)",
     "sinks": "attention sinks (extra logits in the softmax normaliser)",
     "head_mask": "a per-head mask on the attention probabilities",
@@ -171,7 +178,7 @@ def attention_call_keywords(cls: type) -> list[tuple[str, ast.expr]]:
     return found
 
 
-_UNKNOWN = object()
+_UNKNOWN = UNKNOWN = object()  # a call-site value that cannot be read statically
 
 
 def _static_value(node: ast.expr, module: nn.Module) -> Any:
@@ -186,6 +193,17 @@ def _static_value(node: ast.expr, module: nn.Module) -> Any:
         if owner is _UNKNOWN or owner is None:
             return _UNKNOWN
         return getattr(owner, node.attr, _UNKNOWN)
+    if isinstance(node, ast.IfExp):  # `self.sliding_window if self.is_sliding else None` (EXAONE 4)
+        test = _static_value(node.test, module)
+        if test is _UNKNOWN:
+            return _UNKNOWN
+        return _static_value(node.body if test else node.orelse, module)
+    if (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq))
+            and len(node.comparators) == 1):  # `self.layer_type == "sliding_attention"`
+        left, right = _static_value(node.left, module), _static_value(node.comparators[0], module)
+        if left is _UNKNOWN or right is _UNKNOWN:
+            return _UNKNOWN
+        return (left == right) == isinstance(node.ops[0], ast.Eq)
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
             and len(node.args) in (2, 3) and not node.keywords):
         owner = _static_value(node.args[0], module)
@@ -204,18 +222,33 @@ def _refusal(name: str, where: str, value_text: str) -> str:
             f"hf_polyattn attention")
 
 
-def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str) -> None:
+def call_keyword_value(module: nn.Module, name: str) -> Any:
+    """The value the module's forward passes its attention function as keyword ``name``, read statically
+    (``self.attr``, ``getattr(self.config, ...)``, ``a if b else c`` evaluated on the module); None when it passes
+    none; :data:`UNKNOWN` when it cannot be read (a local variable)."""
+    for kw, expr in attention_call_keywords(type(module)):
+        if kw == name:
+            return _static_value(expr, module)
+    return None
+
+
+def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str, *, exact_window: bool = False) -> None:
     """Refuse (ValueError) an attention module whose call site passes an argument we cannot honour,
-    or a cross-attention module with ``local_exact``. ``owner``: the model class, for the message."""
+    or a cross-attention module with ``local_exact``. ``owner``: the model class, for the message.
+    ``exact_window``: the module is a sliding-window layer kept exact (``layout.py``), which honours soft-capping
+    and runs no kind (the kind's direction and options do not apply to it)."""
     cls = type(module)
     where = f"{owner} ({cls.__name__}.forward)"
+    honoured = EXACT_WINDOW_KWARGS if exact_window else ()
     for name, expr in attention_call_keywords(cls):
-        if name in HANDLED_KWARGS:
+        if name in HANDLED_KWARGS or name in honoured:
             continue
         value = _static_value(expr, module)
         if value is None:
             continue  # e.g. softcap=self.attn_logit_softcapping with the option off
         raise ValueError(_refusal(name, where, ast.unparse(expr)))
+    if exact_window:
+        return
     # the direction the attention function will ask for (registry.py: kwargs is_causal, else module.is_causal)
     causal = bool(getattr(module, "is_causal", True))
     spec = cfg.spec
@@ -243,10 +276,11 @@ def _serving(direction: str) -> list[str]:
     return [spec.name for spec in all_kinds() if getattr(spec, direction)]
 
 
-def check_call_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Refuse (ValueError) any keyword argument of an attention call we cannot honour (None is harmless)."""
+def check_call_kwargs(module: nn.Module, kwargs: dict[str, Any], honoured: tuple[str, ...] = ()) -> None:
+    """Refuse (ValueError) any keyword argument of an attention call we cannot honour (None is harmless);
+    ``honoured``: further names the caller applies (a sliding-window layer kept exact: ``softcap``)."""
     for name, value in kwargs.items():
-        if name in HANDLED_KWARGS or value is None:
+        if name in HANDLED_KWARGS or name in honoured or value is None:
             continue
         shown = f"<{type(value).__name__}>" if not isinstance(value, (bool, int, float, str)) else repr(value)
         raise ValueError(_refusal(name, f"{owner_of(module)} ({type(module).__name__})", shown))
@@ -315,6 +349,12 @@ def check_softmax_heads(config: PreTrainedConfig, cfg: PolyAttnConfig, owner: st
         if isinstance(layers, int) and layer >= layers:
             raise ValueError(f"softmax_heads names ({layer}, {head}): {owner} has {layers} layers "
                              f"(num_hidden_layers), allowed layers 0..{layers - 1}")
+        if cfg.sliding_layers == "exact" and config_sliding(text, layer):
+            converted = [i for i in range(layers or 0) if not config_sliding(text, i)]
+            raise ValueError(f"softmax_heads names ({layer}, {head}): layer {layer} of {owner} is a sliding-window "
+                             f"layer (window {getattr(text, 'sliding_window', '?')}) that stays exact softmax "
+                             "(sliding_layers='exact'): softmax heads are chosen among the converted layers only, "
+                             f"here {converted}")
         if isinstance(kv_heads, int) and head >= kv_heads:
             raise ValueError(f"softmax_heads names ({layer}, {head}): {owner} has {kv_heads} kv heads per layer "
                              f"(num_key_value_heads), allowed heads 0..{kv_heads - 1}")

@@ -32,9 +32,10 @@ from torch import nn
 from transformers.modeling_utils import PreTrainedModel
 
 from .compatibility import check_attention_module, check_model_options, is_attention_module, mark_checked
+from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
 from .settings import check_supported_config, persist_settings, polyattn_kind, resolve_polyattn_config
-from .state import HFPolyAttention, attach_polyattn, sync_config
+from .state import HFPolyAttention, attach_polyattn, attach_sliding, sync_config
 
 __all__ = ["install_construction_hook", "uninstall_construction_hook"]
 
@@ -68,9 +69,11 @@ def _registration_hook(parent: nn.Module, name: str, child):
         prepare_model_instance(parent)
         sync_config(parent)
     if isinstance(child, nn.ModuleList):
-        for idx, block in enumerate(child):
-            for mod in block.modules():
-                _maybe_attach(mod, idx)
+        attached = [mod for idx, block in enumerate(child) for mod in block.modules() if _maybe_attach(mod, idx)]
+        if attached and all("polyattn_sliding" in mod._modules for mod in attached):
+            # every layer sliding and kept exact: plan_layers says why, and what to pass instead
+            plan_layers([("", mod, mod.polyattn_sliding.layer_idx) for mod in attached],
+                        resolve_polyattn_config(attached[0].config), type(parent).__name__)
     else:
         idx = getattr(child, "layer_idx", None)
         if isinstance(idx, int) and not isinstance(idx, bool):
@@ -78,22 +81,32 @@ def _registration_hook(parent: nn.Module, name: str, child):
     if building_model:
         for mod in child.modules():
             pa = mod._modules.get("polyattn")
-            if isinstance(pa, HFPolyAttention) and not mod.__dict__.get("_polyattn_checked"):
-                check_attention_module(mod, pa.config, _owner(parent))
+            exact = "polyattn_sliding" in mod._modules
+            if (isinstance(pa, HFPolyAttention) or exact) and not mod.__dict__.get("_polyattn_checked"):
+                cfg = pa.config if isinstance(pa, HFPolyAttention) else resolve_polyattn_config(mod.config)
+                check_attention_module(mod, cfg, _owner(parent), exact_window=exact)
                 mark_checked(mod, _owner(parent))
     return None
 
 
-def _maybe_attach(module: nn.Module, idx: int) -> None:
-    if "polyattn" in module._modules:
-        return
+def _maybe_attach(module: nn.Module, idx: int) -> bool:
+    """Attach the polyattn state (the kind's, or an exact window) to ``module`` if it is an attention module of a
+    polyattn model without one yet; whether it has one now."""
+    if "polyattn" in module._modules or "polyattn_sliding" in module._modules:
+        return True
     config = getattr(module, "config", None)
     if polyattn_kind(config) is None or not is_attention_module(module):
-        return
+        return False
     cfg = resolve_polyattn_config(config)
     check_supported_config(config)
-    attach_polyattn(module, cfg, idx)
+    owner = type(module).__name__
+    window = model_window(module, idx, owner)
+    if window is not None and cfg.sliding_layers == "exact":
+        attach_sliding(module, window, idx)
+    else:
+        attach_polyattn(module, cfg, idx, replaced_window=window)
     persist_settings(config, cfg)  # in the config object the model will save
+    return True
 
 
 _HOOK_HANDLE = None

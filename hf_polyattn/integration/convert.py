@@ -17,9 +17,10 @@ from transformers.modeling_utils import PreTrainedModel
 from .. import registry
 from ..config import PolyAttnConfig
 from .compatibility import check_attention_module, check_model_options, find_attention_modules, mark_checked
+from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
 from .settings import check_supported_config, persist_settings
-from .state import HFPolyAttention, attach_polyattn, get_polyattn_config, sink_rope, sync_config
+from .state import HFPolyAttention, attach_polyattn, attach_sliding, get_polyattn_config, sink_rope, sync_config
 
 __all__ = ["convert", "get_polyattn_config", "reconfigure"]
 
@@ -55,10 +56,13 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
         **overrides: PolyAttnConfig fields replacing those of ``config``.
 
     Each attention module gets a fresh ``polyattn`` submodule initialised from
-    ``config.seed`` and its layer index, on the device and dtype of the module's weights.
+    ``config.seed`` and its layer index, on the device and dtype of the module's weights;
+    a model's sliding-window layers stay its exact softmax over their window unless
+    ``config.sliding_layers='kind'`` (``layout.py``; ``layer_layout(model)`` lists the roles).
     Converting again replaces them. Raises ``TypeError``/``ValueError`` (before changing
     anything) for a model that is not a transformers model, bypasses the attention
-    interface, uses sliding windows or logit soft-capping, passes its attention function an
+    interface, uses chunked attention, soft-caps the logits of a layer the kind converts,
+    has no layer left to convert (every layer sliding), passes its attention function an
     argument the kernels cannot honour (T5's ``position_bias``, attention sinks, ...), or has
     cross-attention with ``local_exact=True``.
     """
@@ -83,16 +87,23 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     for c in configs.values():
         check_supported_config(c)
     check_model_options(list(configs.values()), cfg, owner)
-    for _, mod, _ in found:
-        check_attention_module(mod, cfg, owner)
-        sink_rope(mod, cfg)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
-    for _, mod, idx in found:
+    windows = plan_layers(found, cfg, owner)  # sliding-window layers kept exact: their window, else None
+    for (_, mod, _), window in zip(found, windows):
+        check_attention_module(mod, cfg, owner, exact_window=window is not None)
+        if window is None:
+            sink_rope(mod, cfg)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
+    for (_, mod, idx), window in zip(found, windows):
+        if window is not None:
+            attach_sliding(mod, window, idx)
+            mark_checked(mod, owner)
+            continue
         ref = next((p for p in mod.parameters() if p.is_floating_point()), None)
         device = ref.device if ref is not None else None
         dtype = ref.dtype if ref is not None else None
         old = mod._modules.pop("polyattn", None)  # replace, do not nest
         del old
-        attach_polyattn(mod, cfg, idx, device=device or "cpu", dtype=dtype)
+        attach_polyattn(mod, cfg, idx, device=device or "cpu", dtype=dtype,
+                        replaced_window=model_window(mod, idx, owner))
         mark_checked(mod, owner)
     # set_attn_implementation validates the name against the registry and recurses into sub-configs.
     model.set_attn_implementation(cfg.kind)
@@ -126,6 +137,9 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
     if "options" in changes:
         changes = {**changes, "options": {**old.options, **changes["options"]}}
     cfg = old.replace(**changes)  # validated
+    if cfg.sliding_layers != old.sliding_layers:
+        raise ValueError(f"reconfigure keeps the layers the kind runs in (sliding_layers={old.sliding_layers!r}); "
+                         "converting a model's sliding-window layers or keeping them exact needs convert()")
     found = [(name, mod, idx) for name, mod, idx in find_attention_modules(model)
              if isinstance(getattr(mod, "polyattn", None), HFPolyAttention)]
     owner = type(model).__name__

@@ -31,12 +31,13 @@ from torch import nn
 
 from ..config import PolyAttnConfig
 from .cache import decode_memory
+from .layout import describe_layout, has_sliding, layer_layout
 from .remote_code import LOADER_FILE, set_auto_map, write_loader
 from .settings import BASE_MODEL_KEY, hub_model_id
 from .state import HFPolyAttention, get_polyattn_config, sync_config
 
-__all__ = ["card_title", "decode_memory_rows", "hub_model_id", "polyattn_push_to_hub", "polyattn_save_pretrained",
-           "softmax_heads_note", "softmax_heads_summary", "write_model_card"]
+__all__ = ["card_title", "decode_memory_rows", "hub_model_id", "layout_note", "polyattn_push_to_hub",
+           "polyattn_save_pretrained", "softmax_heads_note", "softmax_heads_summary", "write_model_card"]
 
 _START, _END = "<!-- hf_polyattn:start -->", "<!-- hf_polyattn:end -->"
 
@@ -135,6 +136,21 @@ def decode_memory_rows(model, base: str | None, lengths: tuple[int, ...] = MEMOR
         rows.append({"label": label, "per_token": _bytes(per_token) if per_token else "0 (constant)",
                      "totals": shown})
     return rows, mem.dtype
+
+
+def layout_note(model: nn.Module) -> str | None:
+    """The model card's paragraph on which layers run the kind, for a model with sliding-window layers (None
+    without: every layer runs it)."""
+    entries = layer_layout(model)
+    if not has_sliding(entries):
+        return None
+    kept = [e for e in entries if e["role"] == "sliding"]
+    text = f"By layer: {describe_layout(entries)}."
+    if kept:
+        text += (f" The {len(kept)} sliding-window layers stay the model's own softmax attention over each query's "
+                 "last `window` keys (`sliding_layers='exact'`, the default): they were linear time already, and "
+                 "generation keeps their last window - 1 keys (constant size) beside the converted layers' state.")
+    return text
 
 
 _AUTO_CLASSES = (
@@ -260,6 +276,7 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         memory_lengths=[f"{n:,}" for n in MEMORY_LENGTHS],
         memory_dtype=str(memory_dtype).replace("torch.", ""),
         softmax_heads_note=softmax_heads_note(config, cfg),
+        layout_note=layout_note(model) if isinstance(model, nn.Module) else None,
         remote_code=(save_directory / LOADER_FILE).exists(),  # written by the save that precedes the card
         loader_file=LOADER_FILE,
         eval_rows=[vars(r) for r in (evals or [])],

@@ -20,7 +20,9 @@ from transformers.masking_utils import AttentionMaskInterface, bidirectional_mas
 from transformers.modeling_utils import AttentionInterface
 
 from .. import registry
+from ..ops.sliding import SlidingWindowSoftmax
 from .compatibility import (
+    EXACT_WINDOW_KWARGS,
     OUTPUT_ATTENTIONS_ERROR,
     check_call_kwargs,
     cross_blocker,
@@ -53,13 +55,28 @@ def _mask_function_names(fn, depth: int = 0) -> list[str]:
     return names
 
 
+# The mask functions transformers builds for sliding-window layers (masking_utils: the causal window, ModernBERT's
+# bidirectional one, Gemma 3's bidirectional overlay). Such a layer receives the key padding mask like any other: the
+# window itself is applied by the attention function from the sliding_window its call passes (layout.py checks at
+# convert / from_pretrained that every layer whose mask has a window passes it).
+_SLIDING_PARTS = ("sliding_window_overlay", "sliding_window_bidirectional_overlay", "_bidirectional_window_overlay",
+                  "causal_mask_function", "bidirectional_mask_function", "and_masks", "or_masks",
+                  "sliding_window_causal_mask_function", "sliding_window_bidirectional_mask_function")
+
+
+def _is_sliding(fn) -> bool:
+    names = [name.split(".<locals>")[0].rsplit(".", 1)[-1] for name in _mask_function_names(fn)]
+    return any("sliding" in n or "window" in n for n in names) and all(n in _SLIDING_PARTS for n in names)
+
+
 def _describe_mask_function(fn: Callable | str) -> str:
     name = fn if isinstance(fn, str) else " + ".join(_mask_function_names(fn))
     if "packed_sequence" in name:
         what = ("packed sequences (position_ids restart inside a row and attention_mask is None, e.g. "
                 "DataCollatorWithFlattening): pad the batch instead and pass an attention_mask")
     elif "sliding" in name:
-        what = "a sliding-window mask: set sliding_window=None in the model config to use global attention"
+        what = (f"a sliding-window mask combined with another pattern ({name}): only causal and bidirectional "
+                "sliding windows with key padding are supported")
     elif "chunked" in name:
         what = "a chunked-attention mask: set attention_chunk_size=None in the model config"
     else:
@@ -79,7 +96,7 @@ def polyattn_mask(
     **kwargs,
 ) -> torch.Tensor | None:
     """2-D (batch, kv_length) bool key-padding mask (True = keep), or None without padding."""
-    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+    if mask_function not in (causal_mask_function, bidirectional_mask_function) and not _is_sliding(mask_function):
         raise ValueError(_describe_mask_function(mask_function))
     if attention_mask is None:
         return None
@@ -117,8 +134,55 @@ def _key_padding_mask(attention_mask, kv_len: int):
     return mask if mask.dtype == torch.bool else mask.to(torch.bool)
 
 
+def _check_common(module, dropout: float, kwargs: dict) -> None:
+    """What every layer of a polyattn model refuses at each call, converted or kept exact."""
+    if kwargs.get("output_attentions"):
+        raise ValueError(OUTPUT_ATTENTIONS_ERROR)
+    if any(kwargs.get(k) is not None for k in _PACKED_KWARGS):
+        raise ValueError(_describe_mask_function("packed_sequence"))
+    if dropout:
+        raise ValueError(f"dropout={dropout} in training mode: {_dropout_hint(module)}")
+
+
+def _exact_window_attention(module, exact: SlidingWindowSoftmax, query, key, value, attention_mask, scaling, dropout,
+                            kwargs):
+    """A sliding-window layer kept exact (``layout.py``): the model's softmax over its window, its soft-capping
+    applied, its last window - 1 keys kept in the cache layer."""
+    _check_common(module, dropout, kwargs)
+    check_call_kwargs(module, kwargs, EXACT_WINDOW_KWARGS)  # a bias, sinks, ...: refused, never dropped
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window != exact.window or softcap != exact.softcap:
+        raise ValueError(f"{type(module).__name__} (layer {exact.layer_idx}) was kept as an exact sliding-window layer "
+                         f"with sliding_window={exact.window}, softcap={exact.softcap} (read from the model at convert "
+                         f"/ from_pretrained) and is now called with sliding_window={window}, softcap={softcap}: "
+                         "convert the model again")
+    return _run_layer(module, exact, _is_causal(module, kwargs), query, key, value, attention_mask, scaling)
+
+
+def _is_causal(module, kwargs: dict) -> bool:
+    return bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+
+
+def _run_layer(module, layer_module, causal: bool, query, key, value, attention_mask, scaling):
+    """``layer_module`` (the kind's, or an exact window) on one call, through the cache layer's state when decoding
+    causally; the (B, Lq, H, D) output and no weights, as transformers expects."""
+    mask = _key_padding_mask(attention_mask, key.shape[2])
+    layer = getattr(module, "_polyattn_cache_layer", None) if causal else None
+    if layer is not None:
+        state = layer.state if layer.state is not None else layer_module.init_state()
+        out, layer.state = layer_module(query, key, value, causal=True, scaling=scaling, key_padding_mask=mask,
+                                        state=state)
+    else:
+        out = layer_module(query, key, value, causal=causal, scaling=scaling, key_padding_mask=mask)
+    # transformers reshapes the output blindly: (B, Lq, H, D) is the required layout.
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _make_attention_function(kind: str) -> Callable:
     def polyattn_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
+        exact = module._modules.get("polyattn_sliding")
+        if isinstance(exact, SlidingWindowSoftmax):
+            return _exact_window_attention(module, exact, query, key, value, attention_mask, scaling, dropout, kwargs)
         pa = getattr(module, "polyattn", None)
         if not isinstance(pa, HFPolyAttention):
             raise ValueError(
@@ -133,34 +197,23 @@ def _make_attention_function(kind: str) -> Callable:
                 f"{pa.config.kind!r}: call hf_polyattn.convert(model, PolyAttnConfig(kind={kind!r})) to rebuild them"
             )
         pa.check_ready()
-        if kwargs.get("output_attentions"):
-            raise ValueError(OUTPUT_ATTENTIONS_ERROR)
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError(f"sliding_window={kwargs['sliding_window']} is not supported by hf_polyattn attention; "
-                             "set config.sliding_window=None to use global attention")
-        if any(kwargs.get(k) is not None for k in _PACKED_KWARGS):
-            raise ValueError(_describe_mask_function("packed_sequence"))
-        if dropout:
-            raise ValueError(f"dropout={dropout} in training mode: {_dropout_hint(module)}")
+        _check_common(module, dropout, kwargs)
+        window = kwargs.get("sliding_window")
+        if window is not None and window != module.__dict__.get("_polyattn_replaced_window"):
+            # the kind replaces a sliding window only where convert planned it (sliding_layers='kind')
+            raise ValueError(f"{type(module).__name__} was converted as a full-attention layer and is called with "
+                             f"sliding_window={window}: convert the model again (hf_polyattn.convert)")
         check_call_kwargs(module, kwargs)  # a bias, softcap, sinks, ...: refused, never dropped
         if cross_blocker(pa.config) and getattr(module, "_polyattn_cross_call", False):
             raise local_exact_cross_call_error(module, pa.config)
-        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-        mask = _key_padding_mask(attention_mask, key.shape[2])
-        layer = getattr(module, "_polyattn_cache_layer", None) if causal else None
-        if layer is not None:
-            state = layer.state if layer.state is not None else pa.init_state()
-            out, layer.state = pa(query, key, value, causal=True, scaling=scaling, key_padding_mask=mask, state=state)
-        else:
-            if not causal and local_option(pa.config) and query.shape[2] != key.shape[2]:
-                raise ValueError(
-                    f"{type(module).__name__}: bidirectional attention with q_len {query.shape[2]} != kv_len "
-                    f"{key.shape[2]} and {local_option(pa.config)} is not supported (the exact local part needs "
-                    "aligned queries and keys)"
-                )
-            out = pa(query, key, value, causal=causal, scaling=scaling, key_padding_mask=mask)
-        # transformers reshapes the output blindly: (B, Lq, H, D) is the required layout.
-        return out.transpose(1, 2).contiguous(), None
+        causal = _is_causal(module, kwargs)
+        if not causal and local_option(pa.config) and query.shape[2] != key.shape[2]:
+            raise ValueError(
+                f"{type(module).__name__}: bidirectional attention with q_len {query.shape[2]} != kv_len "
+                f"{key.shape[2]} and {local_option(pa.config)} is not supported (the exact local part needs "
+                "aligned queries and keys)"
+            )
+        return _run_layer(module, pa, causal, query, key, value, attention_mask, scaling)
 
     polyattn_attention.__name__ = polyattn_attention.__qualname__ = f"polyattn_{kind}_attention"
     return polyattn_attention

@@ -24,6 +24,7 @@ __all__ = [
     "CONFIG_KEY",
     "REQUIRES_KEY",
     "check_supported_config",
+    "config_sliding",
     "hub_model_id",
     "persist_settings",
     "polyattn_kind",
@@ -107,32 +108,33 @@ def resolve_polyattn_config(config: PreTrainedConfig) -> PolyAttnConfig | None:
     return cfg
 
 
-def check_supported_config(config: PreTrainedConfig) -> None:
-    """Refuse model configs whose attention the kernels cannot reproduce.
+def config_sliding(config: PreTrainedConfig, layer_idx: int) -> bool:
+    """Whether a model config makes layer ``layer_idx`` a sliding-window layer: ``config.layer_types[layer_idx] ==
+    'sliding_attention'`` (Gemma 2 / 3, Qwen2, OLMo 3, EXAONE 4, Ministral, ModernBERT), or, for a config without
+    layer types, a set ``config.sliding_window`` (Mistral, Phi-3, Starcoder2: the window on every layer) unless
+    ``use_sliding_window`` is False. What the model's masks follow; ``layout.py`` checks that the attention call
+    agrees."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention"
+    windowed = getattr(config, "sliding_window", None) is not None
+    return windowed and getattr(config, "use_sliding_window", True) is not False
 
-    Sliding windows and chunks are patterns a 2-D padding mask cannot express; logit
-    soft-capping (Gemma 2: ``tanh(s / c) * c`` on every score) has no feature-map form.
+
+def check_supported_config(config: PreTrainedConfig) -> None:
+    """Refuse model configs whose attention the kernels cannot reproduce: chunked attention (Llama 4's
+    ``attention_chunk_size``, ``chunked_attention`` layers), a pattern a 2-D padding mask cannot express.
+
+    Sliding-window layers are no longer refused here: ``layout.py`` decides per layer (kept exact, or converted on
+    request), and logit soft-capping is checked where it is passed, per attention module (``compatibility.py``):
+    a sliding layer kept exact applies it, a converted layer refuses it.
     """
     layer_types = getattr(config, "layer_types", None)
-    special = sorted({t for t in (layer_types or []) if t in ("sliding_attention", "chunked_attention")})
-    if special:
+    if "chunked_attention" in (layer_types or []):
         raise ValueError(
-            f"hf_polyattn does not implement {special} layers (config.layer_types): its kernels attend to the "
-            "whole causal past. Load with layer types set to full attention (e.g. use_sliding_window=False for "
-            "Qwen2) to use global polyattn attention."
-        )
-    if layer_types is None and getattr(config, "sliding_window", None) is not None:
-        raise ValueError(
-            f"config.sliding_window={config.sliding_window}: hf_polyattn does not implement sliding-window "
-            "attention (it attends to the whole past in linear time). Pass sliding_window=None to "
-            "from_pretrained (or set config.sliding_window = None before convert) to use global attention."
+            "hf_polyattn does not implement ['chunked_attention'] layers (config.layer_types): its kernels attend to "
+            "the whole causal past and chunked attention resets at every chunk boundary"
         )
     if getattr(config, "attention_chunk_size", None) is not None:
         raise ValueError("config.attention_chunk_size is set: chunked attention is not supported by hf_polyattn; "
                          "set it to None")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"config.attn_logit_softcapping={softcap}: hf_polyattn kernels cannot soft-cap attention logits "
-            "(tanh(score / cap) * cap has no linear-time feature map); the model would silently lose it"
-        )

@@ -36,12 +36,13 @@ from ..config import PolyAttnConfig
 from ..ops.base import AttentionBase
 from ..ops.hybrid import layer_module_class
 from ..ops.rotary import RopeRotation
+from ..ops.sliding import SlidingWindowSoftmax
 from .cache import polyattn_layer_of
-from .compatibility import is_cross_attention_call
+from .compatibility import call_keyword_value, is_cross_attention_call
 from .rope import model_rope, reads_rope
 from .settings import BASE_MODEL_KEY, hub_model_id, persist_settings, polyattn_kind, resolve_polyattn_config
 
-__all__ = ["HFPolyAttention", "attach_polyattn", "get_polyattn_config", "sink_rope", "sync_config"]
+__all__ = ["HFPolyAttention", "attach_polyattn", "attach_sliding", "get_polyattn_config", "sink_rope", "sync_config"]
 
 
 def _dims(module: nn.Module) -> tuple[int, int, int]:
@@ -188,8 +189,11 @@ def sink_rope(module: nn.Module, cfg: PolyAttnConfig) -> RopeRotation | None:
     return model_rope(module.config, _dims(module)[1]) if reads_rope(cfg) else None
 
 
-def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, device=None, dtype=None) -> None:
-    """Give ``module`` its own ``polyattn`` submodule (replacing an existing one) and the cache hooks."""
+def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, device=None, dtype=None,
+                    replaced_window: int | None = None) -> None:
+    """Give ``module`` its own ``polyattn`` submodule (replacing an existing one, or the exact window of a sliding
+    layer) and the cache hooks. ``replaced_window``: the model's sliding window of this layer, which the kind
+    replaces (``sliding_layers='kind'``): its calls pass it, and it is accepted instead of refused."""
     heads, head_dim, kv_heads = _dims(module)
     rope = sink_rope(module, cfg)  # before anything changes: a RoPE it cannot read is refused here
     if device is None and dtype is None:
@@ -200,7 +204,25 @@ def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, d
         if dtype is not None:
             pa = pa.to(dtype)
     pa.rope = rope
+    module._modules.pop("polyattn_sliding", None)
     module.polyattn = pa
+    module.__dict__["_polyattn_replaced_window"] = replaced_window
+    _install_hooks(module)
+
+
+def attach_sliding(module: nn.Module, window: int, layer_idx: int) -> None:
+    """Keep sliding-window layer ``module`` exact (``layout.py``): an ``ops.sliding.SlidingWindowSoftmax`` at its
+    ``window`` and soft-capping (read from its call site) as ``polyattn_sliding`` (no parameters), replacing a
+    ``polyattn`` submodule, and the cache hooks (decoding keeps its last window - 1 keys)."""
+    softcap = call_keyword_value(module, "softcap")
+    module._modules.pop("polyattn", None)
+    module.polyattn_sliding = SlidingWindowSoftmax(window, softcap if isinstance(softcap, (int, float)) else None,
+                                                   layer_idx)
+    module.__dict__["_polyattn_replaced_window"] = None
+    _install_hooks(module)
+
+
+def _install_hooks(module: nn.Module) -> None:
     if not getattr(module, "_polyattn_hooked", False):
         module.register_forward_pre_hook(_cache_pre_hook, with_kwargs=True)
         module.register_forward_hook(_cache_post_hook)

@@ -489,6 +489,8 @@ class Retrofit:
             if model.config.pad_token_id is None:
                 model.config.pad_token_id = self.tokenizer.pad_token_id
         pcfg = polyattn_config_from_args(a, mcfg)
+        from ..integration.layout import layer_layout
+
         existing = _converted_kind(model)
         if existing is not None:
             # a folder written by this pipeline / hf_polyattn.convert + save_pretrained: already swapped
@@ -496,6 +498,7 @@ class Retrofit:
                 raise CheckpointError(f"{path!r} was converted to attention {existing!r}; pass --attention {existing}")
             saved = getattr(model.config, "polyattn", None)
             self.pcfg = PolyAttnConfig.from_dict(saved) if isinstance(saved, dict) else pcfg
+            self.results["layer_layout"] = layer_layout(model)  # which layers run the kind (sliding ones stay exact)
             return self._placed(model)
         if pcfg is not None:
             import hf_polyattn
@@ -503,12 +506,14 @@ class Retrofit:
             if not hasattr(hf_polyattn, "convert"):
                 raise CheckpointError("hf_polyattn.convert is not available (integration layer missing)")
             if auto_heads(a.softmax_heads) is not None:
-                pcfg = pcfg.replace(softmax_heads=self._score_heads(model, auto_heads(a.softmax_heads)))
+                pcfg = pcfg.replace(softmax_heads=self._score_heads(model, auto_heads(a.softmax_heads),
+                                                                    pcfg.sliding_layers))
             model = hf_polyattn.convert(model, pcfg) or model
+            self.results["layer_layout"] = layer_layout(model)
         self.pcfg = pcfg
         return self._placed(model)
 
-    def _score_heads(self, model, k: float | int) -> tuple[tuple[int, int], ...]:
+    def _score_heads(self, model, k: float | int, sliding_layers: str = "exact") -> tuple[tuple[int, int], ...]:
         """--softmax_heads auto: the top ``k`` kv heads (a fraction: of all) of the softmax ``model`` by retrieval
         score (``training.heads.score_heads``); the scores go to results.json."""
         from ..eval.heads import score_heads, select_heads
@@ -516,8 +521,8 @@ class Retrofit:
         t0 = time.time()
         limit = getattr(model.config, "max_position_embeddings", None) or AUTO_LENGTH
         scores = score_heads(model, self.tokenizer, num_prompts=AUTO_PROMPTS, length=min(AUTO_LENGTH, limit),
-                             seed=AUTO_SEED)
-        total = scores.retrieval.numel()
+                             seed=AUTO_SEED, sliding_layers=sliding_layers)
+        total = scores.candidate_heads  # the converted layers' kv heads (sliding layers kept exact are not)
         count = round(total * k) if isinstance(k, float) else k
         if count > total:
             raise ValueError(f"--softmax_heads auto:{count}: the model has {total} kv heads")

@@ -1,5 +1,6 @@
-"""Train a small GPT-2 with softmax attention from scratch (no pretrained GPT-2 weights are installable
-offline); the saved folder is then retrofitted like any checkpoint (recipes/retrofit.py --model DIR)."""
+"""Train a small softmax model from scratch (no pretrained weights of these shapes are installable offline): a GPT-2,
+or a Gemma 3 text model with its sliding-window layers (``family='gemma3'``: five local layers per global one, as
+Gemma 3); the saved folder is then retrofitted / converted like any checkpoint (recipes/retrofit.py --model DIR)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,25 @@ from ..data import lm_batch, load_text_data
 from ..eval.metrics import perplexity
 from .loop import LoopConfig, fingerprint_of, finish_run, train_loop
 
-__all__ = ["ScratchArgs", "train_bpe_tokenizer", "train_gpt2"]
+__all__ = ["FAMILIES", "ScratchArgs", "scratch_config", "train_bpe_tokenizer", "train_scratch"]
+
+FAMILIES = ("gpt2", "gemma3")
 
 
 @dataclass
 class ScratchArgs:
     data: str | None = field(default=None, metadata={"help": "local text file (required; the recipe defaults to "
                                                              "the repository's Tiny Shakespeare copy)"})
+    family: str = field(default="gpt2", metadata={"help": f"model family, one of {list(FAMILIES)}: 'gemma3' is a "
+                                                            "Gemma 3 text model (sliding-window and global layers)"})
     vocab_size: int = field(default=2048, metadata={"help": "byte-level BPE vocabulary trained on the train part"})
-    n_layer: int = field(default=4, metadata={"help": "GPT-2 layers"})
-    n_embd: int = field(default=256, metadata={"help": "GPT-2 width"})
-    n_head: int = field(default=4, metadata={"help": "GPT-2 heads"})
-    context: int = field(default=256, metadata={"help": "training window and n_positions"})
+    n_layer: int = field(default=4, metadata={"help": "layers"})
+    n_embd: int = field(default=256, metadata={"help": "width (hidden size)"})
+    n_head: int = field(default=4, metadata={"help": "attention heads (gemma3: half as many kv heads)"})
+    context: int = field(default=256, metadata={"help": "training window (and GPT-2's n_positions)"})
+    sliding_window: int = field(default=64, metadata={"help": "gemma3: the window of its sliding-window layers"})
+    global_every: int = field(default=6, metadata={"help": "gemma3: every this many layers one is global (full "
+                                                           "attention), the last of each group, as Gemma 3's 5:1"})
     steps: int = field(default=600, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "per-process batch size"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate (cosine, 5 percent warm-up)"})
@@ -35,6 +43,14 @@ class ScratchArgs:
     seed: int = field(default=0, metadata={"help": "seed"})
     threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads"})
     progress: bool = field(default=True, metadata={"help": "progress bar"})
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {list(FAMILIES)}, got {self.family!r}")
+        for name in ("sliding_window", "global_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def train_bpe_tokenizer(text_file: str, vocab_size: int, out_dir: Path):
@@ -56,9 +72,32 @@ def train_bpe_tokenizer(text_file: str, vocab_size: int, out_dir: Path):
     return fast
 
 
-def train_gpt2(a: ScratchArgs) -> dict:
+def scratch_config(a: ScratchArgs, tok):
+    """The transformers config of ``a.family`` with its sizes and ``tok``'s vocabulary and special tokens."""
+    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if a.family == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(vocab_size=len(tok), n_positions=a.context, n_embd=a.n_embd, n_layer=a.n_layer,
+                          n_head=a.n_head, **special)
+    if a.family == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        head_dim = a.n_embd // a.n_head
+        types = ["full_attention" if (i + 1) % a.global_every == 0 else "sliding_attention" for i in range(a.n_layer)]
+        # RoPE positions have no table: max_position_embeddings only bounds what evaluations may ask for (32k, as
+        # Gemma 3 1B)
+        return Gemma3TextConfig(vocab_size=len(tok), hidden_size=a.n_embd, intermediate_size=4 * a.n_embd,
+                                num_hidden_layers=a.n_layer, num_attention_heads=a.n_head,
+                                num_key_value_heads=max(1, a.n_head // 2), head_dim=head_dim,
+                                query_pre_attn_scalar=head_dim, sliding_window=a.sliding_window, layer_types=types,
+                                max_position_embeddings=32768, **special)
+    raise ValueError(f"family must be one of {list(FAMILIES)}, got {a.family!r}")
+
+
+def train_scratch(a: ScratchArgs) -> dict:
     from accelerate import Accelerator
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import Gemma3ForCausalLM, GPT2LMHeadModel
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -75,10 +114,8 @@ def train_gpt2(a: ScratchArgs) -> dict:
     tok = AutoTokenizer.from_pretrained(tok_dir)
     data = load_text_data(a.data, tok, eval_fraction=0.1, max_eval_tokens=a.eval_tokens)
     torch.manual_seed(a.seed)
-    cfg = GPT2Config(vocab_size=len(tok), n_positions=a.context, n_embd=a.n_embd, n_layer=a.n_layer,
-                     n_head=a.n_head, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.pad_token_id)
-    model = GPT2LMHeadModel(cfg)
+    cfg = scratch_config(a, tok)
+    model = (GPT2LMHeadModel if a.family == "gpt2" else Gemma3ForCausalLM)(cfg)
     params = list(model.named_parameters())
     wrapped = acc.prepare(model)
     loop = LoopConfig(output_dir=str(out), max_steps=a.steps, lr=a.lr, weight_decay=0.1,
@@ -86,7 +123,9 @@ def train_gpt2(a: ScratchArgs) -> dict:
                       desc="pretrain", progress=a.progress)
     fp = fingerprint_of(params, stage="pretrain", **{k: v for k, v in asdict(a).items()
                                                      if k in ("data", "vocab_size", "n_layer", "n_embd", "n_head",
-                                                              "context", "batch_size", "lr", "seed")})
+                                                              "context", "batch_size", "lr", "seed")
+                                                     or (k in ("family", "sliding_window", "global_every")
+                                                         and a.family != "gpt2")})
     summary = train_loop(acc, wrapped, params,
                          lambda s, m, r: lm_batch(data.train_ids, batch_size=a.batch_size, context=a.context,
                                                   seed=a.seed, step=s, micro=m, rank=r, world=acc.num_processes),

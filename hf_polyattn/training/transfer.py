@@ -11,7 +11,8 @@ with a dedicated attention function, registered as ``"polyattn_distill"``, which
 
 A layer with softmax heads (``PolyAttnConfig.softmax_heads``) is exact on those heads: the student there is the
 kind's module of the other heads (``HybridAttention.kernel``) and the MSE compares those heads only; a layer whose
-every head is softmax has no student and adds no loss (its output is the teacher's).
+every head is softmax, or a sliding-window layer kept exact (``integration/layout.py``), has no student and adds no
+loss (its output is the teacher's: SDPA under the model's sliding mask).
 
 Step 4 makes the training layer-wise, as in LoLCATs: every layer learns to imitate its own softmax
 attention on the inputs it will see once the layers below are good imitations too, and no gradient
@@ -102,6 +103,9 @@ def distill_attention(module, query, key, value, attention_mask, *, scaling=None
         return teacher, None
     coll = _ACTIVE[-1]
     poly = getattr(module, "polyattn", None)
+    if poly is None and "polyattn_sliding" in module._modules:
+        coll.exact_layers += 1  # a sliding-window layer kept exact: the teacher is what it computes
+        return teacher, None
     if poly is None:
         raise RuntimeError(f"{type(module).__name__} has no 'polyattn' submodule: run hf_polyattn.convert first")
     tgt = teacher.float()
@@ -235,7 +239,7 @@ def transfer_loss(base_model: torch.nn.Module, batch: dict[str, torch.Tensor], c
     return coll.loss()
 
 
-_DECODERS = ("llama", "mistral", "qwen2", "gpt2")
+_DECODERS = ("llama", "mistral", "qwen2", "gpt2", "gemma3_text", "ministral", "olmo3", "exaone4")
 
 
 def teacher_student_mse(model, batch) -> float:

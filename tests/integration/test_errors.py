@@ -64,16 +64,18 @@ def _mistral_config(**kw):
                          num_attention_heads=4, num_key_value_heads=2, **kw)
 
 
-def test_sliding_window_refused():
-    with pytest.raises(ValueError, match="sliding_window=4096.*sliding_window=None"):
+def test_sliding_window_models_convert_their_full_attention_layers_only():
+    """Mistral's window on every layer leaves nothing to convert by default (refused, saying how to ask); Qwen2 with
+    use_sliding_window converts its full-attention layers (tests/integration/test_sliding_models.py: the rest)."""
+    with pytest.raises(ValueError, match=r"sliding-window layer \(window 4096\).*sliding_layers='kind'"):
         hf_polyattn.convert(MistralForCausalLM(_mistral_config(sliding_window=4096)), "linear")
-    with pytest.raises(ValueError, match="sliding_window=4096.*sliding_window=None"):
+    with pytest.raises(ValueError, match=r"sliding-window layer \(window 4096\).*sliding_layers='kind'"):
         MistralForCausalLM(_mistral_config(sliding_window=4096, attn_implementation="performer"))
     qwen = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
                        max_window_layers=1)
-    with pytest.raises(ValueError, match=r"\['sliding_attention'\] layers"):
-        hf_polyattn.convert(Qwen2ForCausalLM(qwen), "linear")
+    model = hf_polyattn.convert(Qwen2ForCausalLM(qwen), "linear")
+    assert [e["role"] for e in hf_polyattn.layer_layout(model)] == ["kind", "sliding"]
 
 
 def test_sliding_window_set_after_conversion_refused_at_forward():

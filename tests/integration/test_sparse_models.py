@@ -104,6 +104,8 @@ def test_a_trained_model_takes_it_without_training(tmp_path):
         hf_polyattn.reconfigure(trained, feature_proj=32)
     with pytest.raises(ValueError, match="keeps the kind"):
         hf_polyattn.reconfigure(trained, kind="polysketch")
+    with pytest.raises(ValueError, match="keeps the layers the kind runs in"):
+        hf_polyattn.reconfigure(trained, sliding_layers="kind")
     with pytest.raises(ValueError, match="needs window > 0"):
         hf_polyattn.reconfigure(trained, window=0)
     assert hf_polyattn.get_polyattn_config(trained) == cfg  # unchanged by the refusals
