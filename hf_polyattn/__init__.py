@@ -24,11 +24,13 @@ _LAZY = {
     "HFPolyAttention": "integration",
     "PolyAttnCache": "integration",
     "PolyAttnCacheLayer": "integration",
+    "cache_kwargs": "integration",
     "convert": "integration",
     "decode_memory": "integration",
     "get_polyattn_config": "integration",
     "layer_layout": "integration",
     "reconfigure": "integration",
+    "returned_cache": "integration",
     "write_model_card": "integration",
 }
 
@@ -40,6 +42,7 @@ __all__ = [
     "PolyAttnCacheLayer",
     "PolyAttnConfig",
     "__version__",
+    "cache_kwargs",
     "convert",
     "decode_memory",
     "get_kind",
@@ -49,6 +52,7 @@ __all__ = [
     "reconfigure",
     "register",
     "register_kind",
+    "returned_cache",
     "write_model_card",
 ]
 

@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_polyattn
-from hf_polyattn import PolyAttnCache, PolyAttnConfig, machine
+from hf_polyattn import PolyAttnCache, PolyAttnConfig, cache_kwargs, machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -90,7 +90,7 @@ def prefill(model, cache, context: int, args: BenchArgs) -> torch.Tensor:
     gen = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
     for start in range(0, context, args.prefill_chunk):  # chunked prefill keeps sdpa's memory in check
-        out = model(prompt[:, start:start + args.prefill_chunk], past_key_values=cache, use_cache=True,
+        out = model(prompt[:, start:start + args.prefill_chunk], **cache_kwargs(cache), use_cache=True,
                     logits_to_keep=1)
     return out.logits[:, -1:].argmax(-1)
 
@@ -107,7 +107,7 @@ def decode_latency(runs: dict, context: int, args: BenchArgs) -> dict[str, tuple
     for step in range(args.warmup + args.steps):
         for name, (model, cache) in runs.items():
             t0 = time.perf_counter()
-            out = model(tokens[name], past_key_values=cache, use_cache=True)
+            out = model(tokens[name], **cache_kwargs(cache), use_cache=True)
             tokens[name] = out.logits[:, -1:].argmax(-1)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - t0)

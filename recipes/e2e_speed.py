@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 import hf_polyattn  # noqa: E402
-from hf_polyattn import PolyAttnConfig  # noqa: E402
+from hf_polyattn import PolyAttnConfig, cache_kwargs, returned_cache  # noqa: E402
 from hf_polyattn.bench import int_at_least  # noqa: E402
 from hf_polyattn.machine import record, uptime  # noqa: E402
 
@@ -244,11 +244,11 @@ def decode_speed(args) -> dict:
                 sync(args.device)
                 t0 = time.perf_counter()
                 # sdpa: an explicit DynamicCache. polysketch: no cache given; the model's DynamicCache is upgraded.
-                out = m(prompt, past_key_values=DynamicCache() if k == "sdpa" else None, use_cache=True,
+                out = m(prompt, **cache_kwargs(DynamicCache() if k == "sdpa" else None), use_cache=True,
                         logits_to_keep=1)
                 sync(args.device)
                 prefill_s[k] = time.perf_counter() - t0
-                caches[k], tokens[k] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                caches[k], tokens[k] = returned_cache(out), out.logits[:, -1:].argmax(-1)
             except Exception as err:  # noqa: BLE001 - oom() re-raises anything but out-of-memory
                 out = None
                 oom(k, n, err)
@@ -263,7 +263,7 @@ def decode_speed(args) -> dict:
                 try:
                     sync(args.device)
                     t0 = time.perf_counter()
-                    out = m(tokens[k], past_key_values=caches[k], use_cache=True)
+                    out = m(tokens[k], **cache_kwargs(caches[k]), use_cache=True)
                     sync(args.device)
                 except Exception as err:  # noqa: BLE001 - oom() re-raises anything but out-of-memory
                     out = None
@@ -271,7 +271,7 @@ def decode_speed(args) -> dict:
                     oom(k, n, err)
                     continue
                 dt = time.perf_counter() - t0
-                caches[k], tokens[k] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                caches[k], tokens[k] = returned_cache(out), out.logits[:, -1:].argmax(-1)
                 if step >= args.dec_warmup:
                     times[k].append(dt)
         row = {"n": n, "ms_per_token": {k: 1e3 * statistics.median(v) if v else None for k, v in times.items()},

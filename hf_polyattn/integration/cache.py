@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from ..ops import AttentionBase, HybridAttention, HybridState, KVCacheAttention, PolyAttention, RecurrentState
 from ..ops.common import work_dtype
+from .compatibility import CACHE_ARGUMENT
 
 __all__ = ["DecodeMemory", "PolyAttnCache", "PolyAttnCacheLayer", "cache_nbytes", "decode_memory",
            "polyattn_layer_of"]
@@ -183,7 +184,7 @@ def polyattn_layer_of(cache, layer_idx) -> PolyAttnCacheLayer:
         raise ValueError(
             f"hf_polyattn attention cannot use a {type(cache).__name__}: its kernels keep a recurrent state, not "
             "keys/values. Let generate() create the cache (cache_implementation=None), or pass "
-            "past_key_values=hf_polyattn.PolyAttnCache(model) (a plain DynamicCache also works)."
+            f"{CACHE_ARGUMENT}=hf_polyattn.PolyAttnCache(model) (a plain DynamicCache also works)."
         )
     layers = cache.layers
     while len(layers) <= layer_idx:
@@ -384,15 +385,34 @@ def _sparse_state_bytes(module: PolyAttention, prompt: int, decoded: int, batch:
     return total
 
 
-def _polyattn_modules(model_or_config, dtype: torch.dtype) -> tuple[str | None, list[AttentionBase]]:
-    """(kind, one attention module per layer): a model's own ``polyattn`` modules, or modules built from a
-    config's ``polyattn`` settings and head sizes; (None, []) for a softmax model or config."""
+@dataclasses.dataclass(frozen=True)
+class _KeptSliding:
+    """A sliding-window layer kept exact (``ops/sliding.py``): its last ``window - 1`` keys and values while decoding,
+    like transformers' ``DynamicSlidingWindowLayer``."""
+
+    window: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _polyattn_modules(model_or_config, dtype: torch.dtype) -> tuple[str | None, list]:
+    """(kind, one entry per layer: its attention module, or ``_KeptSliding`` for a sliding layer kept exact): a
+    model's own modules, or modules built from a config's ``polyattn`` settings and head sizes; (None, []) for a
+    softmax model or config."""
     from .settings import CONFIG_KEY, polyattn_kind, resolve_polyattn_config
 
     if isinstance(model_or_config, torch.nn.Module):
-        found = [m._modules["polyattn"] for m in model_or_config.modules()
-                 if isinstance(m._modules.get("polyattn"), AttentionBase)]
-        return (found[0].config.kind if found else None), found
+        from .state import _dims
+
+        found = []
+        for m in model_or_config.modules():
+            if isinstance(m._modules.get("polyattn"), AttentionBase):
+                found.append(m._modules["polyattn"])
+            elif m._modules.get("polyattn_sliding") is not None:
+                _, head_dim, kv_heads = _dims(m)
+                found.append(_KeptSliding(m._modules["polyattn_sliding"].window, kv_heads, head_dim))
+        kinds = [f.config.kind for f in found if isinstance(f, AttentionBase)]
+        return (kinds[0] if kinds else None), (found if kinds else [])
     config = model_or_config
     cfg = resolve_polyattn_config(config) if polyattn_kind(config) else None
     stored = getattr(config, CONFIG_KEY, None)
@@ -402,6 +422,9 @@ def _polyattn_modules(model_or_config, dtype: torch.dtype) -> tuple[str | None, 
         cfg = PolyAttnConfig.from_dict(stored)
     if cfg is None:
         return None, []
+    if _sliding_layers(config) and cfg.sliding_layers == "exact":
+        raise ValueError("decode_memory: a config with sliding-window layers kept exact: pass the converted model "
+                         "(its layers say which are kept)")
     from ..ops import build_attention
 
     text = config.get_text_config(decoder=True)
@@ -411,6 +434,12 @@ def _polyattn_modules(model_or_config, dtype: torch.dtype) -> tuple[str | None, 
     with torch.device("meta"):  # sizes only: no memory, no random draws
         return cfg.kind, [build_attention(cfg, heads, head_dim, kv_heads, i).to(dtype)
                           for i in range(text.num_hidden_layers)]
+
+
+def _sliding_layers(config) -> dict[int, int]:
+    """layer -> window of the layers whose softmax cache (``DynamicCache(config=...)``) is a sliding window."""
+    return {i: layer.sliding_window for i, layer in enumerate(DynamicCache(config=config).layers)
+            if isinstance(layer, DynamicSlidingWindowLayer)}
 
 
 def _model_dtype(model_or_config, dtype) -> torch.dtype:
@@ -458,22 +487,32 @@ def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int =
     item = torch.empty((), dtype=dt).element_size()
     kind, modules = _polyattn_modules(model_or_config, dt)
     text = config.get_text_config(decoder=True)
+    odd = {type(layer).__name__ for layer in DynamicCache(config=config).layers
+           if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)}
+    if odd:
+        raise ValueError(f"decode_memory: this model's DynamicCache has {sorted(odd)} layers, whose size is not "
+                         "modelled")
+    sliding = _sliding_layers(config)  # the softmax model's own sliding layers keep their last window - 1 keys
     if modules:  # the layers' own head sizes
-        softmax_per_token = sum(2 * batch * m.num_kv_heads * m.head_dim * item for m in modules)
+        per_layer = [2 * batch * m.num_kv_heads * m.head_dim * item for m in modules]
     else:
-        odd = {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer}
-        if odd:
-            raise ValueError(f"decode_memory: this model's DynamicCache has {sorted(odd)} layers (sliding window / "
-                             "shared layers), whose size is not modelled")
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        softmax_per_token = 2 * batch * text.num_hidden_layers * kv_heads * head_dim * item
-    softmax_total = tuple(softmax_per_token * (n + decoded) for n in lengths)
+        per_layer = [2 * batch * kv_heads * head_dim * item] * text.num_hidden_layers
+    softmax_per_token = sum(b for i, b in enumerate(per_layer) if i not in sliding)
+    softmax_total = tuple(sum(b * (min(n + decoded, sliding[i] - 1) if i in sliding else n + decoded)
+                              for i, b in enumerate(per_layer)) for n in lengths)
     if not modules:
         return DecodeMemory(None, dt, batch, decoded, lengths, softmax_per_token, softmax_total, softmax_per_token,
                             softmax_total)
     work = work_dtype(dt)
-    per_token = sum(_kept_per_token(m, batch, item, work) for m in modules)
-    total = tuple(sum(_layer_state_bytes(m, n, decoded, batch, item, work) for m in modules) for n in lengths)
+
+    def layer_bytes(m, n):
+        if isinstance(m, _KeptSliding):
+            return 2 * batch * m.num_kv_heads * m.head_dim * item * min(n + decoded, m.window - 1)
+        return _layer_state_bytes(m, n, decoded, batch, item, work)
+
+    per_token = sum(0 if isinstance(m, _KeptSliding) else _kept_per_token(m, batch, item, work) for m in modules)
+    total = tuple(sum(layer_bytes(m, n) for m in modules) for n in lengths)
     return DecodeMemory(kind, dt, batch, decoded, lengths, per_token, total, softmax_per_token, softmax_total)

@@ -37,11 +37,13 @@ from .settings import config_sliding
 
 __all__ = [
     "EXACT_WINDOW_KWARGS",
+    "CACHE_ARGUMENT",
     "HANDLED_KWARGS",
     "UNKNOWN",
     "OUTPUT_ATTENTIONS_ERROR",
     "attention_call_keywords",
     "call_keyword_value",
+    "cache_kwargs",
     "check_attention_module",
     "check_call_kwargs",
     "check_model_options",
@@ -53,6 +55,7 @@ __all__ = [
     "is_cross_attention_call",
     "mark_checked",
     "owner_of",
+    "returned_cache",
 ]
 
 OUTPUT_ATTENTIONS_ERROR = (
@@ -96,6 +99,32 @@ _WHAT = {
 
 # Arguments of an attention module's forward that make the call cross-attention when set.
 _CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")
+
+
+def _cache_argument() -> str:
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+# The name under which generate(), the models' forward and their outputs carry the cache: 'cache' from transformers
+# 5.24 (which warns FutureWarning on 'past_key_values' for every forward and removes it in 5.40), 'past_key_values'
+# on 5.23 (which knows no 'cache').
+CACHE_ARGUMENT = _cache_argument()
+
+
+def cache_kwargs(cache) -> dict:
+    """``{name: cache}`` for a model's forward or ``generate()`` under the installed transformers' name
+    (:data:`CACHE_ARGUMENT`): ``model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True)``."""
+    return {CACHE_ARGUMENT: cache}
+
+
+def returned_cache(output):
+    """The cache a forward's or ``generate()``'s output carries (``output.cache`` from 5.24, where reading
+    ``output.past_key_values`` logs a deprecation; ``output.past_key_values`` on 5.23)."""
+    return output[CACHE_ARGUMENT] if CACHE_ARGUMENT in output else None
+
 
 _ATTENTION_CLASS_CACHE: dict[type, bool] = {}
 _CALL_KEYWORDS_CACHE: dict[type, list[tuple[str, ast.expr]]] = {}

@@ -88,10 +88,10 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
         check_supported_config(c)
     check_model_options(list(configs.values()), cfg, owner)
     windows = plan_layers(found, cfg, owner)  # sliding-window layers kept exact: their window, else None
-    for (_, mod, _), window in zip(found, windows):
+    for (_, mod, idx), window in zip(found, windows):
         check_attention_module(mod, cfg, owner, exact_window=window is not None)
         if window is None:
-            sink_rope(mod, cfg)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
+            sink_rope(mod, cfg, idx)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
     for (_, mod, idx), window in zip(found, windows):
         if window is not None:
             attach_sliding(mod, window, idx)

@@ -105,7 +105,6 @@ def softmax_heads_note(config, cfg: PolyAttnConfig) -> str | None:
     rows = ["| layer | softmax kv heads | kv heads running `" + cfg.kind + "` |", "|---|---|---|"]
     rows += [f"| {layer} | {', '.join(map(str, sorted(by_layer.get(layer, [])))) or '–'} | "
              f"{kv_heads - len(by_layer.get(layer, []))} of {kv_heads} |" for layer in range(layers)]
-    # HOOK(layer_layout): see write_model_card
     return (f"{summary[0].upper()}{summary[1:]}. The other heads run `{cfg.kind}`: {cfg.spec.memory_note(cfg)}\n\n"
             + "\n".join(rows))
 
@@ -251,10 +250,6 @@ def write_model_card(save_directory: str | os.PathLike, model, *, eval_results=N
         polyattn=cfg.read_settings(),
         **extra,
     )
-    # HOOK(layer_layout): when hf_polyattn.integration.layer_layout(model) lands (branch "sliding": which layers are
-    # converted, kept exact at the model's own sliding window, or hybrid), its per-layer roles go into the card here
-    # (a "Layers" section beside "Softmax heads"), and decode_memory must count a sliding layer's window instead of
-    # the kind's state for it.
     # decode memory only where the model generates (an encoder keeps no cache)
     memory_rows, memory_dtype = (decode_memory_rows(model, base) if auto_class == "AutoModelForCausalLM"
                                  else ([], None))

@@ -11,7 +11,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from . import hub
 from .cache import PolyAttnCache
-from .compatibility import OUTPUT_ATTENTIONS_ERROR
+from .compatibility import CACHE_ARGUMENT, OUTPUT_ATTENTIONS_ERROR
 from .remote_code import forget_auto_class_registration
 from .settings import polyattn_kind
 
@@ -93,15 +93,17 @@ class _ModelMethod:
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-    """generate(): a PolyAttnCache instead of a DynamicCache when nothing else was asked for."""
+    """generate(): a PolyAttnCache instead of a DynamicCache when nothing else was asked for, under the name the
+    installed transformers reads (``cache`` from 5.24: a ``past_key_values`` entry there made it warn twice per
+    token, 'deprecated' and 'Both `past_key_values` and `cache` are set')."""
     if (
         polyattn_kind(self.config) is not None
-        and model_kwargs.get("past_key_values") is None
+        and model_kwargs.get(CACHE_ARGUMENT) is None
         and generation_config.use_cache is not False
         and generation_config.cache_implementation in (None, "dynamic")
         and not self.config.is_encoder_decoder
         and not getattr(generation_config, "is_assistant", False)
     ):
-        model_kwargs["past_key_values"] = PolyAttnCache(self.config)
+        model_kwargs[CACHE_ARGUMENT] = PolyAttnCache(self.config)
         return None
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)

@@ -151,7 +151,8 @@ class HFPolyAttention(AttentionBase):
 
 # ----------------------------------------------------------------------------- hooks
 def _find_cache(args, kwargs):
-    """The Cache passed to an attention module (``past_key_values`` or GPT-NeoX's ``layer_past``)."""
+    """The Cache passed to an attention module (``cache``; ``past_key_values`` before transformers 5.24, GPT-NeoX's
+    ``layer_past``)."""
     for value in chain(kwargs.values(), args):
         if isinstance(value, Cache):
             return value
@@ -182,11 +183,11 @@ def _cache_post_hook(module, args, output):
     return None
 
 
-def sink_rope(module: nn.Module, cfg: PolyAttnConfig) -> RopeRotation | None:
-    """The RoPE the ``polyattn`` module of attention ``module`` re-rotates its sinks' queries with
-    (``sink_position='window'``), or None (no sinks there, or a model without RoPE); ValueError for a RoPE it cannot
-    read (``rope.model_rope``)."""
-    return model_rope(module.config, _dims(module)[1]) if reads_rope(cfg) else None
+def sink_rope(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int | None = None) -> RopeRotation | None:
+    """The RoPE the ``polyattn`` module of attention ``module`` (layer ``layer_idx``) re-rotates its sinks' queries
+    with (``sink_position='window'``), or None (no sinks there, or no RoPE in that layer); ValueError for a RoPE it
+    cannot read (``rope.model_rope``)."""
+    return model_rope(module, layer_idx) if reads_rope(cfg) else None
 
 
 def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, device=None, dtype=None,
@@ -195,7 +196,7 @@ def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, d
     layer) and the cache hooks. ``replaced_window``: the model's sliding window of this layer, which the kind
     replaces (``sliding_layers='kind'``): its calls pass it, and it is accepted instead of refused."""
     heads, head_dim, kv_heads = _dims(module)
-    rope = sink_rope(module, cfg)  # before anything changes: a RoPE it cannot read is refused here
+    rope = sink_rope(module, cfg, layer_idx)  # before anything changes: a RoPE it cannot read is refused here
     if device is None and dtype is None:
         pa = HFPolyAttention(cfg, heads, head_dim, kv_heads, layer_idx)  # ambient device/dtype (from_pretrained)
     else:

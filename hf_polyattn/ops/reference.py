@@ -164,12 +164,13 @@ def _sink_queries(module: PolyAttention, q_raw: torch.Tensor, key_padding_mask: 
                   lk: int) -> torch.Tensor:
     """The queries (B, Hkv, G, Lq, d) that score the sink columns: q_raw itself, or with ``sink_position='window'``
     and ``module.rope`` each query i rotated from p_i to min(p_i, w + s - 1), p_i = the unpadded keys of its row
-    before it (query i is key lk - lq + i), one row and query at a time; pairs (t, t + F) of the first 2F dims turn
-    by the angle (P_i - p_i) f_t."""
+    before it (query i is key lk - lq + i), one row and query at a time; pair t of dims (a_t, b_t) (``rope.pairs``;
+    the rotate_half pairs (t, t + F) when None) turns by the angle (P_i - p_i) f_t."""
     cfg, rope = module.config, module.rope
     if not cfg.sinks or cfg.sink_position != "window" or rope is None:
         return q_raw
     b, lq, f = q_raw.shape[0], q_raw.shape[3], rope.inv_freq.numel()
+    pairs = torch.arange(2 * f).reshape(2, f) if rope.pairs is None else rope.pairs
     out = q_raw.clone()
     for row in range(b):
         for i in range(lq):
@@ -178,9 +179,9 @@ def _sink_queries(module: PolyAttention, q_raw: torch.Tensor, key_padding_mask: 
             delta = min(p, cfg.window + cfg.sinks - 1) - p
             angle = delta * rope.inv_freq.to(torch.float64)
             cos, sin = angle.cos().to(q_raw.dtype), angle.sin().to(q_raw.dtype)
-            x = q_raw[row, :, :, i]
-            out[row, :, :, i, :f] = x[..., :f] * cos - x[..., f : 2 * f] * sin
-            out[row, :, :, i, f : 2 * f] = x[..., f : 2 * f] * cos + x[..., :f] * sin
+            x, (a, c) = q_raw[row, :, :, i], pairs
+            out[row, :, :, i, a] = x[..., a] * cos - x[..., c] * sin
+            out[row, :, :, i, c] = x[..., c] * cos + x[..., a] * sin
     return out
 
 

@@ -1,14 +1,18 @@
 """Rotary position embedding (RoPE) as the ops side needs it: re-rotating queries that already carry their positions.
 
-RoPE in the rotate_half form (transformers' Llama, Mistral, Qwen2, GPT-NeoX) rotates a vector x at position p as
+RoPE rotates a vector x at position p pair by pair: F pairs of head dims (a_t, b_t), each turned by the angle p f_t
+(f the F inverse frequencies),
 
-    R(p) x = x * cos(p f) + rotate_half(x) * sin(p f)        on the first 2F dims (the rest unrotated),
+    x'_a = x_a cos(p f) - x_b sin(p f),    x'_b = x_b cos(p f) + x_a sin(p f),
 
-f the F inverse frequencies repeated to 2F. R(a) R(b) = R(a + b) and R(-a) = R(a)^T, so a query that arrives as
-R(p) q~ becomes the query at position p + delta by one more rotation R(delta): its score with a key R(p_j) k~ is then
-the score at distance p + delta - p_j. ``PolyAttnConfig.sink_position='window'`` scores the attention sinks that way
-(``ops/window.py``). The integration reads the frequencies of a model (``integration/rope.py``) and sets them on the
-module; the ops never import transformers.
+every other dim left alone. Models differ only in which dims pair: the rotate_half form (transformers' Llama, Qwen,
+Gemma, GPT-NeoX) pairs t with t + F on the leading 2F dims, the interleaved form (GPT-J, Cohere, GLM) pairs 2t with
+2t + 1, a partial rotary (GPT-NeoX, Phi, StableLM) leaves the dims beyond the rotated ones alone. R(a) R(b) = R(a + b)
+and R(-a) = R(a)^T, so a query that arrives as R(p) q~ becomes the query at position p + delta by one more rotation
+R(delta): its score with a key R(p_j) k~ is then the score at distance p + delta - p_j.
+``PolyAttnConfig.sink_position='window'`` scores the attention sinks that way (``ops/window.py``). The integration
+reads the pairs and frequencies of a model (``integration/rope.py``) and sets them on the module; the ops never import
+transformers.
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ __all__ = ["RopeRotation"]
 
 @dataclass(frozen=True)
 class RopeRotation:
-    """The rotations of a model's RoPE: ``inv_freq`` (F,) its inverse frequencies, ``rotary_dim`` = 2F the leading
-    head dims they rotate (GPT-NeoX rotates a quarter of a head; the rest is never rotated)."""
+    """The rotations of a model's RoPE: ``inv_freq`` (F,) its inverse frequencies, ``rotary_dim`` = 2F the head dims
+    they rotate, ``pairs`` (2, F) the dims (a_t, b_t) pair t turns (integers); None: the rotate_half pairs (t, t + F)
+    on the leading 2F dims (GPT-NeoX rotates a quarter of a head; the rest is never rotated).
+    :meth:`interleaved` builds GPT-J's pairs (2t, 2t + 1)."""
 
     inv_freq: torch.Tensor
     rotary_dim: int
-    # inv_freq on each (device, dtype) the rotations ran on: a host-to-device copy per layer and call otherwise
+    pairs: torch.Tensor | None = None
+    # inv_freq and pairs on each (device, dtype) the rotations ran on: a host-to-device copy per layer and call
+    # otherwise
     _freqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -37,31 +45,68 @@ class RopeRotation:
                              f"{tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__}")
         if isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, int) or \
                 self.rotary_dim != 2 * f.numel():
-            raise ValueError(f"rotary_dim must be 2 * len(inv_freq) = {2 * f.numel()} (rotate_half pairs dim i with "
-                             f"dim i + F), got {self.rotary_dim!r}")
+            raise ValueError(f"rotary_dim must be 2 * len(inv_freq) = {2 * f.numel()} (each frequency turns one "
+                             f"pair of dims), got {self.rotary_dim!r}")
         if f.is_meta or not bool(torch.isfinite(f).all()):
             raise ValueError("inv_freq must hold finite values (not on the meta device)")
+        p = self.pairs
+        if p is None:
+            return
+        if not isinstance(p, torch.Tensor) or p.is_floating_point() or p.is_complex() or \
+                tuple(p.shape) != (2, f.numel()):
+            raise ValueError(f"pairs must be an integer tensor of shape (2, len(inv_freq)) = (2, {f.numel()}), got "
+                             f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+        flat = p.detach().cpu().reshape(-1)
+        if bool((flat < 0).any()) or flat.unique().numel() != flat.numel():
+            raise ValueError(f"pairs must name {flat.numel()} distinct non-negative head dims, got {p.tolist()}")
+        half = f.numel()
+        if torch.equal(p.cpu(), torch.arange(2 * half).reshape(2, half)):
+            object.__setattr__(self, "pairs", None)  # the rotate_half layout: one name, the sliced path
+        else:
+            object.__setattr__(self, "pairs", p.detach().cpu().long())
 
-    def _freq(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        key = (device, dtype)
+    @classmethod
+    def interleaved(cls, inv_freq: torch.Tensor) -> RopeRotation:
+        """GPT-J's layout: frequency t turns dims (2t, 2t + 1) of the leading 2F."""
+        n = inv_freq.numel()
+        return cls(inv_freq, 2 * n, torch.arange(2 * n).reshape(n, 2).T)
+
+    @property
+    def head_dims_needed(self) -> int:
+        """The fewest head dims the rotation applies to: its largest paired dim + 1."""
+        return self.rotary_dim if self.pairs is None else int(self.pairs.max()) + 1
+
+    def _cached(self, name: str, value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (name, device, dtype)
         if key not in self._freqs:
-            self._freqs[key] = self.inv_freq.detach().to(device=device, dtype=dtype)
+            self._freqs[key] = value.detach().to(device=device, dtype=dtype)
         return self._freqs[key]
 
     def rotate(self, x: torch.Tensor, delta_positions: torch.Tensor) -> torch.Tensor:
-        """R(delta) x for x (..., n, d) (d >= rotary_dim) and integer ``delta_positions`` broadcasting against
-        x[..., 0]; in x's dtype. The angles delta f are formed in float64 (float32 on devices without it): at
+        """R(delta) x for x (..., n, d) (d >= :attr:`head_dims_needed`) and integer ``delta_positions`` broadcasting
+        against x[..., 0]; in x's dtype. The angles delta f are formed in float64 (float32 on devices without it): at
         delta = 8,000 a float32 angle is off by ~5e-4 rad, as much as the rotation the model itself applies."""
-        rd = self.rotary_dim
-        if x.shape[-1] < rd:
-            raise ValueError(f"x has {x.shape[-1]} dims, the rotation needs rotary_dim = {rd}")
+        need = self.head_dims_needed
+        if x.shape[-1] < need:
+            raise ValueError(f"x has {x.shape[-1]} dims, the rotation needs {need} (rotary_dim = {self.rotary_dim})")
         angle_dtype = torch.float32 if x.device.type == "mps" else torch.float64
-        angle = delta_positions.to(angle_dtype).unsqueeze(-1) * self._freq(x.device, angle_dtype)
+        angle = delta_positions.to(angle_dtype).unsqueeze(-1) * self._cached("f", self.inv_freq, x.device,
+                                                                              angle_dtype)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = angle.cos().to(work), angle.sin().to(work)
-        half = rd // 2
-        x1, x2 = x[..., :half].to(work), x[..., half:rd].to(work)
-        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-        if rd < x.shape[-1]:
-            parts.append(x[..., rd:].to(work))
-        return torch.cat(parts, dim=-1).to(x.dtype)
+        if self.pairs is None:
+            rd, half = self.rotary_dim, self.rotary_dim // 2
+            x1, x2 = x[..., :half].to(work), x[..., half:rd].to(work)
+            parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+            if rd < x.shape[-1]:
+                parts.append(x[..., rd:].to(work))
+            return torch.cat(parts, dim=-1).to(x.dtype)
+        a = self._cached("a", self.pairs[0], x.device, torch.long)
+        b = self._cached("b", self.pairs[1], x.device, torch.long)
+        xw = x.to(work)
+        xa, xb = xw.index_select(-1, a), xw.index_select(-1, b)
+        shape = torch.broadcast_shapes(xw.shape, (*cos.shape[:-1], xw.shape[-1]))
+        out = xw.expand(shape).clone()
+        out.index_copy_(-1, a, (xa * cos - xb * sin).expand(*shape[:-1], a.numel()))
+        out.index_copy_(-1, b, (xb * cos + xa * sin).expand(*shape[:-1], b.numel()))
+        return out.to(x.dtype)

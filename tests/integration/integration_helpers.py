@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import hf_polyattn
-from hf_polyattn import PolyAttnConfig
+from hf_polyattn import PolyAttnConfig, returned_cache
 
 VOCAB = 100
 
@@ -222,7 +222,7 @@ def check_greedy_steps(model, ids: torch.Tensor, steps: int = 8) -> None:
     from hf_polyattn import PolyAttnCache
 
     out = model.generate(ids, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, PolyAttnCache)
+    assert isinstance(returned_cache(out), PolyAttnCache)
     seq = out.sequences
     assert seq.shape[1] == ids.shape[1] + steps
     for step, logits in enumerate(out.logits):

@@ -30,7 +30,7 @@ import transformers
 from integration_helpers import ARCHS, VOCAB
 
 import hf_polyattn
-from hf_polyattn import PolyAttnConfig
+from hf_polyattn import PolyAttnConfig, cache_kwargs, returned_cache
 
 OPTIONS = [
     dict(kind="polynomial"),  # the issue's default: degree 4 through the exact tensor path with a cache
@@ -116,12 +116,12 @@ def recurrent_logits(model, ids: torch.Tensor, prompt: int, chunks: tuple[int, .
     """Logits of ``ids``: the prompt prefilled, then the rest through the cache in chunks cycling over ``chunks``."""
     with torch.no_grad():
         out = model(ids[:, :prompt], use_cache=True)
-        steps, past, t, i = [out.logits], out.past_key_values, prompt, 0
+        steps, past, t, i = [out.logits], returned_cache(out), prompt, 0
         while t < ids.shape[1]:
             n = chunks[i % len(chunks)]
-            out = model(ids[:, t : t + n], past_key_values=past, use_cache=True)
+            out = model(ids[:, t : t + n], **cache_kwargs(past), use_cache=True)
             steps.append(out.logits)
-            past, t, i = out.past_key_values, t + n, i + 1
+            past, t, i = returned_cache(out), t + n, i + 1
     return torch.cat(steps, dim=1)
 
 

@@ -3,6 +3,8 @@ softmax heads' buffers with room, a window's ring): every causal kind, a hybrid 
 gate (the demo's recipe), a short convolution, bf16, batches, lengths on both sides of the window and of a block;
 from a model and from its saved config alone."""
 
+import copy
+
 import pytest
 import torch
 from integration_helpers import CAUSAL_KINDS, KIND_CONFIGS, build, prompt_ids
@@ -116,3 +118,29 @@ def test_bad_arguments():
         decode_memory(model, (4,), decoded=-1)
     with pytest.raises(TypeError, match="transformers model or config"):
         decode_memory(object(), (4,))
+
+
+def test_sliding_window_layers_count_their_window():
+    """Gemma 3: its sliding layers keep their last window - 1 keys (kept exact by hf_polyattn, or in the softmax
+    base's DynamicSlidingWindowLayer), the converted global layer its constant state: formula = measured bytes."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_polyattn
+
+    config = AutoConfig.for_model("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                                  sliding_window=16, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    model = hf_polyattn.convert(AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval(),
+                                PolyAttnConfig(kind="linear", window=8, sinks=2, sink_position="own", decay="gate"))
+    for length, steps in ((10, 0), (40, 0), (40, 5), (10, 9)):
+        assert decode_memory(model, (length,), decoded=steps).total == (
+            measured(model, PolyAttnCache(model), 1, length, steps),), (length, steps)
+        soft = decode_memory(base, (length,), decoded=steps)
+        assert soft.total == (measured(base, DynamicCache(config=base.config), 1, length, steps),), (length, steps)
+    mem = decode_memory(model, (4000, 8000))
+    assert mem.per_token == 0 and mem.total[0] == mem.total[1]  # every layer constant: windows and the state
+    assert mem.softmax_total[1] - mem.softmax_total[0] == 4000 * mem.softmax_per_token  # the global layer grows
+    with pytest.raises(ValueError, match="pass the converted model"):
+        decode_memory(model.config, (10,))

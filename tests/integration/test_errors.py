@@ -20,7 +20,7 @@ from transformers import (
 )
 
 import hf_polyattn
-from hf_polyattn import PolyAttnConfig
+from hf_polyattn import PolyAttnConfig, cache_kwargs, returned_cache
 
 IDS = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
 
@@ -127,21 +127,21 @@ def test_set_attn_implementation_without_state_refused():
 def test_unsupported_cache_refused():
     model = build("llama", "linear")
     with pytest.raises(ValueError, match="cannot use a StaticCache.*PolyAttnCache"):
-        model(IDS, past_key_values=StaticCache(config=model.config, max_cache_len=16))
+        model(IDS, **cache_kwargs(StaticCache(config=model.config, max_cache_len=16)))
 
 
 def test_softmax_filled_cache_refused():
     soft = build("llama")
-    cache = soft(IDS, use_cache=True).past_key_values
+    cache = returned_cache(soft(IDS, use_cache=True))
     model = build("llama", "linear")
     with pytest.raises(ValueError, match="already holds 8 softmax keys"):
-        model(IDS, past_key_values=cache)
+        model(IDS, **cache_kwargs(cache))
 
 
 def test_cache_cannot_be_rolled_back():
     model = build("llama", "linear")
     cache = hf_polyattn.PolyAttnCache(model)
-    model(IDS, past_key_values=cache)
+    model(IDS, **cache_kwargs(cache))
     cache.crop(0)
     with pytest.raises(ValueError, match="cannot drop tokens"):
         cache.crop(-1)

@@ -15,7 +15,7 @@ from integration_helpers import (
 )
 from transformers import DynamicCache
 
-from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer, PolyAttnConfig
+from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer, PolyAttnConfig, cache_kwargs, returned_cache
 
 GEN_ARCHS = ["llama", "gpt2"]
 GEN_MATRIX = arch_kind_params(GEN_ARCHS)
@@ -69,7 +69,7 @@ def test_left_padded_batch_generation_equals_rows(arch, kind):
 
 def _step_nbytes(model, ids, steps):
     cache = PolyAttnCache(model)
-    model.generate(ids, max_new_tokens=steps, do_sample=False, past_key_values=cache)
+    model.generate(ids, max_new_tokens=steps, do_sample=False, **cache_kwargs(cache))
     return cache
 
 
@@ -83,8 +83,8 @@ def test_cache_memory_independent_of_generated_length():
     soft = build("llama", None)
     soft.generation_config.eos_token_id = None
     d5, d10 = DynamicCache(), DynamicCache()
-    soft.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=d5)
-    soft.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=d10)
+    soft.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(d5))
+    soft.generate(ids, max_new_tokens=10, do_sample=False, **cache_kwargs(d10))
     size = [sum(layer.keys.numel() + layer.values.numel() for layer in c.layers) for c in (d5, d10)]
     assert size[1] > size[0]
 
@@ -114,10 +114,10 @@ def test_forward_with_dynamic_cache_upgrades_layers():
     with torch.no_grad():
         ref = model(ids, use_cache=False).logits
         out = model(ids[:, :7], use_cache=True)
-        assert type(out.past_key_values) is DynamicCache
-        assert all(isinstance(layer, PolyAttnCacheLayer) for layer in out.past_key_values.layers)
-        assert out.past_key_values.get_seq_length() == 7
-        nxt = model(ids[:, 7:], past_key_values=out.past_key_values, use_cache=True).logits  # chunked prefill
+        assert type(returned_cache(out)) is DynamicCache
+        assert all(isinstance(layer, PolyAttnCacheLayer) for layer in returned_cache(out).layers)
+        assert returned_cache(out).get_seq_length() == 7
+        nxt = model(ids[:, 7:], **cache_kwargs(returned_cache(out)), use_cache=True).logits  # chunked prefill
     torch.testing.assert_close(torch.cat([out.logits, nxt], 1), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -138,7 +138,7 @@ def test_switching_back_to_sdpa_keeps_a_real_kv_cache():
     kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     a, b = soft.generate(ids, **kw), poly.generate(ids, **kw)
     assert torch.equal(a.sequences, b.sequences)
-    assert type(b.past_key_values) is DynamicCache and b.past_key_values.get_seq_length() == ids.shape[1] + 5
+    assert type(returned_cache(b)) is DynamicCache and returned_cache(b).get_seq_length() == ids.shape[1] + 5
 
 
 def test_copies_of_a_model_keep_the_cache_and_card_overrides(tmp_path):
@@ -152,7 +152,7 @@ def test_copies_of_a_model_keep_the_cache_and_card_overrides(tmp_path):
     for clone in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
         assert clone.save_pretrained.model is clone  # bound to the copy, not the original
         out = clone.generate(_prompt(), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-        assert isinstance(out.past_key_values, PolyAttnCache)
+        assert isinstance(returned_cache(out), PolyAttnCache)
         assert torch.equal(out.sequences, model.generate(_prompt(), max_new_tokens=3, do_sample=False))
     clone.save_pretrained(tmp_path)
     assert (tmp_path / "README.md").exists()

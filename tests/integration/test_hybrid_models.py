@@ -19,7 +19,7 @@ from integration_helpers import (
 from transformers import DynamicCache
 
 import hf_polyattn
-from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer
+from hf_polyattn import PolyAttnCache, PolyAttnCacheLayer, cache_kwargs, returned_cache
 from hf_polyattn.ops import HybridAttention, HybridState
 
 # (layer, kv head) pairs per architecture (2 layers each): layer 1 of Llama keeps both its kv heads (no kernel
@@ -112,7 +112,7 @@ def test_greedy_generation_equals_full_forward_every_step(arch_name, kind):
     model = _gen_model(arch_name, kind)
     ids = _ids(1, 10)
     out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert isinstance(cache, PolyAttnCache)
     assert all(isinstance(layer.state, HybridState) for layer in cache.layers)
     seq = out.sequences
@@ -131,10 +131,10 @@ def test_chunked_prefill_with_dynamic_cache_equals_full_forward():
     ref = _logits(model, "llama", ids, mask)
     with torch.no_grad():
         first = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
-        cache = first.past_key_values
+        cache = returned_cache(first)
         assert type(cache) is DynamicCache and all(isinstance(x, PolyAttnCacheLayer) for x in cache.layers)
-        second = model(ids[:, 6:11], attention_mask=mask[:, :11], past_key_values=cache, use_cache=True).logits
-        steps = [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True).logits
+        second = model(ids[:, 6:11], attention_mask=mask[:, :11], **cache_kwargs(cache), use_cache=True).logits
+        steps = [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **cache_kwargs(cache), use_cache=True).logits
                  for t in range(11, 15)]
     torch.testing.assert_close(torch.cat([first.logits, second, *steps], 1)[mask.bool()], ref[mask.bool()],
                                rtol=1e-4, atol=1e-4)
@@ -169,7 +169,7 @@ def test_cache_bytes_count_both_parts_and_grow_with_the_softmax_heads_only():
     sizes = []
     for steps in (5, 9):
         cache = PolyAttnCache(model)
-        model.generate(ids, max_new_tokens=steps, do_sample=False, past_key_values=cache)
+        model.generate(ids, max_new_tokens=steps, do_sample=False, **cache_kwargs(cache))
         states = [layer.state for layer in cache.layers]
         softmax = sum(s.k.numel() * 4 + s.v.numel() * 4 for s in states)
         kernel = sum(s.kernel.nbytes() for s in states if s.kernel is not None)
@@ -185,7 +185,7 @@ def test_cache_layer_batch_select_offload_and_reorder():
     model = _hybrid("llama")
     ids = _ids(3, 9)
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = returned_cache(model(ids, use_cache=True))
     layer = cache.layers[0]
     before = layer.state
     layer.batch_select_indices(torch.tensor([True, False, True]))
@@ -247,5 +247,5 @@ def test_half_precision_hybrid_reloads_and_generates(dtype, tmp_path):
     torch.testing.assert_close(logits.float(), _logits(model, "llama", ids), rtol=0.05, atol=0.05)
     out = half.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     assert all(isinstance(layer.state, HybridState) and layer.state.k.dtype == dtype for layer in
-               out.past_key_values.layers)  # the softmax heads' keys as the model gave them
+               returned_cache(out).layers)  # the softmax heads' keys as the model gave them
     assert torch.equal(out.sequences, half.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False))

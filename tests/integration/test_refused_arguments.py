@@ -30,7 +30,7 @@ from transformers import (
 )
 
 import hf_polyattn
-from hf_polyattn import PolyAttnConfig
+from hf_polyattn import PolyAttnConfig, cache_kwargs, returned_cache
 from hf_polyattn.integration import compatibility
 
 IDS = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -250,5 +250,5 @@ def test_cross_attention_without_local_blocks_keeps_working():
     # and the cache folds only self-attention: cached decoding equals the full forward
     full = model(IDS, encoder_hidden_states=enc).logits
     step = model(IDS[:, :5], encoder_hidden_states=enc, use_cache=True)
-    nxt = model(IDS[:, 5:], encoder_hidden_states=enc, past_key_values=step.past_key_values).logits
+    nxt = model(IDS[:, 5:], encoder_hidden_states=enc, **cache_kwargs(returned_cache(step))).logits
     torch.testing.assert_close(torch.cat([step.logits, nxt], dim=1), full, rtol=1e-4, atol=1e-4)

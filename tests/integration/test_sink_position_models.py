@@ -3,11 +3,14 @@ gets the model's own RoPE frequencies (Llama, Mistral, Qwen2, GPT-NeoX's partial
 with the recurrent cache equals the uncached forward at lengths beyond w + s, left-padded rows equal themselves
 alone (generate, and a forward without position_ids), 'window' changes exactly the positions beyond w + s - 1 of a
 RoPE model and nothing of GPT-2, a RoPE the code cannot read is refused at convert / from_pretrained naming
-sink_position='own', softmax_heads pass the rotation on, config.json from before sink_position reloads as 'own'."""
+sink_position='own' (also a module whose queries are not the rotation its apply_rotary_pos_emb reads), the reading
+leaves the module alone and works on the meta device and for a bf16 model, softmax_heads pass the rotation on,
+config.json from before sink_position reloads as 'own'."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -158,23 +161,148 @@ def test_unreadable_rope_is_refused(rope, tmp_path):
 
 
 @pytest.mark.parametrize("rope_parameters,why", [
-    (dict(rope_type="mystery", rope_theta=10000.0), r"rope_type='mystery' is not one it can read"),
-    (dict(full_attention=dict(rope_type="default", rope_theta=1e4)), r"names no single rope_type"),
+    (dict(rope_type="mystery", rope_theta=10000.0), r"LlamaRotaryEmbedding cannot be built from the config "
+                                                    r"\(KeyError: 'mystery'\)"),
+    (dict(full_attention=dict(rope_type="default", rope_theta=1e4)), r"LlamaRotaryEmbedding cannot be built"),
 ])
 def test_unknown_rope_parameters_are_refused(rope_parameters, why):
-    """(transformers' own Llama cannot be built with them either: the reading itself, on a config)"""
-    config = _config("llama")
-    config.rope_parameters = rope_parameters
+    """(transformers' own Llama cannot be built with them either: the reading itself, on a module whose config
+    changed after it was built)"""
+    model = _model("llama", STREAMING.replace(sink_position="own"))
+    attention = model.model.layers[0].self_attn
+    attention.config.rope_parameters = rope_parameters
     with pytest.raises(ValueError, match=why + r".*sink_position='own'"):
-        model_rope(config, 16)
+        model_rope(attention, 0)
 
 
-def test_other_rotation_layouts_are_refused():
-    """A model type whose RoPE this code does not know (GPT-J rotates interleaved pairs) is refused by name."""
-    from transformers import GPTJConfig
+# ----------------------------------------------------------------------------- the reading, adversarially
+_FAKE = "hf_polyattn_test_fake_modeling"  # a modeling module holding Llama's rotary embedding and rotation
 
-    with pytest.raises(ValueError, match=r"model_type='gptj'.*sink_position='own'"):
-        model_rope(GPTJConfig(n_embd=64, n_head=4, rotary_dim=8), 16)
+
+def _twisted_attention(twist):
+    """An attention class of a fake modeling module with Llama's RotaryEmbedding and apply_rotary_pos_emb, whose
+    forward applies ``twist`` to q and k after the rotation (what apply_rotary_pos_emb alone does not show)."""
+    import types
+
+    from transformers.models.llama import modeling_llama as ml
+
+    module = sys.modules.setdefault(_FAKE, types.ModuleType(_FAKE))
+    module.TwistedRotaryEmbedding = ml.LlamaRotaryEmbedding
+    module.apply_rotary_pos_emb = ml.apply_rotary_pos_emb
+
+    class TwistedAttention(ml.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            q, k, v = (proj(hidden_states).view(shape).transpose(1, 2)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))
+            q, k = ml.apply_rotary_pos_emb(q, k, *position_embeddings)
+            q, k = twist(q), twist(k)
+            fn = ml.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                          ml.eager_attention_forward)
+            out, _ = fn(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+            return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+    TwistedAttention.__module__ = _FAKE
+    return TwistedAttention(_config("llama"), layer_idx=0)
+
+
+TWISTS = {
+    # a per-dim scale after the rotation (a norm after RoPE): R(delta) no longer commutes with what reaches us
+    "scale-after-rope": (lambda x: x * torch.linspace(0.5, 2.0, x.shape[-1]), r"are not those rotations"),
+    # the rotated dims moved elsewhere in the head (as MLA puts them last)
+    "dims-moved": (lambda x: x.roll(3, dims=-1), r"are not those rotations"),
+}
+
+
+@pytest.mark.parametrize("twist", list(TWISTS))
+def test_a_rotation_the_module_does_not_apply_as_read_is_refused(twist):
+    """The module-level check: apply_rotary_pos_emb reads rotate_half with Llama's frequencies, but the module hands
+    the attention function something else: refused (convert too), never a wrong re-rotation."""
+    fn, why = TWISTS[twist]
+    with pytest.raises(ValueError, match=why + r".*model_type='llama'.*sink_position='own'"):
+        model_rope(_twisted_attention(fn), 0)
+
+
+def test_the_plain_module_of_a_fake_modeling_module_reads_llamas_rotation():
+    """The control of the twists: the same fake class without a twist reads Llama's own rotation."""
+    rope = model_rope(_twisted_attention(lambda x: x), 0)
+    want = _rotary_emb(_model("llama")).inv_freq
+    assert rope.pairs is None and torch.equal(rope.inv_freq, want) and rope.rotary_dim == 16
+
+
+def test_reading_leaves_the_module_alone_and_runs_on_the_meta_device():
+    """The probe runs a copy (random weights): the module's weights, config, attention choice and hooks are as
+    they were; a module built on the meta device (from_pretrained) is read the same; each layer's reading is
+    cached (the same object for the same kind of layer). GLM: interleaved pairs on half of each head."""
+    import transformers
+
+    from hf_polyattn.integration import rope as rope_module
+
+    config = transformers.GlmConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GlmForCausalLM(config).eval()
+    attention = model.model.layers[1].self_attn
+    before = {n: t.clone() for n, t in attention.state_dict().items()}
+    hooks = (dict(attention._forward_pre_hooks), dict(attention._forward_hooks))
+    rope_module._CACHE.clear()
+    rope = model_rope(attention, 1)
+    assert rope.pairs is not None and torch.equal(rope.pairs, torch.arange(8).reshape(4, 2).T)
+    assert all(torch.equal(before[n], t) for n, t in attention.state_dict().items())
+    assert (dict(attention._forward_pre_hooks), dict(attention._forward_hooks)) == hooks
+    assert model.config._attn_implementation == attention.config._attn_implementation != "polyattn_rope_probe"
+    assert model_rope(model.model.layers[0].self_attn, 0) is rope  # one reading per kind of layer
+    with torch.device("meta"):
+        meta = transformers.GlmForCausalLM(config)
+    rope_module._CACHE.clear()
+    again = model_rope(meta.model.layers[1].self_attn, 1)
+    assert again is not rope and torch.equal(again.pairs, rope.pairs) and torch.equal(again.inv_freq, rope.inv_freq)
+
+
+def test_gemma3_layers_read_their_own_layer_types_rotation():
+    """Gemma 3 rotates its sliding layers with base 10,000 and its full-attention layers with base 1,000,000 (one
+    rotary embedding, per layer type, after q/k norms): each layer reads its own type's frequencies (the sliding
+    layers themselves are refused at convert for now; the reading is what a converted full layer gets)."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=16, max_position_embeddings=128, pad_token_id=0,
+                                           layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    rotary = model.model.rotary_emb
+    for idx, layer in enumerate(model.model.layers):
+        rope = model_rope(layer.self_attn, idx)
+        assert rope.pairs is None and torch.equal(rope.inv_freq, getattr(rotary, f"{config.layer_types[idx]}_inv_freq"))
+    assert not torch.equal(rotary.sliding_attention_inv_freq, rotary.full_attention_inv_freq)
+
+
+def test_a_bf16_model_reads_the_float32_rotation_and_decodes():
+    """A bf16 Cohere (interleaved pairs): the rotation is read from a float32 probe, the same as the float32 model's;
+    greedy decoding beyond w + s stays finite and within bf16 rounding of the uncached forward."""
+    import transformers
+
+    config = transformers.CohereConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM(config).eval()
+    hf_polyattn.convert(model, STREAMING)
+    want = _layers(model)[0].rope
+    torch.manual_seed(0)
+    half = transformers.CohereForCausalLM(config).to(torch.bfloat16).eval()
+    hf_polyattn.convert(half, STREAMING)
+    got = _layers(half)[0].rope
+    assert torch.equal(got.pairs, want.pairs) and torch.equal(got.inv_freq, want.inv_freq)
+    half.generation_config.eos_token_id = None
+    out = half.generate(_prompt(1, 12), max_new_tokens=8, do_sample=False, output_logits=True,
+                        return_dict_in_generate=True)
+    assert all(torch.isfinite(step).all() for step in out.logits)
+    with torch.no_grad():
+        full = half(out.sequences[:, :-1], use_cache=False).logits[:, 11:].float()
+    torch.testing.assert_close(torch.stack(out.logits, 1).float(), full, rtol=0.05, atol=0.05)
 
 
 def test_softmax_heads_pass_the_rotation_on():

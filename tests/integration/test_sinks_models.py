@@ -18,7 +18,7 @@ from integration_helpers import (
 from safetensors import safe_open
 
 import hf_polyattn
-from hf_polyattn import PolyAttnCache, PolyAttnConfig
+from hf_polyattn import PolyAttnCache, PolyAttnConfig, cache_kwargs, returned_cache
 
 SINK_CONFIGS = {
     # StreamingLLM: the window and the first keys, nothing else
@@ -69,9 +69,9 @@ def test_chunked_prefill_equals_full_forward(name):
     with torch.no_grad():
         full = model(ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
         out = model(ids[:, :3], attention_mask=mask[:, :3], position_ids=position_ids[:, :3], use_cache=True)
-        logits, past, t = [out.logits], out.past_key_values, 3
+        logits, past, t = [out.logits], returned_cache(out), 3
         for size in (4, 1, 2, 3, 1, 1, 2):
-            out = model(ids[:, t : t + size], attention_mask=mask[:, : t + size], past_key_values=past,
+            out = model(ids[:, t : t + size], attention_mask=mask[:, : t + size], **cache_kwargs(past),
                         position_ids=position_ids[:, t : t + size], use_cache=True)
             logits.append(out.logits)
             t += size
@@ -94,7 +94,7 @@ def test_state_keeps_sinks_and_window_only():
     caches = []
     for steps in (4, 20):
         cache = PolyAttnCache(model)
-        model.generate(ids, max_new_tokens=steps, do_sample=False, past_key_values=cache)
+        model.generate(ids, max_new_tokens=steps, do_sample=False, **cache_kwargs(cache))
         caches.append(cache)
         for layer in cache.layers:
             state = layer.state

@@ -58,18 +58,6 @@ def test_matches_reference(opts, shape):
     assert_matches_reference(_module(opts, shape[2], shape[3]), shape)
 
 
-def test_partial_rotary_and_gradcheck():
-    """GPT-NeoX-style rotation of the first 4 of 8 dims; finite differences of q, k, v through the re-rotation."""
-    pa = _module(dict(kind="linear", window=3, sinks=2, learned_sinks=1), 2, 1, rope=_rope(4))
-    q, k, v = _qkv(1, 2, 1, 11, 11, seed=4)
-    mask = torch.ones(1, 11, dtype=torch.bool)
-    mask[0, :2] = False
-    out = pa(q, k, v, causal=True, key_padding_mask=mask)
-    torch.testing.assert_close(out, reference_attention(pa, q, k, v, causal=True, key_padding_mask=mask),
-                               rtol=1e-9, atol=1e-9)
-    assert torch.autograd.gradcheck(lambda *x: pa(*x, causal=True, key_padding_mask=mask), (q, k, v))
-
-
 def _rotated(x: torch.Tensor, positions: torch.Tensor, rope: RopeRotation) -> torch.Tensor:
     """x (..., n, d) rotated at ``positions`` (n,) as transformers' Llama does: x cos + rotate_half(x) sin on the
     rotary dims, cos/sin of the frequencies repeated twice."""
@@ -193,8 +181,90 @@ def test_rotation():
         RopeRotation(rope.inv_freq, 4)
     with pytest.raises(ValueError, match="^inv_freq must be a non-empty 1-D float tensor"):
         RopeRotation(torch.arange(3), 6)
-    with pytest.raises(ValueError, match="^x has 4 dims, the rotation needs rotary_dim = 6"):
+    with pytest.raises(ValueError, match=r"^x has 4 dims, the rotation needs 6 \(rotary_dim = 6\)"):
         rope.rotate(x[..., :4], pos)
+
+
+def _naive_rotated(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, pairs: list) -> torch.Tensor:
+    """R(delta) x written out: one 2x2 rotation per (a_t, b_t) by delta f_t, element by element (float64)."""
+    out = x.clone()
+    for n in range(x.shape[-2]):
+        for t, (a, b) in enumerate(pairs):
+            angle = float(delta[n]) * float(inv_freq[t])
+            c, s = torch.tensor(angle, dtype=torch.float64).cos(), torch.tensor(angle, dtype=torch.float64).sin()
+            out[..., n, a] = x[..., n, a] * c - x[..., n, b] * s
+            out[..., n, b] = x[..., n, b] * c + x[..., n, a] * s
+    return out
+
+
+PAIRINGS = {
+    "rotate_half": [(t, t + 3) for t in range(3)],
+    "interleaved": [(2 * t, 2 * t + 1) for t in range(3)],  # GPT-J, Cohere, GLM
+    "trailing-half": [(2 + t, 5 + t) for t in range(3)],  # a rotated block after 2 unrotated dims
+    "scattered": [(7, 0), (3, 5), (1, 6)],
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRINGS))
+def test_rotation_of_any_pairing_equals_the_naive_rotation(name):
+    """Every layout the integration reads (which dims pair with which) against the rotation written out element by
+    element; the group law, orthogonality, the dims outside the pairs untouched, float32 in float32 out; the
+    rotate_half pairs are the default layout (one name)."""
+    pairs = PAIRINGS[name]
+    rope = _rope(6)
+    turned = RopeRotation(rope.inv_freq, 6, torch.tensor(pairs).T)
+    assert (turned.pairs is None) == (name == "rotate_half")
+    x = torch.randn(2, 3, 5, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([0, -3, 7, 100, -8000])
+    torch.testing.assert_close(turned.rotate(x, pos), _naive_rotated(x, pos, rope.inv_freq, pairs), rtol=1e-12,
+                               atol=1e-12)
+    torch.testing.assert_close(turned.rotate(turned.rotate(x, pos), -pos - 5),
+                               turned.rotate(x, torch.full((5,), -5)), rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(turned.rotate(x, pos).norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=0)
+    untouched = sorted(set(range(D)) - {d for pair in pairs for d in pair})
+    assert torch.equal(turned.rotate(x, pos)[..., untouched], x[..., untouched])
+    assert turned.rotate(x.float(), pos).dtype == torch.float32
+    # shifts of another broadcastable shape (one per row and query, as the module passes them)
+    shifts = torch.tensor([[3, -4, 0, 9, -1], [0, 0, -2, 5, 6]])[:, None, :]
+    torch.testing.assert_close(turned.rotate(x, shifts)[1], _naive_rotated(x[1], shifts[1, 0], rope.inv_freq,
+                                                                            pairs), rtol=1e-12, atol=1e-12)
+
+
+def test_interleaved_and_pairing_errors():
+    """``interleaved`` is GPT-J's (2t, 2t + 1); a pairing that names a dim twice, a float or a wrong shape is
+    refused naming the parameter; a head narrower than the largest paired dim is refused."""
+    f = _rope(6).inv_freq
+    assert torch.equal(RopeRotation.interleaved(f).pairs, torch.tensor(PAIRINGS["interleaved"]).T)
+    with pytest.raises(ValueError, match=r"^pairs must name 6 distinct non-negative head dims"):
+        RopeRotation(f, 6, torch.tensor([[0, 1, 2], [2, 3, 4]]))
+    with pytest.raises(ValueError, match=r"^pairs must name 6 distinct non-negative head dims"):
+        RopeRotation(f, 6, torch.tensor([[0, 1, 2], [3, 4, -5]]))
+    with pytest.raises(ValueError, match=r"^pairs must be an integer tensor of shape \(2, len\(inv_freq\)\) = "
+                                         r"\(2, 3\), got \(3, 2\)"):
+        RopeRotation(f, 6, torch.tensor(PAIRINGS["interleaved"]))
+    with pytest.raises(ValueError, match=r"^pairs must be an integer tensor"):
+        RopeRotation(f, 6, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"^x has 7 dims, the rotation needs 8 \(rotary_dim = 6\)"):
+        RopeRotation(f, 6, torch.tensor(PAIRINGS["scattered"]).T).rotate(torch.zeros(1, 7), torch.zeros(1))
+
+
+@pytest.mark.parametrize("name", ["partial", "interleaved", "trailing-half"])
+def test_rotations_match_reference_with_gradients(name):
+    """The module's re-rotation against the reference's query-by-query rotation, with left padding, and finite
+    differences of q, k, v through it: GPT-NeoX's rotation of the first 4 of 8 dims, GPT-J's interleaved pairs, a
+    rotated block after unrotated dims. A pairing other than rotate_half changes the outputs (a different model)."""
+    rope = _rope(4) if name == "partial" else RopeRotation(_rope(6).inv_freq, 6, torch.tensor(PAIRINGS[name]).T)
+    pa = _module(dict(kind="linear", window=3, sinks=2, learned_sinks=1), 2, 1, rope=rope)
+    q, k, v = _qkv(1, 2, 1, 11, 11, seed=4)
+    mask = torch.ones(1, 11, dtype=torch.bool)
+    mask[0, :2] = False
+    out = pa(q, k, v, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out, reference_attention(pa, q, k, v, causal=True, key_padding_mask=mask),
+                               rtol=1e-9, atol=1e-9)
+    if name != "partial":  # the same frequencies on the rotate_half pairs
+        other = _module(dict(kind="linear", window=3, sinks=2, learned_sinks=1), 2, 1, rope=_rope(6))
+        assert not torch.allclose(other(q, k, v, causal=True, key_padding_mask=mask), out, rtol=1e-4, atol=1e-4)
+    assert torch.autograd.gradcheck(lambda *x: pa(*x, causal=True, key_padding_mask=mask), (q, k, v))
 
 
 def test_sink_shifts():

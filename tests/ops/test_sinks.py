@@ -208,17 +208,19 @@ def test_untrained_slots_stay_near_the_model(kernel):
     assert not slots.sink_k.abs().any() and not slots.sink_v.abs().any()
 
 
-@pytest.mark.parametrize("rope", [None, "rope"], ids=["own-positions", "rope"])
+@pytest.mark.parametrize("rope", [None, "rope", "interleaved"], ids=["own-positions", "rope", "rope-interleaved"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("opts", [dict(kind="polysketch", sketch_size=8, window=8, sinks=4, learned_sinks=4),
                                   dict(kind="sliding_window", window=8, sinks=4, learned_sinks=4)],
                          ids=["polysketch", "sliding"])
 def test_half_inputs_finite(opts, dtype, rope):
     """Scores of +-60 (q, k scaled by 8): exp would overflow fp16 without the float32 compute and the stabiliser; also
-    with the sinks scored by queries re-rotated with a RoPE (``sink_position='window'``) beyond w + s = 12."""
+    with the sinks scored by queries re-rotated with a RoPE (``sink_position='window'``, rotate_half and GPT-J's
+    interleaved pairs) beyond w + s = 12."""
     pa = PolyAttention(PolyAttnConfig(block_size=16, **opts), 4, D, 2).to(dtype)
     if rope:
-        pa.rope = RopeRotation(1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D), D)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+        pa.rope = RopeRotation(inv_freq, D) if rope == "rope" else RopeRotation.interleaved(inv_freq)
     with torch.no_grad():
         pa.sink_k.normal_()
         pa.sink_v.normal_()

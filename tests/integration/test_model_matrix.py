@@ -1,0 +1,259 @@
+"""The model-type matrix (rows in model_matrix.py): every supported decoder type with the long-context recipe (and
+one kv head softmax) keeps cache = no cache over 150 generated tokens after a prompt longer than window + sinks,
+a left-padded batch equals each prompt alone, its RoPE is read from the model (the layers' rotations turn the
+model's own queries at one position into its queries at another), save -> reload is bit-identical and
+``trust_remote_code=True`` loads it without the plugin imported; every supported encoder type does the same with
+polysketch; every refused row raises its own message; docs/supported_models.md is the rendering of these rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from integration_helpers import check_left_padded_generation, perturb_polyattn
+from model_matrix import DECODERS, DOC, ENCODERS, ROWS, VOCAB, installed, render
+
+import hf_polyattn
+from hf_polyattn import PolyAttnCache, PolyAttnConfig, returned_cache
+from hf_polyattn.integration.compatibility import find_attention_modules
+from hf_polyattn.integration.rope import model_rope
+from hf_polyattn.integration.state import HFPolyAttention
+
+ROOT = Path(__file__).resolve().parents[2]
+W, S = 16, 2
+RECIPE = PolyAttnConfig(kind="linear", window=W, sinks=S, decay="gate")
+RECIPES = {"long-context": RECIPE, "softmax-heads": RECIPE.replace(softmax_heads=((1, 0),))}
+ENCODER_KIND = PolyAttnConfig(kind="polysketch", degree=4, sketch="learned", sketch_size=8, local_exact=True,
+                              block_size=4)
+PROMPT, NEW = 24, 150  # a prompt beyond w + s = 18, and 150 tokens decoded past it
+
+# the rows as the installed transformers has them (GPT-J and CodeGen are refused on 5.23)
+NOW = [installed(r) for r in ROWS]
+SUPPORTED_DECODERS = [pytest.param(r, id=r.id) for r in NOW if not r.encoder and r.supported]
+ROPE_DECODERS = [pytest.param(r, id=r.id) for r in NOW if not r.encoder and r.supported and any(r.rope)]
+SUPPORTED_ENCODERS = [pytest.param(r, id=r.id) for r in NOW if r.encoder and r.supported]
+REFUSED = [pytest.param(r, id=r.id) for r in NOW if r.refusal is not None]
+FAILING = [pytest.param(r, id=r.id) for r in NOW if r.known_error is not None]
+
+
+def build(row, cfg: PolyAttnConfig | None = None, seed: int = 0):
+    """The row's tiny model (its own config object), converted to ``cfg`` with the polyattn tensors moved off their
+    seed values (a reload that fell back to them would differ)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    torch.manual_seed(seed)
+    auto = AutoModelForMaskedLM if row.encoder else AutoModelForCausalLM
+    model = auto.from_config(row.make_config()).eval()
+    if cfg is not None:
+        hf_polyattn.convert(model, cfg)
+        perturb_polyattn(model)
+    if not row.encoder:
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+    return model
+
+
+def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _layers(model) -> list:
+    return [m for m in model.modules() if isinstance(m, HFPolyAttention)]
+
+
+# ----------------------------------------------------------------------------- decoders
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("row", SUPPORTED_DECODERS)
+def test_decoder_cache_equals_no_cache(row, recipe):
+    """Greedy generate() with the recurrent cache: its logits at each of the 150 steps are the uncached forward's
+    over the sequence so far (one forward gives them all: it is causal), and each token is their argmax."""
+    model = build(row, RECIPES[recipe])
+    ids = _ids(1, PROMPT, seed=1)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert isinstance(returned_cache(out), PolyAttnCache) and out.sequences.shape[1] == PROMPT + NEW
+    with torch.no_grad():
+        full = model(out.sequences[:, :-1], use_cache=False).logits[:, PROMPT - 1 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
+    assert torch.equal(full.argmax(-1), out.sequences[:, PROMPT:])
+
+
+@pytest.mark.parametrize("row", SUPPORTED_DECODERS)
+def test_decoder_left_padded_batch_equals_each_prompt(row):
+    """Prompts of 24 and 19 tokens (both beyond w + s) left-padded in one batch: each row generates the tokens and
+    logits it generates alone."""
+    check_left_padded_generation(build(row, RECIPE), [_ids(1, PROMPT, seed=2)[0], _ids(1, PROMPT - 5, seed=3)[0]],
+                                 PROMPT)
+
+
+_CAPTURED: list = []
+
+
+def _capture(module, query, key, value, attention_mask, **kwargs):
+    _CAPTURED.append(query.detach())
+    raise StopIteration  # the first layer's queries are all the test needs
+
+
+@pytest.mark.parametrize("row", ROPE_DECODERS)
+def test_rope_is_the_models_own(row):
+    """The acceptance check of the RoPE reading, through the model itself (its own rotary embedding, its own
+    attention forward with apply_rotary_pos_emb): one token repeated at positions P reaches the first layer's
+    attention as the same hidden state, so its queries there are R(P_i) q; the rotation read for that layer turns
+    the query at P_i into the one at P_j for every pair, both directions (sinks turn queries back). And every layer
+    reads the layout the row names (a layer without RoPE reads None)."""
+    from transformers import AttentionInterface
+
+    model = build(row)
+    _, attention, layer = find_attention_modules(model)[0]
+    rope = model_rope(attention, layer)
+    positions = [0, 5, 23, 100, 255]
+    AttentionInterface.register("matrix_capture", _capture)
+    model.config._attn_implementation = "matrix_capture"
+    _CAPTURED.clear()
+    with torch.no_grad(), pytest.raises(StopIteration):
+        model(torch.full((1, len(positions)), 7), position_ids=torch.tensor([positions]))
+    query = _CAPTURED[0].double()  # (1, H, L, D)
+    pos = torch.tensor(positions)
+    n = len(positions)
+    turned = rope.rotate(query[:, :, :, None].expand(-1, -1, n, n, -1), pos[None, :] - pos[:, None])
+    want = query[:, :, None].expand_as(turned)
+    assert float((turned - want).abs().amax()) <= 1e-4 * float(query.abs().amax())
+    assert float((query[:, :, 1:] - query[:, :, :1]).abs().amax()) > 0.1 * float(query.abs().amax())  # it turns
+    converted = build(row, RECIPE)
+    read = tuple(None if layer.rope is None else
+                 ("rotate_half" if layer.rope.pairs is None else "interleaved", layer.rope.rotary_dim)
+                 for layer in _layers(converted))
+    if any(layout == "interleaved" for layout, _ in filter(None, row.rope)):
+        for layer in _layers(converted):
+            if layer.rope is not None:
+                half = layer.rope.rotary_dim // 2
+                assert torch.equal(layer.rope.pairs, torch.arange(2 * half).reshape(half, 2).T)
+    assert read == row.rope
+
+
+# ----------------------------------------------------------------------------- encoders
+@pytest.mark.parametrize("row", SUPPORTED_ENCODERS)
+def test_encoder_padded_batch_equals_each_sequence(row):
+    """polysketch (learned sketch, exact local blocks): a batch of 12 and 9 real tokens right-padded gives each
+    row's real positions the logits of the sequence alone."""
+    model = build(row, ENCODER_KIND)
+    ids = _ids(2, 12, seed=4)
+    mask = torch.ones_like(ids)
+    ids[1, 9:], mask[1, 9:] = model.config.pad_token_id or 0, 0
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask).logits
+        for row_idx, real in ((0, 12), (1, 9)):
+            alone = model(input_ids=ids[row_idx : row_idx + 1, :real]).logits
+            torch.testing.assert_close(batch[row_idx, :real], alone[0], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("row", REFUSED)
+def test_refused_rows_raise_their_reason(row):
+    """convert raises the row's ValueError before changing anything (the encoder rows with polysketch)."""
+    model = build(row)
+    with pytest.raises(ValueError, match=row.refusal):
+        hf_polyattn.convert(model, ENCODER_KIND if row.encoder else RECIPE)
+    assert not _layers(model)
+
+
+@pytest.mark.parametrize("row", FAILING)
+def test_known_gaps_fail_in_generate(row):
+    """Rows that convert but whose generate() raises the row's ValueError (a fix turns this test red: then the row
+    becomes supported)."""
+    model = build(row, RECIPE)
+    with pytest.raises(ValueError, match=row.known_error):
+        model.generate(_ids(1, PROMPT, seed=6), max_new_tokens=2, do_sample=False)
+
+
+# ----------------------------------------------------------------------------- save, reload, remote code
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Every supported row converted (the recipe; polysketch for encoders), saved, with its inputs (row 1 padded:
+    left for decoders, right for encoders) and logits."""
+    root = tmp_path_factory.mktemp("matrix")
+    cases = {}
+    for row in NOW:
+        if not row.supported:
+            continue
+        model = build(row, ENCODER_KIND if row.encoder else RECIPE)
+        ids = _ids(2, PROMPT, seed=5)
+        mask = torch.ones_like(ids)
+        if row.encoder:
+            mask[1, -6:] = 0
+        else:
+            mask[1, :6] = 0
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        folder = root / row.id
+        model.save_pretrained(folder)
+        torch.save({"ids": ids, "mask": mask, "logits": logits}, root / f"{row.id}.pt")
+        auto = "AutoModelForMaskedLM" if row.encoder else "AutoModelForCausalLM"
+        cases[row.id] = (str(folder), auto, RECIPE.kind if not row.encoder else ENCODER_KIND.kind)
+    return root, cases
+
+
+@pytest.mark.parametrize("row", [*SUPPORTED_DECODERS, *SUPPORTED_ENCODERS])
+def test_save_reload_gives_identical_logits(row, saved):
+    import transformers
+
+    root, cases = saved
+    folder, auto, kind = cases[row.id]
+    ref = torch.load(root / f"{row.id}.pt")
+    model = getattr(transformers, auto).from_pretrained(folder).eval()
+    assert model.config._attn_implementation == kind and _layers(model)
+    with torch.no_grad():
+        logits = model(input_ids=ref["ids"], attention_mask=ref["mask"]).logits
+    assert torch.equal(logits, ref["logits"])
+
+
+def test_trust_remote_code_loads_every_supported_row(saved):
+    """One fresh process that never imports the plugin itself loads every saved row with trust_remote_code=True:
+    the stock class, the kind, and bit-identical logits."""
+    root, cases = saved
+    code = textwrap.dedent(f"""
+        import json, sys, torch, transformers
+        transformers.logging.set_verbosity_error()
+        assert "hf_polyattn" not in sys.modules  # the script never imports the plugin (only the loaders do)
+        results = {{}}
+        for name, (folder, auto, kind) in {cases!r}.items():
+            ref = torch.load({str(root)!r} + f"/{{name}}.pt")
+            model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True).eval()
+            with torch.no_grad():
+                logits = model(input_ids=ref["ids"], attention_mask=ref["mask"]).logits
+            own = json.load(open(folder + "/config.json"))["architectures"][0]
+            results[name] = dict(stock=type(model) is getattr(transformers, own),
+                                 attn=model.config._attn_implementation == kind,
+                                 equal=torch.equal(logits, ref["logits"]))
+        print(json.dumps(results))
+    """)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_MODULES_CACHE=str(root / "modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(cases)
+    bad = {name: r for name, r in results.items() if not all(r.values())}
+    assert not bad, bad
+
+
+# ----------------------------------------------------------------------------- the rows themselves
+def test_matrix_covers_the_model_types_it_claims():
+    """At least 25 decoder and 8 encoder model types supported, each refused row with a reason, one row per id."""
+    decoders = {r.model_type for r in DECODERS if r.supported}
+    encoders = {r.model_type for r in ENCODERS if r.supported}
+    assert len(decoders) >= 25 and len(encoders) >= 8, (len(decoders), len(encoders))
+    assert all(r.reason for r in ROWS if not r.supported)
+    assert not any(r.refusal and r.known_error for r in ROWS)
+    assert len({r.id for r in ROWS}) == len(ROWS)
+
+
+def test_supported_models_doc_is_up_to_date():
+    """docs/supported_models.md is what the rows render to: rerun `python tests/integration/model_matrix.py`."""
+    assert DOC.read_text() == render(), "stale: run python tests/integration/model_matrix.py"
