@@ -251,7 +251,8 @@ class HybridAttention(AttentionBase):
         made once per device (a host-to-device copy per layer and token otherwise)."""
         key = (part, torch.device(device))
         if key not in self._indices:
-            self._indices[key] = torch.tensor(self._heads[part], dtype=torch.long, device=device)
+            with torch.inference_mode(False):  # kept for later calls, which may record gradients
+                self._indices[key] = torch.tensor(self._heads[part], dtype=torch.long, device=device)
         return self._indices[key]
 
     def split(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):

@@ -79,7 +79,10 @@ class RopeRotation:
     def _cached(self, name: str, value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (name, device, dtype)
         if key not in self._freqs:
-            self._freqs[key] = value.detach().to(device=device, dtype=dtype)
+            # kept for later calls, which may record gradients: a tensor made under inference_mode could not be
+            # saved for backward there
+            with torch.inference_mode(False):
+                self._freqs[key] = value.detach().to(device=device, dtype=dtype).clone()
         return self._freqs[key]
 
     def rotate_by(self, x: torch.Tensor, delta: int) -> torch.Tensor:
@@ -95,25 +98,31 @@ class RopeRotation:
         key = ("by", int(delta), d, x.device, work)
         hit = self._freqs.get("by")
         if hit is None or hit[0] != key:
-            angle_dtype = torch.float32 if x.device.type == "mps" else torch.float64
-            angle = int(delta) * self.inv_freq.detach().to(device=x.device, dtype=angle_dtype)
-            cos, sin = angle.cos().to(work), angle.sin().to(work)
-            if self.pairs is None:
-                half = self.rotary_dim // 2
-                a, b = torch.arange(half, device=x.device), torch.arange(half, 2 * half, device=x.device)
-            else:
-                a, b = self.pairs[0].to(x.device), self.pairs[1].to(x.device)
-            c = torch.ones(d, dtype=work, device=x.device)
-            s = torch.zeros(d, dtype=work, device=x.device)
-            perm = torch.arange(d, device=x.device)
-            c[a], c[b] = cos, cos
-            s[a], s[b] = -sin, sin  # x_a' = x_a cos - x_b sin, x_b' = x_b cos + x_a sin
-            perm[a], perm[b] = b, a
-            hit = (key, c, s, perm)
-            self._freqs["by"] = hit
+            hit = self._rotation_by(key, x, d, work)
         _, c, s, perm = hit
         xw = x.to(work)
         return (xw * c + xw.index_select(-1, perm) * s).to(x.dtype)
+
+    @torch.inference_mode(False)  # kept for later calls, which may record gradients
+    def _rotation_by(self, key: tuple, x: torch.Tensor, d: int, work: torch.dtype) -> tuple:
+        delta = key[1]
+        angle_dtype = torch.float32 if x.device.type == "mps" else torch.float64
+        angle = int(delta) * self.inv_freq.detach().to(device=x.device, dtype=angle_dtype)
+        cos, sin = angle.cos().to(work), angle.sin().to(work)
+        if self.pairs is None:
+            half = self.rotary_dim // 2
+            a, b = torch.arange(half, device=x.device), torch.arange(half, 2 * half, device=x.device)
+        else:
+            a, b = self.pairs[0].to(x.device), self.pairs[1].to(x.device)
+        c = torch.ones(d, dtype=work, device=x.device)
+        s = torch.zeros(d, dtype=work, device=x.device)
+        perm = torch.arange(d, device=x.device)
+        c[a], c[b] = cos, cos
+        s[a], s[b] = -sin, sin  # x_a' = x_a cos - x_b sin, x_b' = x_b cos + x_a sin
+        perm[a], perm[b] = b, a
+        hit = (key, c, s, perm)
+        self._freqs["by"] = hit
+        return hit
 
     def rotate(self, x: torch.Tensor, delta_positions: torch.Tensor) -> torch.Tensor:
         """R(delta) x for x (..., n, d) (d >= :attr:`head_dims_needed`) and integer ``delta_positions`` broadcasting

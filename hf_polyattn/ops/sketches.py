@@ -197,17 +197,23 @@ def symmetric_power_indices(dim: int, degree: int) -> tuple[torch.Tensor, torch.
     """Sorted index tuples i_1 <= ... <= i_p and sqrt(multinomial) weights."""
     key = (dim, degree)
     if key not in _INDEX_CACHE:
-        combos = list(itertools.combinations_with_replacement(range(dim), degree))
-        idx = torch.tensor(combos, dtype=torch.long, device="cpu").reshape(len(combos), degree)
-        weights = []
-        for c in combos:
-            counts = [c.count(v) for v in set(c)]
-            mult = math.factorial(degree)
-            for k in counts:
-                mult //= math.factorial(k)
-            weights.append(math.sqrt(mult))
-        _INDEX_CACHE[key] = (idx, torch.tensor(weights, dtype=torch.float64, device="cpu"))
+        with torch.inference_mode(False):  # cached for every later call: never an inference tensor, which a later
+        # call recording gradients could not save for backward
+            _INDEX_CACHE[key] = _build_indices(dim, degree)
     return _INDEX_CACHE[key]
+
+
+def _build_indices(dim: int, degree: int) -> tuple[torch.Tensor, torch.Tensor]:
+    combos = list(itertools.combinations_with_replacement(range(dim), degree))
+    idx = torch.tensor(combos, dtype=torch.long, device="cpu").reshape(len(combos), degree)
+    weights = []
+    for c in combos:
+        counts = [c.count(v) for v in set(c)]
+        mult = math.factorial(degree)
+        for k in counts:
+            mult //= math.factorial(k)
+        weights.append(math.sqrt(mult))
+    return idx, torch.tensor(weights, dtype=torch.float64, device="cpu")
 
 
 def symmetric_power(x: torch.Tensor, degree: int) -> torch.Tensor:
