@@ -78,8 +78,7 @@ def _eager(model) -> Iterator[None]:
 
 def _attention_layers(model) -> list[tuple[int, Any, int]]:
     """(layer index, attention module, query heads per kv head) of every layer, in layer order."""
-    from ..integration.compatibility import find_attention_modules
-    from ..integration.state import _dims
+    from ..integration.compatibility import attention_dims, find_attention_modules
 
     found = find_attention_modules(model)
     indices = sorted(idx for _, _, idx in found)
@@ -89,7 +88,7 @@ def _attention_layers(model) -> list[tuple[int, Any, int]]:
                          f"{indices}")
     layers = []
     for _, module, idx in found:
-        heads, _, kv_heads = _dims(module)
+        heads, _, kv_heads = attention_dims(module)
         layers.append((idx, module, heads // kv_heads))
     return sorted(layers, key=lambda t: t[0])
 

@@ -32,7 +32,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from ..ops import AttentionBase, HybridAttention, HybridState, KVCacheAttention, PolyAttention, RecurrentState
 from ..ops.common import work_dtype
-from .compatibility import CACHE_ARGUMENT
+from .compatibility import CACHE_ARGUMENT, attention_dims
+from .settings import CONFIG_KEY, polyattn_kind, resolve_polyattn_config
 
 __all__ = ["DecodeMemory", "PolyAttnCache", "PolyAttnCacheLayer", "cache_nbytes", "decode_memory",
            "polyattn_layer_of"]
@@ -399,17 +400,13 @@ def _polyattn_modules(model_or_config, dtype: torch.dtype) -> tuple[str | None, 
     """(kind, one entry per layer: its attention module, or ``_KeptSliding`` for a sliding layer kept exact): a
     model's own modules, or modules built from a config's ``polyattn`` settings and head sizes; (None, []) for a
     softmax model or config."""
-    from .settings import CONFIG_KEY, polyattn_kind, resolve_polyattn_config
-
     if isinstance(model_or_config, torch.nn.Module):
-        from .state import _dims
-
         found = []
         for m in model_or_config.modules():
             if isinstance(m._modules.get("polyattn"), AttentionBase):
                 found.append(m._modules["polyattn"])
             elif m._modules.get("polyattn_sliding") is not None:
-                _, head_dim, kv_heads = _dims(m)
+                _, head_dim, kv_heads = attention_dims(m)
                 found.append(_KeptSliding(m._modules["polyattn_sliding"].window, kv_heads, head_dim))
         kinds = [f.config.kind for f in found if isinstance(f, AttentionBase)]
         return (kinds[0] if kinds else None), (found if kinds else [])

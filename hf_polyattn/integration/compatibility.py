@@ -42,6 +42,7 @@ __all__ = [
     "UNKNOWN",
     "OUTPUT_ATTENTIONS_ERROR",
     "attention_call_keywords",
+    "attention_dims",
     "call_keyword_value",
     "cache_kwargs",
     "check_attention_module",
@@ -151,6 +152,31 @@ def is_attention_module(module: nn.Module) -> bool:
         hit = "ALL_ATTENTION_FUNCTIONS" in src and "get_interface(" in src
         _ATTENTION_CLASS_CACHE[cls] = hit
     return hit
+
+
+def attention_dims(module: nn.Module) -> tuple[int, int, int]:
+    """(num_heads, head_dim, num_kv_heads) of a transformers attention module."""
+    config = module.config
+
+    def first(*names, src):
+        for n in names:
+            v = getattr(src, n, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+        return None
+
+    heads = first("num_heads", "num_attention_heads", "n_heads", src=module) or first(
+        "num_attention_heads", "n_head", "n_heads", src=config)
+    head_dim = first("head_dim", "attention_head_size", "head_size", src=module)
+    if head_dim is None and heads:
+        hidden = first("hidden_size", "embed_dim", "dim", src=config)
+        head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden else None)
+    if not heads or not head_dim:
+        raise ValueError(f"cannot read the head count / head size of {type(module).__name__}: hf_polyattn supports "
+                         "attention modules with num_heads/num_attention_heads and head_dim/attention_head_size")
+    groups = first("num_key_value_groups", src=module)
+    kv_heads = heads // groups if groups else (first("num_key_value_heads", src=config) or heads)
+    return heads, head_dim, kv_heads
 
 
 def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:

@@ -25,9 +25,9 @@ from torch import nn
 from ..config import PolyAttnConfig
 from ..ops.base import softmax_heads_of
 from ..ops.sliding import SlidingWindowSoftmax
-from .compatibility import UNKNOWN, call_keyword_value, find_attention_modules
+from .compatibility import UNKNOWN, attention_dims, call_keyword_value, find_attention_modules
 from .settings import config_sliding
-from .state import HFPolyAttention, _dims
+from .state import HFPolyAttention
 
 __all__ = ["converted_layers", "describe_layout", "exact_window", "has_sliding", "layer_layout", "model_window",
            "plan_layers"]
@@ -130,7 +130,7 @@ def layer_layout(model: nn.Module, config: PolyAttnConfig | None = None) -> list
                 f", soft-capped at {entry['softcap']})" if entry["softcap"] is not None else ")")
         else:
             heads = list(softmax_heads_of(cfg, idx))
-            every = bool(heads) and len(heads) == _dims(mod)[2]
+            every = bool(heads) and len(heads) == attention_dims(mod)[2]
             entry.update(role="softmax" if every else "kind", kind=cfg.kind, softmax_kv_heads=heads)
             text = "softmax (every kv head)" if every else cfg.kind + (f", softmax kv heads {heads}" if heads else "")
             if had is not None:

@@ -38,36 +38,11 @@ from ..ops.hybrid import layer_module_class
 from ..ops.rotary import RopeRotation
 from ..ops.sliding import SlidingWindowSoftmax
 from .cache import polyattn_layer_of
-from .compatibility import call_keyword_value, is_cross_attention_call
+from .compatibility import attention_dims, call_keyword_value, is_cross_attention_call
 from .rope import model_rope, reads_rope
 from .settings import BASE_MODEL_KEY, hub_model_id, persist_settings, polyattn_kind, resolve_polyattn_config
 
 __all__ = ["HFPolyAttention", "attach_polyattn", "attach_sliding", "get_polyattn_config", "sink_rope", "sync_config"]
-
-
-def _dims(module: nn.Module) -> tuple[int, int, int]:
-    """(num_heads, head_dim, num_kv_heads) of a transformers attention module."""
-    config = module.config
-
-    def first(*names, src):
-        for n in names:
-            v = getattr(src, n, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                return v
-        return None
-
-    heads = first("num_heads", "num_attention_heads", "n_heads", src=module) or first(
-        "num_attention_heads", "n_head", "n_heads", src=config)
-    head_dim = first("head_dim", "attention_head_size", "head_size", src=module)
-    if head_dim is None and heads:
-        hidden = first("hidden_size", "embed_dim", "dim", src=config)
-        head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden else None)
-    if not heads or not head_dim:
-        raise ValueError(f"cannot read the head count / head size of {type(module).__name__}: hf_polyattn supports "
-                         "attention modules with num_heads/num_attention_heads and head_dim/attention_head_size")
-    groups = first("num_key_value_groups", src=module)
-    kv_heads = heads // groups if groups else (first("num_key_value_heads", src=config) or heads)
-    return heads, head_dim, kv_heads
 
 
 _HF_CLASSES: dict[type, type] = {}
@@ -195,7 +170,7 @@ def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, d
     """Give ``module`` its own ``polyattn`` submodule (replacing an existing one, or the exact window of a sliding
     layer) and the cache hooks. ``replaced_window``: the model's sliding window of this layer, which the kind
     replaces (``sliding_layers='kind'``): its calls pass it, and it is accepted instead of refused."""
-    heads, head_dim, kv_heads = _dims(module)
+    heads, head_dim, kv_heads = attention_dims(module)
     rope = sink_rope(module, cfg, layer_idx)  # before anything changes: a RoPE it cannot read is refused here
     if device is None and dtype is None:
         pa = HFPolyAttention(cfg, heads, head_dim, kv_heads, layer_idx)  # ambient device/dtype (from_pretrained)
