@@ -8,15 +8,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/fsdp-smollm2}
-OMP_NUM_THREADS=1 $P -m torch.distributed.run --nproc_per_node 2 recipes/retrofit.py --model smollm2 \
-    --attention polysketch --transfer_steps 10 --transfer_batch_size 2 --lora --finetune_steps 5 --batch_size 2 \
+OMP_NUM_THREADS=1 $P -m torch.distributed.run --nproc_per_node 2 -m hf_polyattn.retrofit --model smollm2 --data demo \
+    --kind polysketch --set sketch=learned --set sketch_size=32 --set window=128 --set feature_proj=64 \
+    --set block_size=64 --set qk_norm=true --transfer_steps 10 --transfer_batch_size 2 --lora --finetune_steps 5 --batch_size 2 \
     --context 256 --max_eval_tokens 2048 --eval_batch_size 4 --threads 1 --progress false --fsdp --no_resume \
     --output_dir $OUT
 cp $OUT/results.json recipes/results/fsdp/smollm2-2proc.json
-$P -m hf_polyattn.cli eval $OUT/model --data ../shared/data/tinyshakespeare_train.txt --max-eval-tokens 2048 \
+$P -m hf_polyattn.cli eval $OUT/model --data demo --max-eval-tokens 2048 \
     --context 256 --batch-size 4 --threads 1
 for M in "$($P -c 'from hf_polyattn.checkpoints import resolve_checkpoint; print(resolve_checkpoint("smollm2"))')" $OUT/model; do
     OMP_NUM_THREADS=2 $P -m lm_eval --model hf --model_args pretrained=$M,trust_remote_code=True,dtype=float32,max_length=256 \
-        --tasks polyattn_tinyshakespeare --include_path hf_polyattn/eval/lm_eval_tasks --limit 10 --device cpu \
-        --metadata '{"tinyshakespeare_file": "../shared/data/tinyshakespeare_train.txt"}'
+        --tasks polyattn_tinyshakespeare --include_path hf_polyattn/eval/lm_eval_tasks --limit 10 --device cpu
 done

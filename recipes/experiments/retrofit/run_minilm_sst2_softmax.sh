@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
-CLS="--model minilm --task classification --data ../shared/data/sst2_train.tsv --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress true"
+SST2=${HF_POLYATTN_SST2:?SST-2 is not bundled: set HF_POLYATTN_SST2 to GLUE SST-2 train.tsv (sentence<TAB>label)}
+CLS="--model minilm --task classification --data $SST2 --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress true"
 P=.venv/bin/python
-$P recipes/retrofit.py $CLS --attention softmax --eval_before false --output_dir runs/r2/minilm-softmax
+$P -m hf_polyattn.retrofit $CLS --kind softmax --eval_before false --output_dir runs/r2/minilm-softmax

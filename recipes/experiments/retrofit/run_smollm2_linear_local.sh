@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
-LM="--model smollm2 --finetune_steps 60 --finetune_lr 1e-4 --warmup_steps 5 --batch_size 4 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 8192 --threads 2 --progress false"
+LM="--model smollm2 --data demo --finetune_steps 60 --finetune_lr 1e-4 --warmup_steps 5 --batch_size 4 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 8192 --threads 2 --progress false"
 R="--transfer_lr 1e-2 --polyattn_lr 1e-3 --eval_before false"
-$P recipes/retrofit.py $LM $R --attention linear --feature_map elu --local_exact true --block_size 64 --qk_norm true --transfer_steps 40 --window 0 --feature_proj 0 --output_dir runs/r2/smollm2-linear-local
+$P -m hf_polyattn.retrofit $LM $R --kind linear --set local_exact=true --set block_size=64 --set qk_norm=true --transfer_steps 40 --output_dir runs/r2/smollm2-linear-local

@@ -6,10 +6,11 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
-LM="--model smollm2 --transfer_steps 40 --transfer_lr 1e-2 --batch_size 4 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --eval_before false --save_model false --attention polysketch --sketch learned --sketch_size 32 --local_exact true --block_size 64"
-$P recipes/retrofit.py $LM --qk_norm true --window 0 --feature_proj 0 --output_dir runs/r2/pilot-A
-$P recipes/retrofit.py $LM --local_kernel softmax --no_qk_norm --window 0 --feature_proj 0 --output_dir runs/r2/pilot-B
-$P recipes/retrofit.py $LM --local_kernel softmax --qk_norm true --window 0 --feature_proj 0 --output_dir runs/r2/pilot-C
-CLS="--model minilm --task classification --data ../shared/data/sst2_train.tsv --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress true"
-T="--transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --polyattn_lr 1e-3 --qk_norm true"
-$P recipes/retrofit.py $CLS $T --attention linear --feature_map elu --local_exact true --block_size 16 --window 0 --feature_proj 0 --output_dir runs/r2/minilm-linear-local
+LM="--model smollm2 --data demo --transfer_steps 40 --transfer_lr 1e-2 --batch_size 4 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --eval_before false --save_model false --kind polysketch --set sketch=learned --set sketch_size=32 --set local_exact=true --set block_size=64"
+$P -m hf_polyattn.retrofit $LM --set qk_norm=true --output_dir runs/r2/pilot-A
+$P -m hf_polyattn.retrofit $LM --set local_kernel=softmax --set qk_norm=false --output_dir runs/r2/pilot-B
+$P -m hf_polyattn.retrofit $LM --set local_kernel=softmax --set qk_norm=true --output_dir runs/r2/pilot-C
+SST2=${HF_POLYATTN_SST2:?SST-2 is not bundled: set HF_POLYATTN_SST2 to GLUE SST-2 train.tsv (sentence<TAB>label)}
+CLS="--model minilm --task classification --data $SST2 --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress true"
+T="--transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --polyattn_lr 1e-3"
+$P -m hf_polyattn.retrofit $CLS $T --kind linear --set local_exact=true --set block_size=16 --set qk_norm=true --output_dir runs/r2/minilm-linear-local

@@ -11,20 +11,20 @@ set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/retrofit_kinds_minilm}
 KINDS=${KINDS:-"softmax linformer nystrom fnet bigbird reformer"}
-DATA=../shared/data/sst2_train.tsv
-CLS="--model minilm --task classification --data $DATA --finetune_steps 200 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress false --resume false"
+SST2=${HF_POLYATTN_SST2:?SST-2 is not bundled: set HF_POLYATTN_SST2 to GLUE SST-2 train.tsv (sentence<TAB>label)}
+CLS="--model minilm --task classification --data $SST2 --finetune_steps 200 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress false --resume false"
 T="--transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --polyattn_lr 1e-3"
 for kind in $KINDS; do
   case $kind in
-    softmax) $P recipes/retrofit.py $CLS --attention softmax --eval_before false --output_dir $OUT/softmax ;;
+    softmax) $P -m hf_polyattn.retrofit $CLS --kind softmax --eval_before false --output_dir $OUT/softmax ;;
     # MiniLM reads 64 tokens here: E, F for 64 positions, projected to 16 rows (segments of 4 tokens)
-    linformer) $P recipes/retrofit.py $CLS $T --attention linformer --polyattn_json '{"options": {"projection_length": 16, "max_length": 64}}' --output_dir $OUT/linformer ;;
-    nystrom) $P recipes/retrofit.py $CLS --attention nystrom --polyattn_json '{"options": {"num_landmarks": 16}}' --output_dir $OUT/nystrom ;;
-    fnet) $P recipes/retrofit.py $CLS --attention fnet --output_dir $OUT/fnet ;;
+    linformer) $P -m hf_polyattn.retrofit $CLS $T --kind linformer --set projection_length=16 --set max_length=64 --output_dir $OUT/linformer ;;
+    nystrom) $P -m hf_polyattn.retrofit $CLS --kind nystrom --set num_landmarks=16 --output_dir $OUT/nystrom ;;
+    fnet) $P -m hf_polyattn.retrofit $CLS --kind fnet --output_dir $OUT/fnet ;;
     # blocks of 8 tokens: window of 3 blocks, 1 global block, 1 random block
-    bigbird) $P recipes/retrofit.py $CLS --attention bigbird --polyattn_json '{"options": {"block": 8, "random_blocks": 1}}' --output_dir $OUT/bigbird ;;
+    bigbird) $P -m hf_polyattn.retrofit $CLS --kind bigbird --set block=8 --set random_blocks=1 --output_dir $OUT/bigbird ;;
     # LSH on the model's own q and k (a stock checkpoint has trained W_k): shared_qk off
-    reformer) $P recipes/retrofit.py $CLS --attention reformer --polyattn_json '{"options": {"num_buckets": 4, "shared_qk": false, "bucket_window": 16}}' --output_dir $OUT/reformer ;;
+    reformer) $P -m hf_polyattn.retrofit $CLS --kind reformer --set num_buckets=4 --set shared_qk=false --set bucket_window=16 --output_dir $OUT/reformer ;;
   esac
 done
 $P -c "

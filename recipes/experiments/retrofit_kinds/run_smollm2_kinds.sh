@@ -12,18 +12,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/retrofit_kinds_smollm2}
-C="--model smollm2 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 8192 --threads 2 --progress false --resume false --save_model false --batch_size 4 --transfer_batch_size 4"
+C="--model smollm2 --data demo --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 8192 --threads 2 --progress false --resume false --save_model false --batch_size 4 --transfer_batch_size 4"
 F="--finetune_steps 60 --lora true --lora_r 8 --lora_alpha 16 --finetune_lr 1e-3 --polyattn_lr 1e-3 --warmup_steps 5"
-T="--qk_norm true --transfer_steps 60 --transfer_lr 1e-2 --eval_before false --feature_proj 64"
+T="--set qk_norm=true --set block_size=64 --set feature_proj=64 --transfer_steps 60 --transfer_lr 1e-2 --eval_before false"
 row() {  # row NAME ARGS...: one run; a failure is reported, not fatal
   local name=$1
   shift
-  $P recipes/retrofit.py $C $F "$@" --output_dir "$OUT/$name" || echo "FAILED $name (exit $?)" >&2
+  $P -m hf_polyattn.retrofit $C $F "$@" --output_dir "$OUT/$name" || echo "FAILED $name (exit $?)" >&2
 }
-row softmax --attention softmax
-row bigbird16 --attention bigbird --polyattn_json '{"options": {"block": 16}}'
-row reformer8x32 --attention reformer --polyattn_json '{"options": {"num_buckets": 8, "bucket_window": 32, "shared_qk": false}}'
-row taylor_window128_proj --attention taylor $T --window 128 --block_size 64
+row softmax --kind softmax
+row bigbird16 --kind bigbird --set block=16
+row reformer8x32 --kind reformer --set num_buckets=8 --set bucket_window=32 --set shared_qk=false
+row taylor_window128_proj --kind taylor $T --set window=128
 $P -c "
 from pathlib import Path
 from hf_polyattn.eval.compare import compare_runs, write_table

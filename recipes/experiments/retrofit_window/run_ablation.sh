@@ -16,12 +16,12 @@ set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/retrofit_window}
 STOP_AT=${STOP_AT:-}
-C="--model smollm2 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --resume false --transfer_batch_size 4 --save_model false"
-B="--qk_norm true --transfer_steps 60 --transfer_lr 1e-2"
-S16="--attention polysketch --sketch learned --sketch_size 16 $B"
-S32="--attention polysketch --sketch learned --sketch_size 32 $B"
-LIN="--attention linear --feature_map elu $B"
-PROJ='{"feature_proj": 64}'
+C="--model smollm2 --data demo --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --resume false --transfer_batch_size 4 --save_model false"
+B="--set qk_norm=true --set block_size=64 --transfer_steps 60 --transfer_lr 1e-2"
+S16="--kind polysketch --set sketch=learned --set sketch_size=16 $B"
+S32="--kind polysketch --set sketch=learned --set sketch_size=32 $B"
+LIN="--kind linear --set feature_map=elu $B"
+PROJ="--set feature_proj=64"
 row() {  # row NAME ARGS...: one run; a failure is reported, not fatal (the table lists the runs that finished)
   local name=$1
   shift
@@ -29,15 +29,15 @@ row() {  # row NAME ARGS...: one run; a failure is reported, not fatal (the tabl
     echo "SKIPPED $name: time box (STOP_AT=$STOP_AT) reached before it started" >&2
     return 0
   fi
-  $P recipes/retrofit.py $C "$@" --output_dir "$OUT/$name" || echo "FAILED $name (exit $?)" >&2
+  $P -m hf_polyattn.retrofit $C "$@" --output_dir "$OUT/$name" || echo "FAILED $name (exit $?)" >&2
 }
-row softmax --attention softmax
-row polysketch_r32_window128_proj $S32 --window 128 --block_size 64 --polyattn_json "$PROJ"
-row polysketch_window0_proj $S16 --local_exact false --window 0 --block_size 64 --polyattn_json "$PROJ"
-row polysketch_window128 $S16 --window 128 --block_size 64 --feature_proj 0
-row linear_window128_proj $LIN --window 128 --block_size 64 --polyattn_json "$PROJ"
-row polysketch_window16_proj $S16 --window 16 --block_size 64 --polyattn_json "$PROJ"
-row polynomial4_proj --attention polynomial --degree 4 $B --polyattn_json "$PROJ"
+row softmax --kind softmax
+row polysketch_r32_window128_proj $S32 --set window=128 $PROJ
+row polysketch_window0_proj $S16 $PROJ
+row polysketch_window128 $S16 --set window=128
+row linear_window128_proj $LIN --set window=128 $PROJ
+row polysketch_window16_proj $S16 --set window=16 $PROJ
+row polynomial4_proj --kind polynomial --set degree=4 $B $PROJ
 $P -c "
 from pathlib import Path
 from hf_polyattn.eval.compare import compare_runs, write_table

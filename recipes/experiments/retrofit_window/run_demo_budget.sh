@@ -8,12 +8,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/retrofit_window}
-C="--model smollm2 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --resume false --transfer_batch_size 4 --save_model false"
-T="--attention polysketch --sketch learned --sketch_size 16 --qk_norm true --transfer_steps 60 --transfer_lr 1e-2"
-$P recipes/retrofit.py $C --attention softmax --output_dir $OUT/softmax
-$P recipes/retrofit.py $C $T --local_exact true --block_size 64 --window 0 --feature_proj 0 --output_dir $OUT/polysketch_blocks64
-$P recipes/retrofit.py $C $T --window 64 --block_size 64 --feature_proj 0 --output_dir $OUT/polysketch_window64
-$P recipes/retrofit.py $C $T --window 64 --block_size 64 --polyattn_json '{"feature_proj": 64}' --output_dir $OUT/polysketch_window64_proj
+C="--model smollm2 --data demo --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --resume false --transfer_batch_size 4 --save_model false"
+T="--kind polysketch --set sketch=learned --set sketch_size=16 --set qk_norm=true --set block_size=64 --transfer_steps 60 --transfer_lr 1e-2"
+$P -m hf_polyattn.retrofit $C --kind softmax --output_dir $OUT/softmax
+$P -m hf_polyattn.retrofit $C $T --set local_exact=true --output_dir $OUT/polysketch_blocks64
+$P -m hf_polyattn.retrofit $C $T --set window=64 --output_dir $OUT/polysketch_window64
+$P -m hf_polyattn.retrofit $C $T --set window=64 --set feature_proj=64 --output_dir $OUT/polysketch_window64_proj
 $P -c "
 from pathlib import Path
 from hf_polyattn.eval.compare import compare_runs, write_table

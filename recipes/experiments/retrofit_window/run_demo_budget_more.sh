@@ -7,10 +7,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/retrofit_window}
-C="--model smollm2 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --resume false --transfer_batch_size 4 --save_model false"
-T="--attention polysketch --sketch learned --sketch_size 16 --qk_norm true --transfer_steps 60 --transfer_lr 1e-2"
-$P recipes/retrofit.py $C $T --window 64 --block_size 64 --polyattn_json '{"feature_proj": 64, "window_mix": true}' --output_dir $OUT/polysketch_window64_proj_mix
-$P recipes/retrofit.py $C $T --window 128 --block_size 64 --polyattn_json '{"feature_proj": 64}' --output_dir $OUT/polysketch_window128_proj
+C="--model smollm2 --data demo --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 2048 --threads 2 --progress false --resume false --transfer_batch_size 4 --save_model false"
+T="--kind polysketch --set sketch=learned --set sketch_size=16 --set qk_norm=true --set block_size=64 --transfer_steps 60 --transfer_lr 1e-2"
+$P -m hf_polyattn.retrofit $C $T --set window=64 --set feature_proj=64 --set window_mix=true --output_dir $OUT/polysketch_window64_proj_mix
+$P -m hf_polyattn.retrofit $C $T --set window=128 --set feature_proj=64 --output_dir $OUT/polysketch_window128_proj
 $P -c "
 from pathlib import Path
 from hf_polyattn.eval.compare import compare_runs, write_table

@@ -8,12 +8,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/retrofit_window_minilm}
-DATA=../shared/data/sst2_train.tsv
-CLS="--model minilm --task classification --data $DATA --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress false --resume false"
-T="--transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --polyattn_lr 1e-3 --qk_norm true"
-$P recipes/retrofit.py $CLS --attention softmax --eval_before false --output_dir $OUT/softmax
-$P recipes/retrofit.py $CLS $T --attention linear --feature_map elu --window 16 --feature_proj 0 --output_dir $OUT/linear_window16
-$P recipes/retrofit.py $CLS $T --attention polysketch --sketch learned --sketch_size 32 --window 16 --block_size 16 --feature_proj 0 --output_dir $OUT/polysketch_window16
+SST2=${HF_POLYATTN_SST2:?SST-2 is not bundled: set HF_POLYATTN_SST2 to GLUE SST-2 train.tsv (sentence<TAB>label)}
+CLS="--model minilm --task classification --data $SST2 --finetune_steps 400 --finetune_lr 1e-4 --warmup_steps 20 --batch_size 16 --max_length 64 --num_eval 1000 --eval_batch_size 100 --threads 2 --progress false --resume false"
+T="--transfer_steps 100 --transfer_batch_size 16 --transfer_lr 1e-2 --polyattn_lr 1e-3"
+$P -m hf_polyattn.retrofit $CLS --kind softmax --eval_before false --output_dir $OUT/softmax
+$P -m hf_polyattn.retrofit $CLS $T --kind linear --set window=16 --set block_size=64 --set qk_norm=true --output_dir $OUT/linear_window16
+$P -m hf_polyattn.retrofit $CLS $T --kind polysketch --set sketch=learned --set sketch_size=32 --set window=16 --set block_size=16 --set qk_norm=true --output_dir $OUT/polysketch_window16
 $P -c "
 from pathlib import Path
 from hf_polyattn.eval.compare import compare_runs, write_table

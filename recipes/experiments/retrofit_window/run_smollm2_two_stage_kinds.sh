@@ -10,18 +10,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../../.."   # the repository root
 set -x
 P=.venv/bin/python
 OUT=${OUT:-runs/retrofit_window_two_stage_kinds}
-C="--model smollm2 --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 8192 --threads 2 --progress false --resume false --save_model false --batch_size 4 --transfer_batch_size 4"
+C="--model smollm2 --data demo --context 256 --eval_context 256 --eval_stride 256 --max_eval_tokens 8192 --threads 2 --progress false --resume false --save_model false --batch_size 4 --transfer_batch_size 4"
 F="--finetune_steps 60 --lora true --lora_r 8 --lora_alpha 16 --finetune_lr 1e-3 --polyattn_lr 1e-3 --warmup_steps 5"
-T="--qk_norm true --transfer_steps 60 --transfer_lr 1e-2 --eval_before false --feature_proj 64"
+T="--set qk_norm=true --set block_size=64 --set feature_proj=64 --transfer_steps 60 --transfer_lr 1e-2 --eval_before false"
 row() {  # row NAME ARGS...: one run; a failure is reported, not fatal
   local name=$1
   shift
-  $P recipes/retrofit.py $C $F "$@" --output_dir "$OUT/$name" || echo "FAILED $name (exit $?)" >&2
+  $P -m hf_polyattn.retrofit $C $F "$@" --output_dir "$OUT/$name" || echo "FAILED $name (exit $?)" >&2
 }
-row softmax --attention softmax
-row linear_window128_proj --attention linear --feature_map elu $T --window 128 --block_size 64
-row polynomial4_proj --attention polynomial --degree 4 $T
-row performer_window128_proj --attention performer --num_features 256 $T --window 128 --block_size 64
+row softmax --kind softmax
+row linear_window128_proj --kind linear --set feature_map=elu $T --set window=128
+row polynomial4_proj --kind polynomial --set degree=4 $T
+row performer_window128_proj --kind performer --set num_features=256 $T --set window=128
 $P -c "
 from pathlib import Path
 from hf_polyattn.eval.compare import compare_runs, write_table
