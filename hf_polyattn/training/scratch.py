@@ -1,5 +1,5 @@
 """Train a small GPT-2 with softmax attention from scratch (no pretrained GPT-2 weights are installable
-offline); the saved folder is then retrofitted like any checkpoint (recipes/retrofit.py --model DIR)."""
+offline); the saved folder is then retrofitted like any checkpoint (`hf-polyattn retrofit --model DIR`)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,6 @@ def train_gpt2(a: ScratchArgs) -> dict:
         model.save_pretrained(out / "model")
         tok.save_pretrained(out / "model")
         (out / "results.json").write_text(json.dumps(result, indent=2))
-        print(f"held-out perplexity {ev['perplexity']:.2f}; retrofit: recipes/retrofit.py --model {out / 'model'}")
+        print(f"held-out perplexity {ev['perplexity']:.2f}; retrofit: hf-polyattn retrofit --model {out / 'model'}")
     finish_run(acc)
     return result
