@@ -19,7 +19,7 @@ Data:
 
 The relative error is scale invariant, so the 1/sqrt(d) score scaling does not matter here.
 "learned after transfer": pass --transferred DIR ..., folders of MiniLM models retrofitted with a learned
-polysketch (``recipes/retrofit.py --model minilm --attention polysketch --sketch learned ... --transfer_steps N``,
+polysketch (``hf-polyattn retrofit --model minilm --kind polysketch --set sketch=learned ... --transfer_steps N``,
 the saved ``model/`` folder). For each layer of --transferred_layers the layer's polyattn module is rebuilt from
 the checkpoint and measured on that layer's q/k exactly as the module sees them: q' = LayerNorm_h(q) (when
 qk_norm) times s^(1/2), s = 1/sqrt(head_dim), against (q'.k')^p. The same module with its sketch put back to
