@@ -384,6 +384,50 @@ def test_console_script(tmp_path):
     assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
 
 
+# ----------------------------------------------------------------------------------------------- retrofit
+
+
+def test_retrofit_with_a_preset_writes_a_folder_that_reloads(tiny_dirs, text_file, tmp_path, capsys):
+    """`hf-polyattn retrofit --preset long-context` on a tiny Llama (hidden 32, 4 heads, 2 kv heads), its budget cut
+    by flags: the preset's attention resolved for this model (feature_proj = its head size 8, softmax heads scored:
+    auto:1), LoRA from the preset,
+    the flags' schedules; the folder reloads with that attention and the record names the preset."""
+    out = tmp_path / "run"
+    code, stdout, err = run(["retrofit", "--model", tiny_dirs["llama"], "--data", text_file, "--preset", "long-context",
+                             "--set", "softmax_heads=auto:1", "--transfer_steps", "1", "--transfer_schedule", "32:1",
+                             "--finetune_steps", "1", "--finetune_schedule", "32:1", "--eval_context", "32",
+                             "--eval_stride", "32", "--max_eval_tokens", "64", "--progress", "false", "--output_dir",
+                             out], capsys)
+    assert code == 0, err[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["args"]["preset"] == "long-context" and results["args"]["lora"] is True
+    assert [results["stages"][s]["steps"] for s in ("transfer", "finetune")] == [1, 1]
+    c = results["polyattn"]
+    assert (c["kind"], c["feature_map"], c["window"], c["sinks"], c["decay_horizon"], c["feature_proj"]) == (
+        "linear", "elu", 128, 4, 256.0, 8)
+    assert len(c["softmax_heads"]) == 1 and "[softmax heads] 1 of 4 kv heads" in stdout
+    assert "Hub-ready folder" in stdout and "Retrofitted: every attention layer -> linear" in stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    cfg = hf_polyattn.get_polyattn_config(model)
+    assert cfg.to_dict() == c and not any("lora" in n for n, _ in model.named_parameters())
+    # the same folder, evaluated with no stage: the saved attention is used, its kind must match
+    code, _, err = run(["retrofit", "--model", out / "model", "--data", text_file, "--kind", "polysketch",
+                        "--eval_context", "32", "--output_dir", tmp_path / "again"], capsys)
+    assert code == 2 and "was converted to attention 'linear'; pass --kind linear" in err
+
+
+def test_python_m_hf_polyattn_retrofit_is_the_command(tmp_path):
+    """The module entry that accelerate launch -m / torchrun -m start: the same parser, the same errors."""
+    res = subprocess.run([sys.executable, "-m", "hf_polyattn.retrofit", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("usage: hf-polyattn retrofit ")
+    res = subprocess.run([sys.executable, "-m", "hf_polyattn.retrofit", "--kind", "linear", "--set", "window=-1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "window must be an int >= 0" in res.stderr and "Traceback" not in res.stderr
+
+
 # ----------------------------------------------------------------------------------------------- no tokenizer
 
 
