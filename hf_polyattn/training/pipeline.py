@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .. import machine, registry
-from ..checkpoints import CheckpointError, check_supported, load_model, resolve_checkpoint
+from ..checkpoints import CheckpointError, check_supported, hub_id, load_model, resolve_checkpoint
 from ..config import PolyAttnConfig
 from ..data import (
     DataError,
@@ -597,6 +597,13 @@ class Retrofit:
             pcfg = resolve_attention(m.attention, mcfg, lambda k: self._score_heads(model, k))
         if pcfg is not None:
             model = hf_polyattn.convert(model, pcfg) or model
+            from ..integration.settings import BASE_MODEL_KEY
+
+            # the Hub id of the base checkpoint ('smollm2' loads from a local cache folder, whose path the config
+            # would otherwise carry): what `hf-polyattn eval` compares against and the model card names
+            base = hub_id(m.model)
+            if base is not None and getattr(model.config, BASE_MODEL_KEY, None) is None:
+                setattr(model.config, BASE_MODEL_KEY, base)
         self.pcfg = pcfg
         return self._placed(model)
 
