@@ -510,9 +510,13 @@ class Retrofit:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # 2. data (missing file / column / unreachable dataset id -> DataError)
-        if not d.data:
+        if not d.data and m.task == "causal_lm":
             raise DataError("data is required: --data demo (the bundled text), web (a streamed web-text sample), a "
                             "local file or a Hub dataset id")
+        if not d.data:
+            raise DataError("data is required: --data with a local .tsv / .csv / .jsonl / .parquet file of sentences "
+                            "and integer labels, or a Hub dataset id (SST-2 is not bundled: stanfordnlp/sst2 on the "
+                            "Hub, or GLUE's SST-2/train.tsv)")
         if m.task == "causal_lm":
             self.data = self._load_text()
             self.eval_ids = self.data.eval_ids[: d.max_eval_tokens] if d.max_eval_tokens else self.data.eval_ids

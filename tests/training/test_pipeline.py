@@ -66,6 +66,8 @@ def test_missing_data_is_a_clear_error_before_training(tiny_dirs, tmp_path):
     with pytest.raises(DataError, match="data is required"):
         run(build(model=tiny_dirs["llama"], attention="polysketch", transfer_steps=1, output_dir=str(tmp_path / "x")))
     assert not (tmp_path / "x" / "model").exists()
+    with pytest.raises(DataError, match="SST-2 is not bundled"):  # the encoder presets name no data
+        run(build(preset="linear-encoder", model=tiny_dirs["bert"], output_dir=str(tmp_path / "y")))
 
 
 def test_no_attention_is_a_clear_error():
