@@ -45,11 +45,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--push_to_hub", action="store_true", help="push the folder to the Hub")
     p.add_argument("--hub_model_id", help="repo id for --push_to_hub")
     a = p.parse_args(argv)
-    fields = {}
-    if KERNELS[a.kernel] is not None:  # the preset's attention with another kernel
+    fields, notes = {}, []
+    if KERNELS[a.kernel] is not None:  # the preset's attention with another kernel (the run says what it left out)
         kind, settings = KERNELS[a.kernel]
-        fields["attention"] = attention_spec("demo", kind=kind, overrides=settings)
-    args = RetrofitArgs.build(preset="demo", model=a.model, output_dir=str(Path(a.output_dir) / a.kernel),
+        fields["attention"] = attention_spec("demo", kind=kind, overrides=settings, notes=notes)
+    args = RetrofitArgs.build(preset="demo", notes=notes, model=a.model, output_dir=str(Path(a.output_dir) / a.kernel),
                               threads=a.threads, resume=False, push_to_hub=a.push_to_hub,
                               hub_model_id=a.hub_model_id, **fields)
     return run(args)  # prints the long-context table, what it retrofitted and where the folder went
