@@ -55,9 +55,10 @@ WEB_CORPUS = {"source": "HuggingFaceFW/fineweb-edu", "config": "sample-10BT", "s
 # tokens a stream is read for when the run does not say (max_train_tokens): the long-context preset trains on
 # 60 x 2 x 1,024 + 20 x 1,024 + 20 x 2,048 = 184k tokens drawn at random from it
 STREAM_TRAIN_TOKENS = 1_000_000
-NARROW = ("the bundled demo text is Tiny Shakespeare, one author's plays (about 300k tokens): a retrofit tuned on it "
-          "is only as general as that text; for a general model use --data web (a streamed web-text sample, needs "
-          "the Hub) or a corpus of your own")
+# 309,082 tokens of SmolLM2's tokenizer (the whole file tokenized at once), 1,016,242 bytes
+NARROW = ("the bundled demo text is Tiny Shakespeare, one author's plays (309,082 SmolLM2 tokens): a retrofit "
+          "tuned on it is only as general as that text; for a general model use --data web (a streamed web-text "
+          "sample, needs the Hub) or a corpus of your own")
 
 
 class DataError(ValueError):
