@@ -284,8 +284,9 @@ def cmd_kinds(args, argv) -> int:
         print(json.dumps({"kinds": kinds, "all_kinds": every}, indent=1, default=str))
         return 0
     print(_wrap("Attention kinds (hf_polyattn.register_kind adds one) and the options each one reads. Set one with "
-                f"`--set NAME=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig.for_kind(kind, NAME=VALUE) in "
-                "Python; a switch a kind does not read (window, local_exact, qk_norm, ...) is refused.") + "\n")
+                f"`--set NAME=VALUE` (`{PROG} convert`, `eval`, `retrofit`) or PolyAttnConfig.for_kind(kind, "
+                "NAME=VALUE) in Python; a switch a kind does not read (window, local_exact, qk_norm, ...) is "
+                "refused.") + "\n")
 
     def show(opts: list[dict]) -> None:
         for o in opts:
