@@ -923,8 +923,8 @@ def run_summary(results: dict[str, Any], target: Path | None) -> str:
         scores = results.get("head_scores")
         if scores:
             total = len(scores["retrieval"]) * len(scores["retrieval"][0])
-            what += (f"; {len(scores['selected'])} of {total} kv heads kept exact softmax (the best by retrieval "
-                     f"score, {scores['wall_s']} s to score)")
+            what += (f"; its softmax heads are the best {len(scores['selected'])} of {total} kv heads by retrieval "
+                     f"score ({scores['wall_s']} s to score)")
         lines.append(what)
     else:
         lines.append("Attention: the checkpoint's own softmax")
