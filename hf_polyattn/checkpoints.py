@@ -12,6 +12,8 @@
   ``save_pretrained``, so its state dict is copied into a fresh ``LlamaForCausalLM(config)``;
 * any other string: a Hub id, checked with ``AutoConfig.from_pretrained`` so that an unreachable
   id fails here, with a clear message, before any training starts.
+
+``load_model`` / ``load_tokenizer`` are the one loader of every command (convert, eval, score-heads, retrofit).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 __all__ = [
+    "MODEL_TASKS",
     "CheckpointError",
     "SUPPORTED_MODEL_TYPES",
     "cache_dir",
@@ -30,6 +33,9 @@ __all__ = [
     "hub_reachable",
     "convert_smollm2_gguf",
     "known_hub_id",
+    "load_model",
+    "load_tokenizer",
+    "model_class",
     "package_dir",
     "resolve_checkpoint",
 ]
@@ -37,6 +43,7 @@ __all__ = [
 MINILM_ALIASES = ("sentence-transformers/all-minilm-l6-v2", "all-minilm-l6-v2", "minilm")
 SMOLLM2_ALIASES = ("huggingfacetb/smollm2-135m-instruct", "smollm2-135m-instruct", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the Hub ids of the offline aliases (what a card names as the base model)
 SMOLLM2_ID, MINILM_ID = "HuggingFaceTB/SmolLM2-135M-Instruct", "sentence-transformers/all-MiniLM-L6-v2"
 
 # Architectures whose attention goes through transformers' AttentionInterface (TRANSFORMERS_NOTES.md)
@@ -187,3 +194,63 @@ def check_supported(config) -> None:
             f"model_type {mt!r} is not supported by the retrofit recipes; supported: {list(SUPPORTED_MODEL_TYPES)} "
             "(their attention must go through transformers' AttentionInterface)"
         )
+
+
+# the head a command loads: an auto class of transformers; "auto" = the class named in the checkpoint's
+# config.architectures (AutoModel when it names none)
+MODEL_TASKS = {
+    "auto": None,
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "base": "AutoModel",
+}
+
+
+def model_class(path: str, task: str = "auto"):
+    """The class to load checkpoint ``path`` with: ``task``'s auto class, else the config's architectures[0]."""
+    import transformers
+
+    if task not in MODEL_TASKS:
+        raise CheckpointError(f"task must be one of {list(MODEL_TASKS)}, got {task!r}")
+    if task != "auto":
+        return getattr(transformers, MODEL_TASKS[task])
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path!r}: cannot read its config: {str(err).splitlines()[0]}") from None
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def load_model(path: str, cls=None, *, task: str = "auto", **kwargs):
+    """``cls.from_pretrained(path, **kwargs)`` (``cls`` default: ``model_class(path, task)``); a CheckpointError
+    naming the class and the first line of the cause when it cannot load. ``import hf_polyattn`` has registered
+    the kinds, so a converted folder loads with its attention."""
+    import hf_polyattn  # noqa: F401  (registers the kinds with transformers)
+
+    cls = cls if cls is not None else model_class(path, task)
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot load {path!r} with {cls.__name__}: {str(err).splitlines()[0]}") from None
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of checkpoint ``path``, or None when it has none.
+
+    transformers builds a tokenizer that holds only its special tokens from a checkpoint without tokenizer
+    files (a BERT folder gives 5 tokens, a GPT-2 one 1): copied by convert it would turn every word into
+    [UNK] later, and eval would score no token. That counts as no tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        return None
+    return tokenizer

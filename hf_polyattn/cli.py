@@ -1,9 +1,12 @@
 """hf-polyattn: the command line of hf_polyattn.
 
     hf-polyattn kinds                                            # every attention kind and its options
+    hf-polyattn presets                                          # the measured retrofit recipes and their figures
+    hf-polyattn retrofit --model smollm2 --preset long-context --data demo --output_dir out
+                                                                 # swap, transfer, fine-tune, evaluate, save
     hf-polyattn convert MODEL --kind polysketch --out DIR        # swap the attention of a checkpoint, save it
-    hf-polyattn eval MODEL --data FILE                           # held-out perplexity of a causal LM
-    hf-polyattn eval MODEL --data FILE --contexts 256,1024,4096 --passkey 1024,2048 --out DIR
+    hf-polyattn eval MODEL --data demo                           # held-out perplexity of a causal LM
+    hf-polyattn eval MODEL --data demo --contexts 256,1024,4096 --passkey 1024,2048 --out DIR
                                                                  # long context: curve, passkey, baselines
     hf-polyattn score-heads MODEL --out scores.json              # rank kv heads to keep as softmax (softmax_heads)
     hf-polyattn bench [--device cuda]                            # attention speed / memory against SDPA
@@ -28,19 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from .bench import HelpFormatter, int_at_least
+from .checkpoints import MODEL_TASKS as TASKS  # --task of convert -> the transformers auto class
 
 PROG = "hf-polyattn"
 
-# --task of convert -> the transformers auto class; "auto" = the class named in the checkpoint's config.architectures
-TASKS = {
-    "auto": None,
-    "causal-lm": "AutoModelForCausalLM",
-    "masked-lm": "AutoModelForMaskedLM",
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "base": "AutoModel",
-}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # PolyAttnConfig fields that every kind reads (the others are listed under the kinds that read them)
 EVERY_KIND_FIELDS = ("seed", "softmax_heads", "sliding_layers")
@@ -144,20 +138,10 @@ def parse_value(name: str, tp, text: str) -> Any:
     return _parse_scalar(name, inner, text)
 
 
-def build_config(kind: str, settings: list[str] | None):
-    """PolyAttnConfig.for_kind(kind, **the --set FIELD=VALUE items), every value parsed by its field's type
-    (a shared field) or its option's type (one of the kind's own options)."""
-    from .config import PolyAttnConfig
-
-    values = setting_values(kind, settings)
-    try:
-        return PolyAttnConfig.for_kind(kind, **values)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"invalid attention settings: {err}") from None
-
-
-def setting_values(kind: str, settings: list[str] | None) -> dict[str, Any]:
-    """The --set FIELD=VALUE items of ``kind`` as {name: value}, each parsed by its field's or option's type."""
+def parse_settings(kind: str, settings: list[str] | None, *, model_values: bool = False) -> dict[str, Any]:
+    """The --set FIELD=VALUE items of attention ``kind`` as a dict, every value parsed by its field's type (a shared
+    field) or its option's type (one of the kind's own options). ``model_values``: also the values resolved when
+    the model is loaded (feature_proj=head_dim, softmax_heads=auto / auto:K), which the retrofit reads."""
     from .registry import get_kind
 
     types_by_name = {f.name: tp for f, tp in config_fields() if f.name != "options"}
@@ -173,8 +157,42 @@ def setting_values(kind: str, settings: list[str] | None) -> dict[str, Any]:
         if name not in types_by_name:
             options = ", ".join(n for n in types_by_name if n != "kind")
             raise UsageError(f"--set {name}: unknown attention option (see `{PROG} kinds`); options: {options}")
-        values[name] = parse_value(name, types_by_name[name], text)
+        low = text.strip().lower()
+        if name == "feature_proj" and low == "head_dim":
+            if not model_values:
+                raise UsageError("--set feature_proj=head_dim is resolved when a run loads its model: give the "
+                                 "number here")
+            values[name] = "head_dim"
+        elif name == "softmax_heads" and low.startswith("auto"):
+            if not model_values:
+                raise UsageError(f"--set softmax_heads={text.strip()}: scoring the heads is part of `{PROG} retrofit`;"
+                                 f" here rank them with `{PROG} score-heads MODEL --out scores.json` and pass "
+                                 "--set softmax_heads=@scores.json")
+            from .training.pipeline import auto_heads
+
+            try:
+                auto_heads(low)
+            except ValueError as err:
+                raise UsageError(f"--set {name}={text.strip()!r}: {err}") from None
+            values[name] = low
+        else:
+            values[name] = parse_value(name, types_by_name[name], text)
+    own_options = [n for n in values if n in get_kind(kind).options]
+    if own_options:  # the kind's own options travel under 'options' in a config
+        values["options"] = {n: values.pop(n) for n in own_options}
     return values
+
+
+def build_config(kind: str, settings: list[str] | None):
+    """PolyAttnConfig.for_kind(kind, **the --set FIELD=VALUE items), every value parsed by its field's type
+    (a shared field) or its option's type (one of the kind's own options)."""
+    from .config import PolyAttnConfig
+
+    values = parse_settings(kind, settings)
+    try:
+        return PolyAttnConfig.for_kind(kind, **values)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"invalid attention settings: {err}") from None
 
 
 def reconfigure_checkpoint(model, stored, settings: list[str], name: str):
@@ -182,15 +200,60 @@ def reconfigure_checkpoint(model, stored, settings: list[str], name: str):
     polyattn checkpoint's own attention; the new PolyAttnConfig."""
     import hf_polyattn
 
-    values = setting_values(stored.kind, settings)
-    options = {k: values.pop(k) for k in list(values) if k in stored.spec.options}
-    if options:
-        values["options"] = options
     try:
-        hf_polyattn.reconfigure(model, **values)
+        hf_polyattn.reconfigure(model, **parse_settings(stored.kind, settings))
     except (TypeError, ValueError) as err:
         raise UsageError(f"cannot change the settings of {name!r}: {err}") from None
     return hf_polyattn.get_polyattn_config(model)
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """--config FILE.json: a JSON object of PolyAttnConfig fields (``PolyAttnConfig.to_dict()``, a saved model's
+    config.json ``polyattn`` entry), 'kind' included or given with --kind."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise UsageError(f"--config {path!r}: cannot read it: {err.strerror or err}") from None
+    except ValueError as err:
+        raise UsageError(f"--config {path!r}: not JSON: {err}") from None
+    if isinstance(data, dict) and isinstance(data.get("polyattn"), dict):  # a model's config.json
+        data = data["polyattn"]
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path!r}: expected a JSON object of PolyAttnConfig fields, got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def attention_from_args(args, *, preset=None, model_values: bool = False, notes: list[str] | None = None):
+    """The attention the command line names: ``preset``'s, then --config's fields, then --kind, then --set
+    (``presets.attention_spec``), validated; None when nothing names one."""
+    from .presets import attention_spec
+    from .training.pipeline import normalize_attention
+
+    config = read_config_file(args.config) if getattr(args, "config", None) else None
+    kind = args.kind or (config or {}).get("kind") or (preset.attention["kind"] if preset is not None else None)
+    if args.set and kind is None:
+        raise UsageError("--set needs --kind (the attention the settings belong to), a --config or a --preset")
+    if args.set and kind == "softmax":
+        raise UsageError("--kind softmax is the checkpoint's own attention: it takes no --set")
+    overrides = parse_settings(kind, args.set, model_values=model_values) if args.set else None
+    try:
+        spec = attention_spec(preset, config=config, kind=args.kind, overrides=overrides, notes=notes)
+        if spec is not None:
+            spec = normalize_attention(spec)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"invalid attention settings: {err}") from None
+    return spec
+
+
+def resolved_config(spec, model):
+    """The PolyAttnConfig of ``spec`` for the loaded ``model`` (feature_proj=head_dim read from its config)."""
+    from .training.pipeline import resolve_attention
+
+    try:
+        return resolve_attention(spec, model.config)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"invalid attention settings: {err}") from None
 
 
 def describe_config(cfg) -> str:
@@ -234,8 +297,9 @@ def cmd_kinds(args, argv) -> int:
         print(json.dumps({"kinds": kinds, "all_kinds": every}, indent=1, default=str))
         return 0
     print(_wrap("Attention kinds (hf_polyattn.register_kind adds one) and the options each one reads. Set one with "
-                f"`--set NAME=VALUE` (`{PROG} convert`, `{PROG} eval`) or PolyAttnConfig.for_kind(kind, NAME=VALUE) in "
-                "Python; a switch a kind does not read (window, local_exact, qk_norm, ...) is refused.") + "\n")
+                f"`--set NAME=VALUE` (`{PROG} convert`, `eval`, `retrofit`) or PolyAttnConfig.for_kind(kind, "
+                "NAME=VALUE) in Python; a switch a kind does not read (window, local_exact, qk_norm, ...) is "
+                "refused.") + "\n")
 
     def show(opts: list[dict]) -> None:
         for o in opts:
@@ -285,42 +349,31 @@ def _torch_dtype(name: str):
 
 
 def model_class(path: str, task: str):
-    """The class to load ``path`` with: --task's auto class, else the config's architectures[0] class."""
-    import transformers
+    """The class to load ``path`` with: --task's auto class, else the config's architectures[0] class
+    (``checkpoints.model_class``, the loader every command shares)."""
+    from .checkpoints import CheckpointError
+    from .checkpoints import model_class as checkpoint_class
 
-    if task != "auto":
-        return getattr(transformers, TASKS[task])
     try:
-        config = transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"MODEL {path!r}: cannot read its config: {str(err).splitlines()[0]}") from None
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModel
+        return checkpoint_class(path, task)
+    except CheckpointError as err:
+        raise UsageError(f"MODEL {err}") from None
 
 
 def load_tokenizer(path: str):
-    """The tokenizer of checkpoint ``path``, or None when it has none.
+    """``checkpoints.load_tokenizer``: the tokenizer of ``path``, None when it has only special tokens."""
+    from .checkpoints import load_tokenizer as checkpoint_tokenizer
 
-    transformers builds a tokenizer that holds only its special tokens from a checkpoint without tokenizer
-    files (a BERT folder gives 5 tokens, a GPT-2 one 1): copied by convert it would turn every word into
-    [UNK] later, and eval would score no token. That counts as no tokenizer.
-    """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
-        return None
-    return tokenizer
+    return checkpoint_tokenizer(path)
 
 
 def _load(cls, path: str, **kwargs):
+    from .checkpoints import CheckpointError, load_model
+
     try:
-        return cls.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, KeyError) as err:
-        raise UsageError(f"cannot load {path!r} with {cls.__name__}: {str(err).splitlines()[0]}") from None
+        return load_model(path, cls, **kwargs)
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
 
 
 def cmd_convert(args, argv) -> int:
@@ -329,22 +382,25 @@ def cmd_convert(args, argv) -> int:
         raise UsageError(f"--out {str(out)!r} is a file")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"--out {str(out)!r} is not empty (pass --overwrite to write into it)")
-    if not args.kind and not args.set:
-        raise UsageError("convert needs --kind (the attention to convert MODEL to), or --set alone to change the "
-                         "settings of a polyattn checkpoint's attention")
-    cfg = build_config(args.kind, args.set) if args.kind else None  # bad settings fail before the model is loaded
+    # --set alone: settings that add no tensor (sparse_cache) on a polyattn checkpoint's trained attention
+    reconfig = bool(args.set) and not args.kind and not args.config
+    spec = None if reconfig else attention_from_args(args)  # bad settings fail before the model is loaded
+    if spec is None and not reconfig:
+        raise UsageError("convert needs the attention: --kind KIND [--set FIELD=VALUE ...] or --config FILE.json, or "
+                         "--set alone to change the settings of a polyattn checkpoint's attention")
     path = resolve_model(args.model)
     cls = model_class(path, args.task)
     model = _load(cls, path, dtype=_torch_dtype(args.dtype))
     import hf_polyattn
 
-    if cfg is None:  # --set alone: settings that add no tensor (sparse_cache) on the checkpoint's trained attention
+    if reconfig:
         stored = hf_polyattn.get_polyattn_config(model)
         if stored is None:
             raise UsageError(f"--set without --kind changes a polyattn checkpoint's settings; {args.model!r} runs its "
                              "own attention: give --kind (the attention to convert it to)")
         cfg = reconfigure_checkpoint(model, stored, args.set, args.model)
     else:
+        cfg = resolved_config(spec, model)
         try:
             hf_polyattn.convert(model, cfg)
         except (TypeError, ValueError) as err:
@@ -419,7 +475,9 @@ def cmd_eval(args, argv) -> int:
     stride = args.stride or args.context
     if stride > args.context:
         raise UsageError(f"--stride {stride} must be <= --context {args.context}")
-    cfg = build_config(args.kind, args.set) if args.kind else None
+    # --set alone: settings that add no tensor (sparse_cache) on a polyattn checkpoint's trained attention
+    reconfig = bool(args.set) and not args.kind and not args.config
+    spec = None if reconfig else attention_from_args(args)  # None: evaluate the checkpoint's own attention
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -428,7 +486,8 @@ def cmd_eval(args, argv) -> int:
     max_tokens = args.max_eval_tokens or (LONG_CONTEXT_TOKENS if _long_context_mode(args) else 8192)
     try:
         data = load_text_data(args.data, tokenizer, eval_fraction=args.eval_fraction,
-                              max_eval_tokens=max_tokens, text_column=args.text_column)
+                              max_eval_tokens=max_tokens, text_column=args.text_column, config=args.data_config,
+                              split=args.data_split)
     except DataError as err:
         raise UsageError(f"--data: {err}") from None
     device = pick_device(args.device)
@@ -440,6 +499,7 @@ def cmd_eval(args, argv) -> int:
         raise UsageError(f"the tokenizer gives token id {int(data.eval_ids.max())} but the model has {vocab} "
                          "embeddings: tokenizer and model do not match (see --tokenizer)")
     stored = hf_polyattn.get_polyattn_config(model)
+    cfg = resolved_config(spec, model) if spec is not None else None
     if cfg is not None:
         if stored is not None:
             raise UsageError(f"{args.model!r} already uses {stored.kind} attention; drop --kind to evaluate it "
@@ -637,16 +697,27 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _add_attention_options(p: argparse.ArgumentParser, *, kind_help: str) -> None:
+def _add_attention_options(p, *, command: str) -> None:
+    """--kind / --set / --config (and the retrofit's --preset before them): one way to say an attention."""
     from .registry import kind_names
 
-    p.add_argument("--kind", choices=kind_names(), metavar="KIND",
-                   help=f"attention kind, one of {', '.join(kind_names())}; {kind_help}")
+    kinds = (["softmax"] if command == "retrofit" else []) + list(kind_names())
+    what = {"convert": "; --kind or --config is required",
+            "eval": "; the model is converted to it before evaluating (default: the checkpoint's own attention)",
+            "retrofit": "; 'softmax' keeps the checkpoint's own attention (a baseline). With --preset: another kind "
+                        "keeps the preset's fields it reads and says which it leaves out"}[command]
+    p.add_argument("--kind", choices=kinds, metavar="KIND", help=f"attention kind, one of {', '.join(kinds)}{what}")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help=f"a PolyAttnConfig option of the kind, parsed by its type and validated (repeatable; "
-                        f"`{PROG} kinds` lists them), e.g. --set sketch_size=64 --set local_exact=true. Without "
-                        "--kind, on a polyattn checkpoint: settings that add no tensor (e.g. sparse_cache=64), its "
-                        "trained attention kept (hf_polyattn.reconfigure)")
+                        f"`{PROG} kinds` lists them), e.g. --set sketch_size=64 --set local_exact=true" + (
+                            "; two values are resolved when the model loads: feature_proj=head_dim, "
+                            "softmax_heads=auto or auto:K (the checkpoint's best quarter / K kv heads by retrieval "
+                            "score)" if command == "retrofit" else
+                            ". Without --kind or --config, on a polyattn checkpoint: settings that add no tensor (e.g. "
+                            "sparse_cache=64), its trained attention kept (hf_polyattn.reconfigure)"))
+    p.add_argument("--config", metavar="FILE.json",
+                   help="the attention as a JSON object of PolyAttnConfig fields (PolyAttnConfig.to_dict(), or a "
+                        "saved model's config.json: its 'polyattn' entry); --kind and --set apply on top")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -673,8 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL",
                    help="checkpoint: a local directory with config.json, a Hub id, or the offline aliases "
                         "'smollm2' / 'minilm'")
-    _add_attention_options(p, kind_help="MODEL's attention is replaced by it (fresh attention tensors); without "
-                                        "it, --set changes a polyattn checkpoint's settings")
+    _add_attention_options(p, command="convert")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to save the converted model to")
     p.add_argument("--task", choices=list(TASKS), default="auto", metavar="TASK",
                    help=f"model head to load, one of {', '.join(TASKS)}; 'auto' = the class in the checkpoint's "
@@ -692,10 +762,13 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="causal LM: a local directory (e.g. written by `hf-polyattn convert`), a Hub id or 'smollm2'")
-    p.add_argument("--data", required=True, metavar="FILE",
-                   help="a local .txt file (or a Hub dataset id with a text column)")
-    _add_attention_options(p, kind_help="the model is converted to it before evaluating (default: the checkpoint's "
-                                        "own attention)")
+    p.add_argument("--data", required=True, metavar="DATA",
+                   help="'demo' (the bundled Tiny Shakespeare), 'web' (a streamed web-text sample, needs the Hub), a "
+                        "local .txt / .jsonl / .parquet file, or a Hub dataset id (--data-config, --data-split, "
+                        "--text-column)")
+    p.add_argument("--data-config", metavar="NAME", help="the Hub dataset's configuration name")
+    p.add_argument("--data-split", default="train", metavar="SPLIT", help="the Hub dataset's split")
+    _add_attention_options(p, command="eval")
     p.add_argument("--context", type=int_at_least(2), default=256, help="window length in tokens")
     p.add_argument("--stride", type=int_at_least(1), default=None,
                    help="window stride in tokens, at most --context (default: --context)")
@@ -756,6 +829,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's)")
     p.set_defaults(func=cmd_score_heads, _parser=p)
 
+    _add_retrofit_parser(sub)
+    p = sub.add_parser("presets", help="the measured retrofit recipes (--preset NAME): settings, figure, command",
+                       description=_wrap("Every preset of `hf-polyattn retrofit --preset NAME` (hf_polyattn.presets): "
+                                         "its attention, training budget and default data, the figure it was "
+                                         "measured at, the result file that holds it and the command that measured "
+                                         "it."), formatter_class=HelpFormatter)
+    p.add_argument("name", nargs="?", metavar="NAME", help="show this preset only")
+    p.add_argument("--json", action="store_true", help="print the same as JSON")
+    p.set_defaults(func=cmd_presets, _parser=p)
+
     p = sub.add_parser("bench", help="causal attention speed and memory of every kind against SDPA; with --model, "
                                      "a retrofitted model against its softmax base",
                        description=bench.__doc__, formatter_class=HelpFormatter)
@@ -763,6 +846,172 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench, _parser=p)
     _add_lm_eval_parser(sub)
     return parser
+
+
+# ----------------------------------------------------------------------------------------------- retrofit
+
+RETROFIT_DESCRIPTION = """\
+The retrofit pipeline (hf_polyattn.training.pipeline): load MODEL -> give its attention layers the attention below
+-> attention transfer (only the new attention parameters train, to match each layer's softmax output) ->
+fine-tuning (full or --lora) -> evaluation after each stage (and the long-context evaluation after the last) -> a
+Hub-ready folder OUTPUT_DIR/model (weights, config, tokenizer, model card). A stage runs when its step count is > 0.
+
+The attention: --preset NAME (`hf-polyattn presets` lists the measured recipes), or --kind KIND with --set
+FIELD=VALUE, or --config FILE.json. They combine in the order preset -> --config -> --kind -> --set: a later one
+wins, field by field. Every other option given on the command line wins over the preset's value, which wins over
+the default shown; a stage's --*_steps given without its --*_schedule scales the preset's schedule to the new count.
+
+    hf-polyattn retrofit --model smollm2 --preset long-context --data demo --output_dir runs/lc
+    hf-polyattn retrofit --model HuggingFaceTB/SmolLM2-135M-Instruct --preset long-context --output_dir runs/lc-web
+    hf-polyattn retrofit --model smollm2 --kind linear --set window=128 --set sinks=4 --data demo \\
+        --transfer_steps 60 --output_dir runs/linear
+    accelerate launch -m hf_polyattn.retrofit ...                  # data parallel (DDP), the same arguments
+    torchrun --nproc_per_node 2 -m hf_polyattn.retrofit ... --fsdp  # FSDP2: each decoder layer sharded
+"""
+
+# the retrofit's argument groups as --help shows them (hf_polyattn.training.pipeline)
+RETROFIT_GROUPS = (("model", "ModelArgs"), ("data", "DataArgs"), ("train", "TrainArgs"), ("eval", "EvalArgs"))
+
+
+def _str_to_bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("true", "1", "yes", "on", "t", "y"):
+        return True
+    if low in ("false", "0", "no", "off", "f", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a bool (true/false), got {text!r}")
+
+
+def _typed(tp, optional: bool):
+    def parse(text: str):
+        if optional and text.strip().lower() in ("none", "null"):
+            return None
+        try:
+            return tp(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {tp.__name__}, got {text!r}") from None
+
+    parse.__name__ = tp.__name__
+    return parse
+
+
+def _add_dataclass_options(group, cls) -> list[str]:
+    """One option per field of dataclass ``cls`` (its help from the field's metadata), named like the field;
+    the value is left out of the namespace unless given (default SUPPRESS), so that a preset's value can stand
+    where no flag was given. A bool takes --FIELD [BOOL]; a bool that defaults to True also --no_FIELD."""
+    names = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
+        names.append(f.name)
+        tp, optional = _optional_inner(hints[f.name])
+        default = _field_default(f)
+        text = f.metadata.get("help", "")
+        if tp is bool:
+            off = f" (--{f.name} false or --no_{f.name} turns it off)" if default is True else ""
+            group.add_argument(f"--{f.name}", type=_str_to_bool, nargs="?", const=True, default=argparse.SUPPRESS,
+                               metavar="BOOL", help=f"{text}{off} (default: {default})")
+            if default is True:
+                group.add_argument(f"--no_{f.name}", f"--no-{f.name.replace('_', '-')}", dest=f.name,
+                                   action="store_false", default=argparse.SUPPRESS, help=f"same as --{f.name} false")
+        else:
+            shown = "" if default is None else f" (default: {default})"
+            group.add_argument(f"--{f.name}", type=_typed(tp, optional), default=argparse.SUPPRESS,
+                               metavar=f.name.upper(), help=f"{text}{shown}")
+    return names
+
+
+def _add_retrofit_parser(sub) -> None:
+    from .presets import preset_names
+    from .training import pipeline
+
+    p = sub.add_parser("retrofit", help="retrofit a checkpoint: swap the attention, transfer, fine-tune, evaluate, "
+                                        "save a Hub-ready folder", description=RETROFIT_DESCRIPTION,
+                       formatter_class=HelpFormatter)
+    g = p.add_argument_group("attention")
+    g.add_argument("--preset", choices=preset_names(), metavar="NAME",
+                   help=f"a measured recipe: attention, training budget, default data ({', '.join(preset_names())}; "
+                        f"`{PROG} presets` shows each with its figure)")
+    _add_attention_options(g, command="retrofit")
+    fields = []
+    for title, cls_name in RETROFIT_GROUPS:
+        cls = getattr(pipeline, cls_name)
+        fields += _add_dataclass_options(p.add_argument_group(title, (cls.__doc__ or "").strip()), cls)
+    p.set_defaults(func=cmd_retrofit, _parser=p, _fields=fields)
+
+
+def retrofit_args(args, notes: list[str] | None = None):
+    """``RetrofitArgs`` from a parsed ``hf-polyattn retrofit`` command line: the preset, then the flags given."""
+    from .presets import get_preset
+    from .training.pipeline import RetrofitArgs
+
+    notes = [] if notes is None else notes
+    preset = get_preset(args.preset) if args.preset else None
+    spec = attention_from_args(args, preset=preset, model_values=True, notes=notes)
+    fields = {name: getattr(args, name) for name in args._fields if hasattr(args, name)}
+    if spec is not None:
+        fields["attention"] = spec
+    try:
+        return RetrofitArgs.build(preset=args.preset, notes=notes, **fields)
+    except (TypeError, ValueError) as err:
+        raise UsageError(str(err)) from None
+
+
+def cmd_retrofit(args, argv) -> int:
+    from .checkpoints import CheckpointError
+    from .data import DataError
+    from .training.loop import IncompatibleCheckpointError
+    from .training.pipeline import run
+    from .training.sharding import LaunchError
+
+    rargs = retrofit_args(args)
+    try:
+        run(rargs)
+    except (CheckpointError, DataError, IncompatibleCheckpointError, LaunchError) as err:
+        # bad input found before training: a message, not a traceback
+        raise UsageError(f"{type(err).__name__}: {err}") from None
+    return 0
+
+
+def cmd_presets(args, argv) -> int:
+    from .presets import PRESETS, get_preset
+
+    if args.name:
+        try:
+            chosen = [get_preset(args.name)]
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    else:
+        chosen = list(PRESETS.values())
+    if args.json:
+        print(json.dumps({p.name: p.to_dict() for p in chosen}, indent=1, default=str))
+        return 0
+    if not args.name:
+        print(_wrap(f"Measured retrofit recipes: `{PROG} retrofit --model MODEL --preset NAME --output_dir DIR` "
+                    "(a flag given on the command line wins over the preset's value). Every figure is copied from "
+                    "the result file named under it, measured by the command named with it.") + "\n")
+
+    def show(label: str, value) -> None:
+        print(textwrap.fill(f"{label}: {value}", 100, initial_indent="  ", subsequent_indent=" " * 6))
+
+    for p in chosen:
+        print(f"{p.name}: {p.summary}" if args.name else f"{p.name}")
+        if not args.name:
+            print(textwrap.fill(p.summary, 100, initial_indent="  ", subsequent_indent="  "))
+        show("task / model measured", f"{p.task} / {p.model}")
+        show("attention", ", ".join(f"{k}={v}" for k, v in p.attention.items()))
+        show("training", ", ".join(f"{k}={v}" for k, v in p.train.items()) or "none (training-free)")
+        if p.eval:
+            show("evaluation", ", ".join(f"{k}={v}" for k, v in p.eval.items()))
+        show("data", ", ".join(f"{k}={v}" for k, v in p.data.items()) or "--data required")
+        show("measured", f"{p.describe()}; {p.setting}")
+        show("result file", p.source)
+        show("command", p.command)
+        if p.note:
+            show("note", p.note)
+        print()
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------- lm-eval

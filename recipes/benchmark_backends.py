@@ -31,7 +31,7 @@ KINDS = {
     "polysketch": dict(kind="polysketch"),
     "linear": dict(kind="linear"),
 }
-# the retrofit pipeline's long-context settings for a causal LM (RECOMMENDED_LONG_CONTEXT, a 128-token window, the
+# the long-context preset's settings (hf_polyattn/presets.py: a 128-token window, sinks, window_mix, the
 # projection to d + qk LayerNorm): every product in them is decayed, the case 'auto' sends to 'batched' on the CPU
 LONG_CONTEXT = dict(window=128, sinks=4, window_mix=True, window_mix_init=0.01, qk_norm=True, feature_proj=64,
                     block_size=64)

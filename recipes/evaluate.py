@@ -3,36 +3,27 @@
     # compare finished runs (reads each OUTPUT_DIR/results.json)
     python recipes/evaluate.py --runs runs/smollm2-softmax runs/smollm2-polysketch --output results/smollm2
 
-    # evaluate one saved model folder (perplexity or accuracy, no training)
-    python recipes/evaluate.py --model runs/smollm2-polysketch/model --attention polysketch --output_dir runs/eval
+    # evaluate one saved model folder (perplexity or accuracy, no training): `hf-polyattn retrofit` with no stage
+    python recipes/evaluate.py --model runs/smollm2-polysketch/model --kind polysketch --data demo \\
+        --output_dir runs/eval
 """
 
+import argparse
 import sys
-from dataclasses import dataclass, field
 
-from _cli import parser as recipe_parser
-from _defaults import TINY_SHAKESPEARE
-
+from hf_polyattn.cli import main
 from hf_polyattn.eval.compare import compare_runs, table_markdown, write_table
-from hf_polyattn.training.pipeline import RetrofitArgs, run
-
-
-@dataclass
-class CompareArgs:
-    runs: list[str] = field(default_factory=list, metadata={"help": "run output dirs (with results.json)"})
-    output: str = field(default="results/comparison", metadata={"help": "path stem of the .json / .md table"})
-
 
 if __name__ == "__main__":
     if "--runs" in sys.argv:
-        (cargs,) = recipe_parser(CompareArgs).parse_args_into_dataclasses()
+        p = argparse.ArgumentParser(description="compare finished runs (each OUTPUT_DIR/results.json)")
+        p.add_argument("--runs", nargs="+", required=True, help="run output dirs (with results.json)")
+        p.add_argument("--output", default="results/comparison", help="path stem of the .json / .md table")
+        cargs = p.parse_args()
         table = compare_runs(cargs.runs)
         j, md = write_table(table, cargs.output)
         print(table_markdown(table))
         print(f"wrote {j} and {md}")
     else:
-        parser = recipe_parser(RetrofitArgs, data=TINY_SHAKESPEARE)
-        (args,) = parser.parse_args_into_dataclasses()
-        args.transfer_steps = args.finetune_steps = 0
-        args.eval_before = True
-        run(args)
+        sys.exit(main(["retrofit", *sys.argv[1:], "--transfer_steps", "0", "--finetune_steps", "0",
+                       "--eval_before", "true"]))

@@ -1,25 +1,23 @@
-"""Retrofit a pretrained checkpoint with polynomial / PolySketch / linear / Performer attention.
+"""Retrofit a pretrained checkpoint from a checkout: the installed `hf-polyattn retrofit` command, every argument
+its own (`--help` lists them; `hf-polyattn presets` lists the measured recipes).
 
-Stages (each skipped when its step count is 0): swap the attention -> attention transfer (only the
-polyattn parameters train, to match each layer's softmax output) -> fine-tuning (full or LoRA) ->
-evaluation after each stage -> a Hub-ready folder in OUTPUT_DIR/model. See recipes/README.md.
+    python recipes/retrofit.py --model smollm2 --preset long-context --data demo --output_dir runs/long-context
+    python recipes/retrofit.py --model smollm2 --kind polysketch --set sketch=learned --set sketch_size=16 \\
+        --set window=128 --data demo --transfer_steps 60 --output_dir runs/polysketch
 
-    accelerate launch recipes/retrofit.py --model smollm2 --attention polysketch \\
-        --transfer_steps 60 --finetune_steps 40 --output_dir runs/smollm2-polysketch
+Launched over several processes, the same arguments go to the package's module entry:
 
-Sharded over N processes with FSDP2 (CPUs: gloo; GPUs: also `accelerate launch --config_file
-recipes/accelerate_fsdp.yaml`):
+    accelerate launch -m hf_polyattn.retrofit --model smollm2 --preset long-context --data demo --output_dir runs/lc
+    torchrun --nproc_per_node 2 -m hf_polyattn.retrofit --model smollm2 --preset long-context --data demo \\
+        --fsdp --output_dir runs/lc-fsdp
 
-    torchrun --nproc_per_node 2 recipes/retrofit.py --model smollm2 --attention polysketch \\
-        --transfer_steps 60 --lora --finetune_steps 40 --fsdp --output_dir runs/smollm2-polysketch-fsdp
+The same run in Python: ``RetrofitArgs.build(preset="long-context", model="smollm2", data="demo",
+output_dir="runs/long-context")`` and ``run(args)`` from ``hf_polyattn.training.pipeline`` (``recipes/demo.py``).
 """
 
-from _cli import parser as recipe_parser
-from _defaults import TINY_SHAKESPEARE
+import sys
 
-from hf_polyattn.training.pipeline import RetrofitArgs, run
+from hf_polyattn.cli import main
 
 if __name__ == "__main__":
-    parser = recipe_parser(RetrofitArgs, data=TINY_SHAKESPEARE)
-    (args,) = parser.parse_args_into_dataclasses()
-    run(args)
+    sys.exit(main(["retrofit", *sys.argv[1:]]))

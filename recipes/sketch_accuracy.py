@@ -12,14 +12,14 @@ seeds with a 95% confidence interval (Student t over seeds).
 Data:
   random    n = 512 independent random unit vectors q and k in R^64 (one "head")
   minilm_L  queries/keys of layer L of all-MiniLM-L6-v2 (BertModel, 12 heads x 32) on the first
-            sentences of SST-2 (../shared/data/sst2_train.tsv), captured with forward hooks on the
-            query/key Linear layers. Attention is per sentence, so the error is taken over the
+            sentences of SST-2 (its training file from $HF_POLYATTN_SST2: not bundled), captured with
+            forward hooks on the query/key Linear layers. Attention is per sentence, so the error is taken over the
             per-sentence score blocks of every sentence (padding excluded), per head:
             sqrt(sum_s ||E_s||^2) / sqrt(sum_s ||A_s||^2); the table reports the mean over heads.
 
 The relative error is scale invariant, so the 1/sqrt(d) score scaling does not matter here.
 "learned after transfer": pass --transferred DIR ..., folders of MiniLM models retrofitted with a learned
-polysketch (``recipes/retrofit.py --model minilm --attention polysketch --sketch learned ... --transfer_steps N``,
+polysketch (``hf-polyattn retrofit --model minilm --kind polysketch --set sketch=learned ... --transfer_steps N``,
 the saved ``model/`` folder). For each layer of --transferred_layers the layer's polyattn module is rebuilt from
 the checkpoint and measured on that layer's q/k exactly as the module sees them: q' = LayerNorm_h(q) (when
 qk_norm) times s^(1/2), s = 1/sqrt(head_dim), against (q'.k')^p. The same module with its sketch put back to
@@ -50,7 +50,6 @@ from hf_polyattn.machine import basics  # noqa: E402
 from hf_polyattn.ops import PolyAttention  # noqa: E402
 from recipes import _defaults  # noqa: E402
 
-SST2 = Path(_defaults.SST2)
 # two-sided 95% Student-t quantiles t_{0.975, df}
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
@@ -87,7 +86,7 @@ def minilm_data(layers: list[int], num_sentences: int) -> dict[int, list[tuple[t
     path = minilm_path()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path).eval()
-    lines = SST2.read_text().splitlines()[1 : 1 + num_sentences]
+    lines = Path(_defaults.sst2_file()).read_text().splitlines()[1 : 1 + num_sentences]
     sentences = [ln.split("\t")[0] for ln in lines]
     captured: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []

@@ -1,7 +1,7 @@
 """Time the demo's attention-transfer step at this checkout: the CPU-cost check of `make demo` without running it.
 
-Builds what ``recipes/demo.py`` trains (SmolLM2-135M-Instruct, every attention layer -> the demo's attention,
-``demo.DEMO_ATTENTION`` read through the pipeline, only the polyattn parameters trainable) and times ``--steps``
+Builds what ``make demo`` trains (SmolLM2-135M-Instruct, every attention layer -> the ``demo`` preset's attention,
+resolved by the pipeline, only the polyattn parameters trainable) and times ``--steps``
 transfer steps (forward under ``distillation`` + backward, no optimizer) on a fixed batch of random token ids, the
 demo's 1 x 1,024. The demo's softmax heads are chosen by scoring the checkpoint; here every head is the kernel kind,
 the dearer case.
@@ -25,11 +25,11 @@ import statistics
 import time
 
 import torch
-from demo import DEMO_ATTENTION
 
 import hf_polyattn
 from hf_polyattn.checkpoints import SMOLLM2_ALIASES, convert_smollm2_gguf
-from hf_polyattn.training.pipeline import RetrofitArgs, polyattn_config_from_args
+from hf_polyattn.presets import get_preset
+from hf_polyattn.training.pipeline import resolve_attention
 from hf_polyattn.training.transfer import distillation, polyattn_parameters, transfer_loss
 
 
@@ -50,8 +50,7 @@ def main(argv=None) -> None:
     source = convert_smollm2_gguf() if a.model.lower() in SMOLLM2_ALIASES else a.model
     model = AutoModelForCausalLM.from_pretrained(source)
     # the demo's attention as the pipeline builds it (every head the kernel kind: no checkpoint scoring here)
-    cfg = polyattn_config_from_args(RetrofitArgs(model=a.model, **{**DEMO_ATTENTION, "softmax_heads": None}),
-                                    model.config)
+    cfg = resolve_attention({**get_preset("demo").attention, "softmax_heads": None}, model.config)
     model = hf_polyattn.convert(model, cfg)
     model.requires_grad_(False)
     for _, param in polyattn_parameters(model):

@@ -2,8 +2,9 @@
 (``--family gemma3``: a Gemma 3 text model with its sliding-window layers instead).
 
     accelerate launch recipes/train_gpt2_scratch.py --steps 600 --output_dir runs/gpt2-scratch
-    accelerate launch recipes/retrofit.py --model runs/gpt2-scratch/model --attention polysketch \\
-        --transfer_steps 100 --finetune_steps 100 --output_dir runs/gpt2-polysketch
+    hf-polyattn retrofit --model runs/gpt2-scratch/model --data demo --kind polysketch --set sketch=learned \\
+        --set local_exact=true --set block_size=64 --set qk_norm=true --transfer_steps 100 --finetune_steps 100 \\
+        --output_dir runs/gpt2-polysketch
 """
 
 from _cli import parser as recipe_parser

@@ -72,8 +72,9 @@ def run(argv, capsys):
 
 OPTIONS = {
     "kinds": ["--json"],
-    "convert": ["MODEL", "--kind", "--set", "--out", "--task", "--dtype", "--overwrite"],
-    "eval": ["MODEL", "--data", "--kind", "--set", "--context", "--stride", "--batch-size", "--eval-fraction",
+    "convert": ["MODEL", "--kind", "--set", "--config", "--out", "--task", "--dtype", "--overwrite"],
+    "eval": ["MODEL", "--data", "--data-config", "--data-split", "--kind", "--set", "--config",
+             "--context", "--stride", "--batch-size", "--eval-fraction",
              "--max-eval-tokens", "--text-column", "--tokenizer", "--device", "--dtype", "--threads", "--json",
              "--contexts", "--passkey", "--passkey-depths", "--passkey-seed", "--baselines", "--base",
              "--streaming-sinks", "--streaming-window", "--out"],
@@ -81,6 +82,12 @@ OPTIONS = {
                     "--tokenizer", "--device", "--dtype", "--threads"],
     "bench": ["--device", "--lengths", "--kinds", "--heads", "--head-dim", "--dtype", "--repeats", "--threads",
               "--timeout", "--out", "--quick"],
+    "retrofit": ["--preset", "--kind", "--set", "--config", "--model", "--task", "--data", "--data_config",
+                 "--data_split", "--streaming", "--max_train_tokens", "--transfer_steps", "--transfer_schedule",
+                 "--finetune_steps", "--lora", "--fsdp", "--output_dir", "--no_resume", "--eval_contexts",
+                 "--passkey_lengths", "--lm_eval_tasks", "accelerate launch -m hf_polyattn.retrofit",
+                 "torchrun --nproc_per_node 2 -m hf_polyattn.retrofit"],
+    "presets": ["NAME", "--json"],
     # lm-eval's own top-level help (its commands; `run` holds --model, --tasks, ...), under our name
     "lm-eval": ["run", "ls", "validate", "--model", "--tasks"],
 }
@@ -306,7 +313,11 @@ def _bad_inputs(tiny, converted, missing):
         (["nope"], "invalid choice: 'nope'"),
         (["kinds", "--bogus"], "unrecognized arguments: --bogus"),
         (["convert"], "the following arguments are required: MODEL, --out"),
-        (["convert", model, "--out", missing], "convert needs --kind"),
+        (["convert", model, "--out", missing], "convert needs the attention: --kind KIND"),
+        (["convert", model, "--config", str(Path(missing) / "c.json"), "--out", missing], "cannot read it"),
+        (["convert", model, "--config", text, "--out", missing], "not JSON"),
+        (["convert", model, "--kind", "linear", "--set", "feature_proj=head_dim", "--out", missing],
+         "feature_proj=head_dim is resolved when a run loads its model"),
         (["convert", model, "--kind", "softmaxx", "--out", missing], "argument --kind: invalid choice: 'softmaxx'"),
         (["convert", str(Path(missing) / "no-model"), "--kind", "linear", "--out", missing], "does not exist"),
         (["convert", text, "--kind", "linear", "--out", missing], "is a file"),
@@ -324,6 +335,8 @@ def _bad_inputs(tiny, converted, missing):
         (["convert", model, "--set", "sparse_cache=4", "--out", missing], "--set without --kind changes a polyattn"),
         (["eval", str(converted), "--data", text, "--context", "32", "--set", "sketch_size=4"],
          "change the tensors of"),
+        (["eval", model, "--data", text, "--kind", "linear", "--set", "softmax_heads=auto"],
+         "scoring the heads is part of `hf-polyattn retrofit`"),
         (["eval", str(converted), "--data", text, "--context", "32", "--kind", "linear"], "already uses polysketch"),
         (["eval", model, "--data", text, "--eval-fraction", "1.5"], "--eval-fraction: expected a number in (0, 1)"),
         (["convert", model, "--kind", "linear", "--set", "softmax_heads=5:0", "--out", missing],
@@ -333,6 +346,20 @@ def _bad_inputs(tiny, converted, missing):
         (["score-heads", model, "--out", missing, "--length", "100"], "length must leave room for the filler"),
         (["score-heads", model, "--out", str(Path(missing) / "scores.json")], "does not exist"),
         (["score-heads", model, "--out", missing, "--num-prompts", "0"], "argument --num-prompts: expected an integer"),
+        (["retrofit", "--model", model, "--data", text], "no attention given: name a preset"),
+        (["retrofit", "--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+        (["retrofit", "--kind", "softmax", "--set", "window=8"], "--kind softmax is the checkpoint's own attention"),
+        (["retrofit", "--kind", "linear", "--set", "window=-1"], "window must be an int >= 0"),
+        (["retrofit", "--kind", "linear", "--set", "softmax_heads=auto:x"], "softmax_heads must be 'auto'"),
+        (["retrofit", "--kind", "linear", "--transfer_steps", "x"], "argument --transfer_steps: expected int"),
+        (["retrofit", "--kind", "linear", "--lora", "maybe"], "argument --lora: expected a bool"),
+        (["retrofit", "--kind", "linear", "--transfer_steps", "3", "--transfer_schedule", "16:2"],
+         "transfer_schedule '16:2' has 2 steps, transfer_steps is 3"),
+        (["retrofit", "--model", model, "--kind", "linear", "--data", str(Path(missing) / "no.txt"),
+          "--output_dir", missing], "DataError: data file"),
+        (["retrofit", "--model", str(Path(missing) / "no-model"), "--kind", "linear", "--data", text,
+          "--output_dir", missing], "CheckpointError: checkpoint directory"),
+        (["presets", "nope"], "unknown preset 'nope'"),
         (["bench", "--kinds", "nope"], "argument --kinds: invalid choice: 'nope'"),
         (["bench", "--lengths", "0"], "argument --lengths: expected an integer >= 1"),
     ]
@@ -359,6 +386,50 @@ def test_console_script(tmp_path):
     res = subprocess.run([script, "convert", str(tmp_path / "nope"), "--kind", "linear", "--out", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+
+
+# ----------------------------------------------------------------------------------------------- retrofit
+
+
+def test_retrofit_with_a_preset_writes_a_folder_that_reloads(tiny_dirs, text_file, tmp_path, capsys):
+    """`hf-polyattn retrofit --preset long-context` on a tiny Llama (hidden 32, 4 heads, 2 kv heads), its budget cut
+    by flags: the preset's attention resolved for this model (feature_proj = its head size 8, softmax heads scored:
+    auto:1), LoRA from the preset,
+    the flags' schedules; the folder reloads with that attention and the record names the preset."""
+    out = tmp_path / "run"
+    code, stdout, err = run(["retrofit", "--model", tiny_dirs["llama"], "--data", text_file, "--preset", "long-context",
+                             "--set", "softmax_heads=auto:1", "--transfer_steps", "1", "--transfer_schedule", "32:1",
+                             "--finetune_steps", "1", "--finetune_schedule", "32:1", "--eval_context", "32",
+                             "--eval_stride", "32", "--max_eval_tokens", "64", "--progress", "false", "--output_dir",
+                             out], capsys)
+    assert code == 0, err[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["args"]["preset"] == "long-context" and results["args"]["lora"] is True
+    assert [results["stages"][s]["steps"] for s in ("transfer", "finetune")] == [1, 1]
+    c = results["polyattn"]
+    assert (c["kind"], c["feature_map"], c["window"], c["sinks"], c["decay_horizon"], c["feature_proj"]) == (
+        "linear", "elu", 128, 4, 256.0, 8)
+    assert len(c["softmax_heads"]) == 1 and "[softmax heads] 1 of 4 kv heads" in stdout
+    assert "Hub-ready folder" in stdout and "Retrofitted: every attention layer -> linear" in stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    cfg = hf_polyattn.get_polyattn_config(model)
+    assert cfg.to_dict() == c and not any("lora" in n for n, _ in model.named_parameters())
+    # the same folder, evaluated with no stage: the saved attention is used, its kind must match
+    code, _, err = run(["retrofit", "--model", out / "model", "--data", text_file, "--kind", "polysketch",
+                        "--eval_context", "32", "--output_dir", tmp_path / "again"], capsys)
+    assert code == 2 and "was converted to attention 'linear'; pass --kind linear" in err
+
+
+def test_python_m_hf_polyattn_retrofit_is_the_command(tmp_path):
+    """The module entry that accelerate launch -m / torchrun -m start: the same parser, the same errors."""
+    res = subprocess.run([sys.executable, "-m", "hf_polyattn.retrofit", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("usage: hf-polyattn retrofit ")
+    res = subprocess.run([sys.executable, "-m", "hf_polyattn.retrofit", "--kind", "linear", "--set", "window=-1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "window must be an int >= 0" in res.stderr and "Traceback" not in res.stderr
 
 
 # ----------------------------------------------------------------------------------------------- no tokenizer

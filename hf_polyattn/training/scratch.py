@@ -1,6 +1,6 @@
 """Train a small softmax model from scratch (no pretrained weights of these shapes are installable offline): a GPT-2,
 or a Gemma 3 text model with its sliding-window layers (``family='gemma3'``: five local layers per global one, as
-Gemma 3); the saved folder is then retrofitted / converted like any checkpoint (recipes/retrofit.py --model DIR)."""
+Gemma 3); the saved folder is then retrofitted / converted like any checkpoint (`hf-polyattn retrofit --model DIR`)."""
 
 from __future__ import annotations
 
@@ -138,6 +138,6 @@ def train_scratch(a: ScratchArgs) -> dict:
         model.save_pretrained(out / "model")
         tok.save_pretrained(out / "model")
         (out / "results.json").write_text(json.dumps(result, indent=2))
-        print(f"held-out perplexity {ev['perplexity']:.2f}; retrofit: recipes/retrofit.py --model {out / 'model'}")
+        print(f"held-out perplexity {ev['perplexity']:.2f}; retrofit: hf-polyattn retrofit --model {out / 'model'}")
     finish_run(acc)
     return result

@@ -55,7 +55,7 @@ __all__ = [
     "sync_replicated_grads",
 ]
 
-TORCHRUN_CPU = "torchrun --nproc_per_node N recipes/retrofit.py ... --fsdp"
+TORCHRUN_CPU = "torchrun --nproc_per_node N -m hf_polyattn.retrofit ... --fsdp"
 
 
 class LaunchError(ValueError):

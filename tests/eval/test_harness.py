@@ -131,6 +131,20 @@ def test_sst2_is_scored_as_multiple_choice(saved_model):
     assert res["polyattn_sst2"]["acc,none"] in (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
+def test_tiny_shakespeare_defaults_to_the_bundled_text_sst2_needs_its_file(monkeypatch):
+    """Without a file named, the Tiny Shakespeare task reads the text bundled with the package (what --data demo
+    holds out); SST-2 is not bundled, and its task says so."""
+    from hf_polyattn.data import demo_text_path
+
+    monkeypatch.delenv("HF_POLYATTN_TINYSHAKESPEARE", raising=False)
+    monkeypatch.delenv("HF_POLYATTN_SST2", raising=False)
+    docs = tasks.tiny_shakespeare()["test"]["text"]
+    assert docs == tasks.held_out_documents(demo_text_path().read_text(encoding="utf-8").splitlines())
+    assert docs[0] and len(docs) == 36  # 3,600 held-out lines of the 36,000, 100 a document
+    with pytest.raises(FileNotFoundError, match="SST-2 is not bundled.*sst2_file"):
+        tasks.sst2()
+
+
 def test_a_task_file_named_but_missing_is_an_error_not_the_checkouts_copy(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="metadata 'tinyshakespeare_file' = .* is not a file"):
         tasks.tiny_shakespeare(tinyshakespeare_file=str(tmp_path / "nope.txt"))

@@ -113,11 +113,12 @@ def test_pipeline_long_context_stage_and_card(tiny_dirs, text_file, tmp_path):
     from hf_polyattn.training.pipeline import RetrofitArgs, run
 
     out = tmp_path / "run"
-    res = run(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="linear", window=8,
-                           feature_proj=0, context=32, eval_context=32, eval_stride=32, max_eval_tokens=64,
-                           transfer_steps=1, progress=False, eval_contexts="16,64", passkey_lengths="240",
-                           passkey_depths=1, long_eval_tokens=256, long_eval_baselines="softmax",
-                           output_dir=str(out)))
+    attention = {"kind": "linear", "window": 8, "block_size": 64, "qk_norm": True, "sinks": 4, "decay": "gate",
+                 "decay_horizon": 256.0, "window_mix": True, "window_mix_init": 0.01}
+    res = run(RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file, attention=attention, context=32,
+                                 eval_context=32, eval_stride=32, max_eval_tokens=64, transfer_steps=1,
+                                 progress=False, eval_contexts="16,64", passkey_lengths="240", passkey_depths=1,
+                                 long_eval_tokens=256, long_eval_baselines="softmax", output_dir=str(out)))
     rows = res["long_context"]["rows"]
     assert [r.get("baseline") for r in rows] == ["softmax", None]
     assert [p["context"] for p in rows[1]["perplexity"]] == [16, 64]
@@ -126,4 +127,4 @@ def test_pipeline_long_context_stage_and_card(tiny_dirs, text_file, tmp_path):
     card = (out / "model" / "README.md").read_text()
     assert "Long context" in card and "long_context.png" in card and (out / "model" / "long_context.png").exists()
     with pytest.raises(ValueError, match="eval_contexts"):
-        RetrofitArgs(model=tiny_dirs["llama"], data=text_file, eval_contexts="16,x")
+        RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file, attention="polysketch", eval_contexts="16,x")

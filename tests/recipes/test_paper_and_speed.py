@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT.parent / "shared/data/tinyshakespeare_train.txt"
 
 
 def _load(name: str):
@@ -28,9 +27,8 @@ def _load(name: str):
 
 @pytest.fixture(scope="module")
 def quick_tables(tmp_path_factory):
-    """One tiny paper_tables.py grid (all kinds, context 64), shared by the tests below."""
-    if not DATA.exists():
-        pytest.skip("Tiny Shakespeare not available")
+    """One tiny paper_tables.py grid (all kinds, context 64, the bundled Tiny Shakespeare), shared by the tests
+    below."""
     out = tmp_path_factory.mktemp("paper_tables")
     mod = _load("paper_tables")
     rec = mod.main(["--quick", "--contexts", "64", "--steps", "16", "--eval_tokens", "512", "--threads", "1",

@@ -12,20 +12,21 @@ from hf_polyattn.training.pipeline import Retrofit, RetrofitArgs
 if __name__ == "__main__":
     model_dir, text_file, out = sys.argv[1:4]
     mode = sys.argv[4] if len(sys.argv) > 4 else "full"
-    extra = {
+    # polysketch with a learned sketch and q/k LayerNorm; a window brings the long-context settings with it
+    kernel = {"kind": "polysketch", "sketch": "learned", "sketch_size": 8, "block_size": 16, "qk_norm": True}
+    long = {"sinks": 4, "decay": "gate", "decay_horizon": 256.0, "window_mix": True, "window_mix_init": 0.01}
+    attention, extra = {
         # the retrofit recipe's setting (sliding window + learnable projection, then LoRA fine-tuning)
-        "two_stage": dict(window=8, feature_proj=16, lora=True, lora_r=4),
+        "two_stage": ({**kernel, "window": 8, "feature_proj": 16, **long}, dict(lora=True, lora_r=4)),
         # context <= window: every key inside the window, the kernel part's parameters get no gradient
-        "window_covers": dict(window=32, feature_proj=16, lora=True, lora_r=4),
-        "full": dict(window=0, feature_proj=0),  # the block algorithm alone, full fine-tuning
+        "window_covers": ({**kernel, "window": 32, "feature_proj": 16, **long}, dict(lora=True, lora_r=4)),
+        "full": ({**kernel, "local_exact": True}, {}),  # the block algorithm alone, full fine-tuning
         # "full" with softmax heads: layer 0 runs the kind on kv head 0 only, layer 1 is softmax
-        "hybrid": dict(window=0, feature_proj=0,
-                       polyattn_json=json.dumps({"softmax_heads": [[0, 1], [1, 0], [1, 1]]})),
+        "hybrid": ({**kernel, "local_exact": True, "softmax_heads": [[0, 1], [1, 0], [1, 1]]}, {}),
     }[mode]
-    args = RetrofitArgs(model=model_dir, data=text_file, attention="polysketch", sketch_size=8, block_size=16,
-                        transfer_steps=3, finetune_steps=2, context=32, eval_context=32, eval_stride=32,
-                        max_eval_tokens=256, eval_before=False, save_model=False, progress=False, output_dir=out,
-                        threads=1, **extra)
+    args = RetrofitArgs.build(model=model_dir, data=text_file, attention=attention, transfer_steps=3,
+                              finetune_steps=2, context=32, eval_context=32, eval_stride=32, max_eval_tokens=256,
+                              eval_before=False, save_model=False, progress=False, output_dir=out, threads=1, **extra)
     r = Retrofit(args).prepare()
     r.transfer()
     r.finetune()

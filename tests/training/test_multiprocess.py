@@ -9,17 +9,19 @@ import torch
 
 from tests.conftest import cpu_env
 
+from .fsdp_worker import argv
+
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "training" / "fsdp_worker.py")
 
 
 def _launch(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
 
 
-def _torchrun(port: int, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(port: int, *args) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 -m hf_polyattn.retrofit` with the worker's command line for ``args``."""
     return _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(port), WORKER, *args])
+                    str(port), "-m", "hf_polyattn.retrofit", *argv(*args)])
 
 
 def _losses(folder: Path, stage: str) -> list[float]:
@@ -65,8 +67,7 @@ def test_fsdp_two_processes_match_one_process(tiny_dirs, text_file, tmp_path, mo
     from .fsdp_worker import args
 
     sharded, single = tmp_path / "fsdp", tmp_path / "single"
-    proc = _torchrun(29531 if mode == "lora" else 29533, tiny_dirs["llama"], text_file, str(sharded), mode, "2",
-                     "fsdp")
+    proc = _torchrun(29531 if mode == "lora" else 29533, tiny_dirs["llama"], text_file, str(sharded), mode, 2, True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ref = run(args(tiny_dirs["llama"], text_file, str(single), mode, 1, False))
     res = json.loads((sharded / "results.json").read_text())
@@ -84,7 +85,7 @@ def test_fsdp_two_processes_match_one_process(tiny_dirs, text_file, tmp_path, mo
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
     if mode == "full":  # resume: whole tensors back into the shards, then nothing left to train
-        again = _torchrun(29535, tiny_dirs["llama"], text_file, str(sharded), mode, "2", "fsdp")
+        again = _torchrun(29535, tiny_dirs["llama"], text_file, str(sharded), mode, 2, True)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert "[transfer] resumed" in again.stdout and "[finetune] resumed" in again.stdout
         res2 = json.loads((sharded / "results.json").read_text())
@@ -99,7 +100,8 @@ def test_accelerate_fsdp_launch_without_fsdp_is_refused(tiny_dirs, text_file, tm
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     proc = _launch([launcher, "launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", "2",
                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                    "29537", WORKER, tiny_dirs["llama"], text_file, str(tmp_path), "lora", "2", "nofsdp"])
+                    "29537", "-m", "hf_polyattn.retrofit", *argv(tiny_dirs["llama"], text_file, str(tmp_path), "lora",
+                                                                2, False)])
     assert proc.returncode != 0
     assert "LaunchError" in proc.stderr and "add --fsdp" in proc.stderr and "MULTI_CPU" in proc.stderr
     assert not (tmp_path / "transfer_metrics.json").exists()

@@ -68,16 +68,19 @@ def test_incompatible_checkpoint_fails_before_any_step(tmp_path):
 
 
 def _args(tiny_dirs, text_file, out, **kw):
-    base = dict(model=tiny_dirs["llama"], data=text_file, attention="polysketch", sketch_size=8, block_size=16,
-                window=0, feature_proj=0, transfer_steps=2, context=32, eval_context=32, eval_stride=32,
-                max_eval_tokens=256, eval_before=False, save_model=False, progress=False, output_dir=str(out))
+    # the exact-block polysketch the recipe ran with window 0 (learned sketch, q/k LayerNorm)
+    attention = {"kind": "polysketch", "sketch": "learned", "sketch_size": 8, "block_size": 16, "local_exact": True,
+                 "qk_norm": True}
+    base = dict(model=tiny_dirs["llama"], data=text_file, attention=attention, transfer_steps=2, context=32,
+                eval_context=32, eval_stride=32, max_eval_tokens=256, eval_before=False, save_model=False,
+                progress=False, output_dir=str(out))
     base.update(kw)
-    return RetrofitArgs(**base)
+    return RetrofitArgs.build(**base)
 
 
 def test_pipeline_refuses_another_runs_output_dir(tiny_dirs, text_file, tmp_path):
     run(_args(tiny_dirs, text_file, tmp_path))
-    r = Retrofit(_args(tiny_dirs, text_file, tmp_path, attention="linear"))
+    r = Retrofit(_args(tiny_dirs, text_file, tmp_path, attention={"kind": "linear", "local_exact": True}))
     with pytest.raises(IncompatibleCheckpointError, match="holds a run with other settings.*attention"):
         r.prepare()
     assert not hasattr(r, "model")  # refused before loading the model, let alone training
@@ -88,11 +91,11 @@ def test_pipeline_bad_inputs_fail_before_training(tiny_dirs, text_file, tsv_file
     from hf_polyattn.data import DataError
 
     with pytest.raises(DataError, match="does not exist"):
-        Retrofit(_args(tiny_dirs, "../shared/data/missing.txt", tmp_path / "a")).prepare()
+        Retrofit(_args(tiny_dirs, "../elsewhere/missing.txt", tmp_path / "a")).prepare()
     with pytest.raises(DataError, match="no column 'review'"):
         Retrofit(_args(tiny_dirs, tsv_file, tmp_path / "b", model=tiny_dirs["bert"], task="classification",
                        text_column="review")).prepare()
     with pytest.raises(CheckpointError, match="does not exist"):
         Retrofit(_args(tiny_dirs, text_file, tmp_path / "c", model="./nowhere/model")).prepare()
-    with pytest.raises(ValueError, match="attention must be one of"):
+    with pytest.raises(ValueError, match="attention kind must be one of"):
         _args(tiny_dirs, text_file, tmp_path / "d", attention="flash")

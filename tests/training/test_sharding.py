@@ -33,8 +33,8 @@ def test_an_fsdp_config_without_fsdp_is_refused_by_name(monkeypatch):
 
 def test_fsdp_in_one_process_is_refused_before_loading(tiny_dirs, text_file, tmp_path):
     with pytest.raises(LaunchError, match="--fsdp shards the model across processes, and this run has one"):
-        Retrofit(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, fsdp=True, transfer_steps=1,
-                              output_dir=str(tmp_path))).prepare()
+        Retrofit(RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file, attention="polysketch", fsdp=True,
+                                    transfer_steps=1, output_dir=str(tmp_path))).prepare()
     assert not (tmp_path / "run_config.json").exists()
 
 
@@ -58,8 +58,9 @@ def test_layers_to_shard(tiny_dirs):
 
 def test_window_covering_the_context_is_named_in_a_warning(tiny_dirs, text_file, tmp_path):
     """--context <= --window: legal (the kernel's parameters get zero gradients), said in results.json."""
-    r = Retrofit(RetrofitArgs(model=tiny_dirs["llama"], data=text_file, attention="polysketch", sketch_size=8,
-                              window=32, feature_proj=0, context=32, output_dir=str(tmp_path), progress=False))
+    r = Retrofit(RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file,
+                                    attention={"kind": "polysketch", "sketch_size": 8, "window": 32}, context=32,
+                                    output_dir=str(tmp_path), progress=False))
     r.prepare()
     assert r.results["distributed"] == {"processes": 1, "distributed_type": "NO", "backend": None, "sharding": "none"}
     (warning,) = r.results["warnings"]

@@ -2,7 +2,8 @@
 
 lm-eval calls ``custom_dataset`` with the task's metadata: ``--metadata`` (a JSON object) merged with the model
 arguments, so every function takes ``**metadata`` and reads its own keys. A file is found from the metadata key,
-else an environment variable, else the project's data folder beside a checkout (``../shared/data``).
+else an environment variable, else (Tiny Shakespeare) the text bundled with the package. SST-2 is not bundled
+(67,349 rows of GLUE): its task needs the file named.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from pathlib import Path
 EVAL_FRACTION = 0.1
 LINES_PER_DOCUMENT = 100  # ~3.7k characters, ~1k tokens of SmolLM2's tokenizer: several rolling windows each
 
-_CHECKOUT_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+def data_file(metadata: dict, key: str, env: str, name: str, bundled: Path | None = None,
+              missing: str = "") -> str:
+    """The local file of a task: ``metadata[key]``, else ``$env``, else the ``bundled`` file.
 
-
-def data_file(metadata: dict, key: str, env: str, name: str) -> str:
-    """The local file of a task: ``metadata[key]``, else ``$env``, else ``../shared/data/name`` of a checkout.
-
-    A file named in the metadata or the environment must exist: it is never replaced by the checkout's copy.
+    A file named in the metadata or the environment must exist: it is never replaced by the bundled one.
     """
     how = f"--metadata '{{\"{key}\": \"/path/{name}\"}}' or {env}=/path/{name}"
     for given, where in ((metadata.get(key), f"metadata {key!r}"), (os.environ.get(env), f"${env}")):
@@ -30,9 +29,9 @@ def data_file(metadata: dict, key: str, env: str, name: str) -> str:
             if not Path(given).is_file():
                 raise FileNotFoundError(f"{where} = {given!r} is not a file ({how})")
             return str(given)
-    if (_CHECKOUT_DATA / name).is_file():
-        return str(_CHECKOUT_DATA / name)
-    raise FileNotFoundError(f"no {name} beside this checkout: point the task at its local file with {how}")
+    if bundled is not None:
+        return str(bundled)
+    raise FileNotFoundError(f"no {name}: {missing}point the task at its local file with {how}")
 
 
 def held_out_documents(lines: list[str]) -> list[str]:
@@ -44,7 +43,10 @@ def held_out_documents(lines: list[str]) -> list[str]:
 def tiny_shakespeare(**metadata):
     import datasets
 
-    path = data_file(metadata, "tinyshakespeare_file", "HF_POLYATTN_TINYSHAKESPEARE", "tinyshakespeare_train.txt")
+    from hf_polyattn.data import demo_text_path
+
+    path = data_file(metadata, "tinyshakespeare_file", "HF_POLYATTN_TINYSHAKESPEARE", "tinyshakespeare_train.txt",
+                     bundled=demo_text_path())
     docs = held_out_documents(Path(path).read_text(encoding="utf-8").splitlines())
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": docs})})
 
@@ -63,7 +65,8 @@ def sst2(**metadata):
 
     from hf_polyattn.data import load_classification_data
 
-    path = data_file(metadata, "sst2_file", "HF_POLYATTN_SST2", "sst2_train.tsv")
+    path = data_file(metadata, "sst2_file", "HF_POLYATTN_SST2", "sst2_train.tsv",
+                     missing="SST-2 is not bundled with hf_polyattn (GLUE's SST-2/train.tsv, sentence<TAB>label); ")
     data = load_classification_data(path, num_eval=int(metadata.get("sst2_num_eval", 2000)),
                                     seed=int(metadata.get("sst2_seed", 0)))
     return datasets.DatasetDict({"train": data.train, "validation": data.eval})

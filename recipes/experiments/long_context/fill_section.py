@@ -18,8 +18,7 @@ from pathlib import Path
 from hf_polyattn.eval.compare import attention_label
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "recipes"))  # rows.py reads recipes/_defaults.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rows.py beside it (run with -m)
 from rows import ABLATION, ABLATION_BASE  # noqa: E402
 
 RESULTS = ROOT / "recipes" / "results"

@@ -2,9 +2,11 @@
 
     .venv/bin/python recipes/experiments/long_context/run_rows.py softmax streaming ...   # rows by name
     .venv/bin/python recipes/experiments/long_context/run_rows.py --list                 # the row names
+    .venv/bin/python recipes/experiments/long_context/run_rows.py --dry_run ROW          # the command, not run
     .venv/bin/python recipes/experiments/long_context/run_rows.py --resume ROW           # on from its checkpoints
 
-Each row is one retrofit-pipeline run (``hf_polyattn.training.pipeline.run``) in ``runs/long_context/<row>/``; its
+Each row is one `hf-polyattn retrofit` run in ``runs/long_context/<row>/``: its command line is built from the row
+(``row_argv``; ``--dry_run`` prints it) and read by the command's own parser (``hf_polyattn.cli.retrofit_args``); its
 record (the arguments, the attention settings, the stages' times and losses, the long-context row) goes to
 ``recipes/results/long_context/<row>.json``. A row that fails is reported and the next one runs.
 """
@@ -14,19 +16,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "recipes"))
+from rows import COMMON, HEAD_SCORES, RESULTS, ROWS
 
-from rows import COMMON, HEAD_SCORES, ROWS  # noqa: E402
+from hf_polyattn import cli
+from hf_polyattn.training.pipeline import RetrofitArgs, run
 
-from hf_polyattn.training.pipeline import RetrofitArgs, run  # noqa: E402
-
-OUT = ROOT / "recipes" / "results" / "long_context"
+ROOT = RESULTS.parents[1]
+OUT = RESULTS / "long_context"
 
 
 def softmax_heads(spec: str) -> list[list[int]]:
@@ -45,20 +47,35 @@ def softmax_heads(spec: str) -> list[list[int]]:
     return sorted([layer, head] for _, layer, head in chosen)
 
 
+def _text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):  # (layer, head) pairs
+        return ",".join(f"{layer}:{head}" for layer, head in value)
+    return str(value)
+
+
+def row_argv(name: str, runs: Path) -> list[str]:
+    """The `hf-polyattn retrofit` command line of row ``name``: --kind and one --set per attention field, then the
+    study's common flags and the row's training flags."""
+    fields = {**COMMON, **{k: v for k, v in ROWS[name].items() if k not in ("attention", "softmax_heads")},
+              "output_dir": str(runs / name)}
+    attention = ROWS[name]["attention"]
+    argv = ["--kind", "softmax"] if attention == "softmax" else ["--kind", attention["kind"]]
+    if attention != "softmax":
+        settings = {k: v for k, v in attention.items() if k != "kind"}
+        if "softmax_heads" in ROWS[name]:
+            settings["softmax_heads"] = softmax_heads(ROWS[name]["softmax_heads"])
+        for k, v in settings.items():
+            argv += ["--set", f"{k}={_text(v)}"]
+    for k, v in fields.items():
+        argv += [f"--{k}", _text(v)]
+    return argv
+
+
 def row_args(name: str, runs: Path) -> RetrofitArgs:
-    fields = dict(ROWS[name])
-    polyattn = dict(fields.pop("polyattn", {}))
-    if fields.get("attention") not in ("softmax", "sliding_window"):
-        # every long-context option spelled out: rows that left one unset ran before the pipeline's defaults
-        # (RECOMMENDED_LONG_CONTEXT) set it
-        polyattn = {"sinks": 0, "decay": "none", "window_mix": False, **polyattn}
-        if polyattn["decay"] != "none":  # a decayed row that left the horizon unset ran with PolyAttnConfig's 1,024
-            polyattn.setdefault("decay_horizon", 1024.0)
-    if "softmax_heads" in fields:
-        polyattn["softmax_heads"] = softmax_heads(fields.pop("softmax_heads"))
-    if polyattn:
-        fields["polyattn_json"] = json.dumps(polyattn)
-    return RetrofitArgs(**{**COMMON, **fields, "output_dir": str(runs / name)})
+    """The row's arguments, read from its command line by the command's own parser."""
+    return cli.retrofit_args(cli.build_parser().parse_args(["retrofit", *row_argv(name, runs)]))
 
 
 def record(name: str, args: RetrofitArgs, results: dict) -> dict:
@@ -76,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rows", nargs="*", help="row names (rows.py ROWS)")
     p.add_argument("--list", action="store_true", help="print the row names and exit")
     p.add_argument("--runs", default=str(ROOT / "runs" / "long_context"), help="where the pipeline runs go")
+    p.add_argument("--dry_run", action="store_true", help="print each row's command line, run nothing")
     p.add_argument("--resume", action="store_true",
                    help="continue each row from its run's stage checkpoints (a row stopped after training goes "
                         "straight to its evaluation; the stages' CPU time carries over)")
@@ -86,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in a.rows if r not in ROWS]
     if unknown:
         p.error(f"unknown rows {unknown}; known: {list(ROWS)}")
+    if a.dry_run:
+        for name in a.rows:
+            argv = row_argv(name, Path(a.runs))
+            row_args(name, Path(a.runs))  # the command's own checks
+            print(f"{name}: hf-polyattn retrofit {shlex.join(argv)}")
+        return 0
     OUT.mkdir(parents=True, exist_ok=True)
     failed = []
     for name in a.rows:
@@ -94,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args = row_args(name, Path(a.runs))
             if a.resume:
-                args = dataclasses.replace(args, resume=True)
+                args.train = dataclasses.replace(args.train, resume=True)
             results = run(args)
         except Exception:  # one failing row does not stop the others; the failure is reported
             traceback.print_exc()

@@ -1,0 +1,304 @@
+"""Named, measured retrofit recipes: ``hf-polyattn retrofit --preset NAME``, ``hf-polyattn presets``.
+
+A preset is an attention (the fields of a :class:`~hf_polyattn.PolyAttnConfig`), a training budget, the data it
+reads by default, and the figure it was measured at with the command that measured it. Every figure is copied from
+a result file of the repository (``source``; ``tests/test_presets.py`` reads the file and checks each number and
+setting), never typed from memory. Every user-facing default of a retrofit lives here: the pipeline applies none.
+
+Two attention values depend on the model and are resolved when it is loaded:
+
+* ``feature_proj="head_dim"``: a learnable projection of q and k to the model's own head size;
+* ``softmax_heads="auto"`` (or ``"auto:K"``): the checkpoint's best quarter (K) of kv heads by retrieval score,
+  measured before conversion (``hf_polyattn.eval.heads.score_heads``), kept as exact softmax.
+
+Precedence (``RetrofitArgs.build`` and the command line): a field given explicitly wins over the preset's value,
+which wins over the field's default. The attention is built in order preset -> ``--config`` -> ``--kind`` ->
+``--set`` (later wins). A training stage whose step count is given without its schedule keeps the preset's lengths
+and batch sizes with the steps scaled to the new count (``scale_schedule``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PRESETS", "Preset", "attention_spec", "get_preset", "preset_names", "scale_schedule"]
+
+# the general web-text corpus a causal-LM preset reads by default (hf_polyattn.data: 'web'; offline the bundled
+# Tiny Shakespeare, and the run says how narrow that is)
+WEB = {"data": "web"}
+
+# SmolLM2-135M-Instruct's long-context evaluation (recipes/experiments/long_context/rows.py EVAL): perplexity over the
+# first 12,288 held-out Tiny Shakespeare tokens, passkey retrieval at 1k / 2k / 4k with 10 needle depths
+LONG_CONTEXT_EVAL = ("SmolLM2-135M-Instruct, held-out Tiny Shakespeare (first 12,288 tokens), perplexity at "
+                     "256 / 1k / 2k / 4k / 8k tokens, passkey at 1k / 2k / 4k (10 depths), 2-core CPU")
+ROWS = "recipes/results/long_context"
+# the softmax checkpoint's row of that evaluation (recipes/results/long_context/softmax.json)
+SOFTMAX_ROW = {"perplexity": {256: 43.66, 1024: 31.02, 2048: 29.00, 4096: 27.75, 8192: 26.65}}
+RUN_ROW = ".venv/bin/python recipes/experiments/long_context/run_rows.py "
+
+# the long-context study's recipe (rows.py LINEAR / POLYSKETCH, GATED_MIX): an exact softmax 128-token window with 4
+# sinks scored at positions within it, the kernel part beside it behind a gated decay and a per-head weight that
+# starts at 0.01, after a learnable projection to head_dim and a per-head q/k LayerNorm
+WINDOW_RECIPE = {"window": 128, "sinks": 4, "decay": "gate", "window_mix": True, "window_mix_init": 0.01,
+                 "block_size": 64, "qk_norm": True, "feature_proj": "head_dim"}
+TRANSFER_1K = {"transfer_steps": 60, "transfer_lr": 1e-2, "transfer_schedule": "1024:60:2"}
+LORA_1K_2K = {"finetune_steps": 40, "finetune_lr": 1e-4, "lora": True, "lora_r": 8, "lora_alpha": 16,
+              "finetune_schedule": "1024:20:1,2048:20:1"}
+AUTO_HEADS_NOTE = ("measured with the 22 kv heads that `hf-polyattn score-heads` ranked best on 8 passkey prompts of "
+                   "2,048 tokens (recipes/results/long_context/head_scores_smollm2.json); softmax_heads='auto' "
+                   "scores 4 prompts of 1,024 when the run starts and chose 21 of the same 22 on SmolLM2")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One measured recipe. ``attention`` None = the checkpoint's own softmax attention."""
+
+    name: str
+    summary: str
+    attention: dict[str, Any] | None
+    train: dict[str, Any] = field(default_factory=dict)
+    eval: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    task: str = "causal_lm"
+    model: str = "smollm2"
+    # what it was measured at: "perplexity" {context: value} (causal LM) or "accuracy" (classification), "passkey"
+    # {length: "hits/depths"}, the softmax reference in the same form, and "train_cpu_s"
+    figures: dict[str, Any] = field(default_factory=dict)
+    setting: str = ""  # how the figures were measured (model, data, machine)
+    source: str = ""  # the repository's result file the figures come from
+    command: str = ""  # the command that measured them
+    note: str = ""
+
+    def describe(self) -> str:
+        """The figure in one line, from ``figures``."""
+        f = self.figures
+        if "perplexity" in f:
+            ppl = " / ".join(f"{v:.2f}" for v in f["perplexity"].values())
+            at = " / ".join(_tokens(c) for c in f["perplexity"])
+            soft = " / ".join(f"{v:.2f}" for v in f["softmax"]["perplexity"].values())
+            text = f"perplexity {ppl} at {at} tokens (softmax {soft})"
+            if f.get("passkey"):
+                keys = ", ".join(f"{v} at {_tokens(n)}" for n, v in f["passkey"].items())
+                text += f"; passkey {keys}"
+        else:
+            text = f"accuracy {f['accuracy']:.4f} (softmax {f['softmax']['accuracy']:.4f})"
+        if f.get("train_cpu_s"):
+            text += f"; training {f['train_cpu_s']:,} CPU-s"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "measured": self.describe()}
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+_PRESETS = [
+    Preset(
+        name="long-context",
+        summary="the best measured long-context retrofit: a quarter of the kv heads softmax, the rest linear (elu) "
+                "+ 128 window + 4 sinks + gated decay (horizon 256); attention transfer at 1k, LoRA at 1k and 2k",
+        attention={"kind": "linear", "feature_map": "elu", **WINDOW_RECIPE, "decay_horizon": 256.0,
+                   "softmax_heads": "auto"},
+        train={**TRANSFER_1K, **LORA_1K_2K}, data=WEB,
+        figures={"perplexity": {256: 40.79, 1024: 30.44, 2048: 28.77, 4096: 27.74, 8192: 26.97},
+                 "passkey": {1024: "10/10", 2048: "10/10", 4096: "10/10"},
+                 "softmax": SOFTMAX_ROW,
+                 "train_cpu_s": 1056},
+        setting=LONG_CONTEXT_EVAL, source=f"{ROWS}/lin_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k.json",
+        command=RUN_ROW + "lin_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k", note=AUTO_HEADS_NOTE),
+    Preset(
+        name="linear-only",
+        summary="every kv head linear-time (no softmax heads, no full KV cache): linear with hedgehog features + "
+                "128 window + 4 sinks + gated decay (horizon 1,024), attention transfer at 1k; of the long-context "
+                "study's every-head rows the lowest perplexity at 4k and 8k (polysketch is lower up to 2k, then "
+                "rises). Retrieves no passkey beyond its window",
+        attention={"kind": "linear", "feature_map": "hedgehog", **WINDOW_RECIPE, "decay_horizon": 1024.0},
+        train=dict(TRANSFER_1K), data=WEB,
+        figures={"perplexity": {256: 44.98, 1024: 36.78, 2048: 35.67, 4096: 35.43, 8192: 35.22},
+                 "passkey": {1024: "1/10", 2048: "1/10", 4096: "0/10"},
+                 "softmax": SOFTMAX_ROW,
+                 "train_cpu_s": 606},
+        setting=LONG_CONTEXT_EVAL, source=f"{ROWS}/hh_w128_s4w_dgate_mix_t1k.json",
+        command=RUN_ROW + "hh_w128_s4w_dgate_mix_t1k"),
+    Preset(
+        name="demo",
+        summary="`make demo`: the long-context preset's attention with attention transfer only (30 steps of "
+                "1 x 1,024 tokens), judged at 256-4k tokens and on passkey beside softmax and StreamingLLM",
+        attention={"kind": "linear", "feature_map": "elu", **WINDOW_RECIPE, "decay_horizon": 256.0,
+                   "softmax_heads": "auto"},
+        train={"transfer_steps": 30, "transfer_lr": 1e-2, "transfer_schedule": "1024:30:1"},
+        eval={"eval_before": False, "max_eval_tokens": 2048, "eval_contexts": "256,1024,2048,4096",
+              "passkey_lengths": "1024,2048", "passkey_depths": 5, "long_eval_tokens": 4096,
+              "long_eval_baselines": "softmax,streaming"},
+        data={"data": "demo"},
+        figures={"perplexity": {256: 44.41, 1024: 33.49, 2048: 31.45, 4096: 30.12},
+                 "passkey": {1024: "5/5", 2048: "5/5"},
+                 "softmax": {"perplexity": {256: 44.09, 1024: 32.03, 2048: 29.84, 4096: 28.36}}},
+        setting="SmolLM2-135M-Instruct, held-out Tiny Shakespeare (first 4,096 tokens), perplexity at 256 / 1k / "
+                "2k / 4k tokens, passkey at 1k / 2k (5 depths), 2-core CPU; 5 min 14 s wall with the checkpoint "
+                "cached (recipes/results/SECTION_demo.md)",
+        source="recipes/results/demo/long_context.json", command="make demo"),
+    Preset(
+        name="polysketch",
+        summary="the long-context recipe with a learned polysketch (r=16, degree 4) kernel: closer to softmax up to "
+                "2k, rising from 4k",
+        attention={"kind": "polysketch", "sketch": "learned", "sketch_size": 16, **WINDOW_RECIPE,
+                   "decay_horizon": 256.0, "softmax_heads": "auto"},
+        train={**TRANSFER_1K, **LORA_1K_2K}, data=WEB,
+        figures={"perplexity": {256: 40.85, 1024: 30.06, 2048: 28.51, 4096: 28.98, 8192: 29.65},
+                 "passkey": {1024: "10/10", 2048: "9/10", 4096: "9/10"},
+                 "softmax": SOFTMAX_ROW,
+                 "train_cpu_s": 1411},
+        setting=LONG_CONTEXT_EVAL, source=f"{ROWS}/ps_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k.json",
+        command=RUN_ROW + "ps_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k", note=AUTO_HEADS_NOTE),
+    Preset(
+        name="taylor",
+        summary="every kv head the first-order Taylor kernel (1 + q.k) + 128 window + 4 sinks + gated decay "
+                "(horizon 1,024), attention transfer at 1k",
+        attention={"kind": "taylor", **WINDOW_RECIPE, "decay_horizon": 1024.0},
+        train=dict(TRANSFER_1K), data=WEB,
+        figures={"perplexity": {256: 45.03, 1024: 37.00, 2048: 36.14, 4096: 36.46, 8192: 38.51},
+                 "passkey": {1024: "1/10", 2048: "1/10", 4096: "0/10"},
+                 "softmax": SOFTMAX_ROW,
+                 "train_cpu_s": 562},
+        setting=LONG_CONTEXT_EVAL, source=f"{ROWS}/taylor_w128_s4w_dgate_mix_t1k.json",
+        command=RUN_ROW + "taylor_w128_s4w_dgate_mix_t1k"),
+    Preset(
+        name="streaming",
+        summary="StreamingLLM, training-free: exact softmax on 4 sink tokens + a 128-token window (sliding_window); "
+                "the baseline a trained retrofit has to beat",
+        attention={"kind": "sliding_window", "window": 128, "sinks": 4}, data=WEB,
+        figures={"perplexity": {256: 45.17, 1024: 37.69, 2048: 36.63, 4096: 36.07, 8192: 35.96},
+                 "passkey": {1024: "1/10", 2048: "1/10", 4096: "0/10"},
+                 "softmax": SOFTMAX_ROW},
+        setting=LONG_CONTEXT_EVAL, source=f"{ROWS}/streaming_cachepos.json", command=RUN_ROW + "streaming_cachepos"),
+]
+
+# all-MiniLM-L6-v2 on GLUE SST-2 (recipes/experiments/retrofit_kinds/run_minilm_sst2_kinds.sh): 200 fine-tuning steps
+# x 16 sentences, 1,000 held-out sentences of a seeded split of the training file
+MINILM_SST2 = {"finetune_steps": 200, "finetune_lr": 1e-4, "warmup_steps": 20, "batch_size": 16}
+MINILM_DATA = {"max_length": 64, "num_eval": 1000}
+MINILM_SETTING = ("all-MiniLM-L6-v2 on GLUE SST-2: accuracy on 1,000 sentences held out of the training split "
+                  "(seed 0), 2-core CPU")
+MINILM_SOURCE = "recipes/results/retrofit_kinds/minilm_sst2_kinds.json"
+MINILM_COMMAND = "KINDS={} bash recipes/experiments/retrofit_kinds/run_minilm_sst2_kinds.sh"
+# the MiniLM budget with attention transfer first (recipes/experiments/retrofit_window/run_minilm_sst2_window.sh)
+MINILM_WINDOW_TRAIN = {"transfer_steps": 100, "transfer_batch_size": 16, "transfer_lr": 1e-2, "polyattn_lr": 1e-3,
+                       "finetune_steps": 400, "finetune_lr": 1e-4, "warmup_steps": 20, "batch_size": 16}
+MINILM_WINDOW_SOURCE = "recipes/results/retrofit_window/minilm_sst2_window.json"
+MINILM_WINDOW_COMMAND = "bash recipes/experiments/retrofit_window/run_minilm_sst2_window.sh"
+SST2_NOTE = ("SST-2 is not bundled (67,349 rows): pass --data, a local sentence<TAB>label file or a Hub id (e.g. "
+             "stanfordnlp/sst2)")
+_PRESETS += [
+    Preset(
+        name="linear-encoder",
+        summary="an encoder's attention -> linear (elu) beside an exact softmax window of 16 tokens each side; "
+                "attention transfer, then full fine-tuning for classification",
+        attention={"kind": "linear", "feature_map": "elu", "window": 16, "qk_norm": True, "block_size": 64},
+        task="classification", model="minilm", train=MINILM_WINDOW_TRAIN, data=MINILM_DATA,
+        figures={"accuracy": 0.869, "softmax": {"accuracy": 0.871}}, setting=MINILM_SETTING,
+        source=MINILM_WINDOW_SOURCE, command=MINILM_WINDOW_COMMAND, note=SST2_NOTE),
+    Preset(
+        name="polysketch-encoder",
+        summary="an encoder's attention -> polysketch (learned r=32, degree 4) beside an exact softmax window of 16 "
+                "tokens each side; attention transfer, then full fine-tuning for classification",
+        attention={"kind": "polysketch", "sketch": "learned", "sketch_size": 32, "window": 16, "qk_norm": True,
+                   "block_size": 16},
+        task="classification", model="minilm", train=MINILM_WINDOW_TRAIN, data=MINILM_DATA,
+        figures={"accuracy": 0.882, "softmax": {"accuracy": 0.871}}, setting=MINILM_SETTING,
+        source=MINILM_WINDOW_SOURCE, command=MINILM_WINDOW_COMMAND, note=SST2_NOTE),
+    Preset(
+        name="bigbird-encoder",
+        summary="an encoder's attention -> BigBird (blocks of 8: a 3-block window, 1 global and 1 random block), "
+                "then full fine-tuning for classification",
+        attention={"kind": "bigbird", "options": {"block": 8, "random_blocks": 1}}, task="classification",
+        model="minilm", train=MINILM_SST2, data=MINILM_DATA,
+        figures={"accuracy": 0.852, "softmax": {"accuracy": 0.856}}, setting=MINILM_SETTING, source=MINILM_SOURCE,
+        command=MINILM_COMMAND.format("bigbird"), note=SST2_NOTE),
+    Preset(
+        name="nystrom-encoder",
+        summary="an encoder's attention -> Nystromformer (16 landmarks), then full fine-tuning for classification",
+        attention={"kind": "nystrom", "options": {"num_landmarks": 16}}, task="classification", model="minilm",
+        train=MINILM_SST2, data=MINILM_DATA,
+        figures={"accuracy": 0.843, "softmax": {"accuracy": 0.856}}, setting=MINILM_SETTING, source=MINILM_SOURCE,
+        command=MINILM_COMMAND.format("nystrom"), note=SST2_NOTE),
+]
+
+PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (`hf-polyattn presets` lists "
+                         "them)") from None
+
+
+def attention_spec(preset: str | Preset | None = None, *, config: dict[str, Any] | None = None,
+                   kind: str | None = None, overrides: dict[str, Any] | None = None,
+                   notes: list[str] | None = None) -> dict[str, Any] | str | None:
+    """The attention of a run: the preset's fields, then ``config``'s, then ``kind``, then ``overrides`` (later
+    wins). 'softmax' (``kind='softmax'``) for the checkpoint's own attention; None when nothing names one.
+
+    A ``kind`` other than the one named so far keeps only the fields the new kind reads (``KindSpec.fields``, its
+    options, seed and softmax_heads); what it leaves out is said in ``notes`` (a list the caller prints).
+    """
+    from .registry import get_kind
+
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    spec: dict[str, Any] | None = dict(p.attention) if p is not None else None
+    if config is not None:
+        if not isinstance(config, dict):
+            raise ValueError(f"an attention config is a JSON object of PolyAttnConfig fields, got {config!r}")
+        spec = {**(spec or {}), **config}
+    if kind == "softmax":
+        if overrides:
+            raise ValueError(f"kind 'softmax' is the checkpoint's own attention: it takes no settings, got "
+                             f"{sorted(overrides)}")
+        return "softmax"
+    if kind is not None:
+        old = (spec or {}).get("kind")
+        if spec and old not in (None, kind):
+            k = get_kind(kind)
+            reads = {*k.fields, "seed", "softmax_heads"}
+            kept = {name: v for name, v in spec.items() if name in reads}
+            options = {name: v for name, v in (spec.get("options") or {}).items() if name in k.options}
+            if options:
+                kept["options"] = options
+            dropped = sorted({*spec, *(spec.get("options") or {})} - {*kept, *options, "kind", "options"})
+            if dropped and notes is not None:
+                notes.append(f"kind {kind!r} instead of {old!r}: kept {sorted(kept) or 'no fields'}, left out "
+                             f"{dropped} (kind {kind!r} does not read them)")
+            spec = kept
+        spec = {**(spec or {}), "kind": kind}
+    if overrides:
+        if spec is None:
+            raise ValueError("attention settings need a kind: give --kind KIND, a preset or a config that names one")
+        spec = {**spec, **overrides}
+    if spec is not None and "kind" not in spec:
+        raise ValueError(f"the attention config names no kind (fields {sorted(spec)}): add \"kind\" or --kind")
+    return spec
+
+
+def scale_schedule(schedule: str | None, steps: int) -> str | None:
+    """A 'LEN:STEPS[:BATCH],...' schedule with its steps scaled to ``steps`` in total (the largest remainders get
+    the rounding; phases left with 0 steps go). None for 0 steps or no schedule."""
+    if not schedule or steps <= 0:
+        return None
+    phases = [part.split(":") for part in schedule.replace(" ", "").split(",")]
+    old = [int(p[1]) for p in phases]
+    total = sum(old)
+    exact = [steps * s / total for s in old]
+    new = [int(x) for x in exact]
+    for i in sorted(range(len(new)), key=lambda i: (new[i] - exact[i], i))[: steps - sum(new)]:
+        new[i] += 1
+    return ",".join(":".join([p[0], str(n), *p[2:]]) for p, n in zip(phases, new) if n > 0)
