@@ -29,6 +29,7 @@ _LAZY = {
     "decode_memory": "integration",
     "get_polyattn_config": "integration",
     "layer_layout": "integration",
+    "reconfigure": "integration",
     "returned_cache": "integration",
     "write_model_card": "integration",
 }
@@ -48,6 +49,7 @@ __all__ = [
     "get_polyattn_config",
     "kind_names",
     "layer_layout",
+    "reconfigure",
     "register",
     "register_kind",
     "returned_cache",

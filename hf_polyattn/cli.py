@@ -148,6 +148,16 @@ def build_config(kind: str, settings: list[str] | None):
     """PolyAttnConfig.for_kind(kind, **the --set FIELD=VALUE items), every value parsed by its field's type
     (a shared field) or its option's type (one of the kind's own options)."""
     from .config import PolyAttnConfig
+
+    values = setting_values(kind, settings)
+    try:
+        return PolyAttnConfig.for_kind(kind, **values)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"invalid attention settings: {err}") from None
+
+
+def setting_values(kind: str, settings: list[str] | None) -> dict[str, Any]:
+    """The --set FIELD=VALUE items of ``kind`` as {name: value}, each parsed by its field's or option's type."""
     from .registry import get_kind
 
     types_by_name = {f.name: tp for f, tp in config_fields() if f.name != "options"}
@@ -164,10 +174,23 @@ def build_config(kind: str, settings: list[str] | None):
             options = ", ".join(n for n in types_by_name if n != "kind")
             raise UsageError(f"--set {name}: unknown attention option (see `{PROG} kinds`); options: {options}")
         values[name] = parse_value(name, types_by_name[name], text)
+    return values
+
+
+def reconfigure_checkpoint(model, stored, settings: list[str], name: str):
+    """``hf_polyattn.reconfigure`` with the --set items (settings that add no tensor, e.g. sparse_cache) on a
+    polyattn checkpoint's own attention; the new PolyAttnConfig."""
+    import hf_polyattn
+
+    values = setting_values(stored.kind, settings)
+    options = {k: values.pop(k) for k in list(values) if k in stored.spec.options}
+    if options:
+        values["options"] = options
     try:
-        return PolyAttnConfig.for_kind(kind, **values)
+        hf_polyattn.reconfigure(model, **values)
     except (TypeError, ValueError) as err:
-        raise UsageError(f"invalid attention settings: {err}") from None
+        raise UsageError(f"cannot change the settings of {name!r}: {err}") from None
+    return hf_polyattn.get_polyattn_config(model)
 
 
 def describe_config(cfg) -> str:
@@ -306,16 +329,26 @@ def cmd_convert(args, argv) -> int:
         raise UsageError(f"--out {str(out)!r} is a file")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"--out {str(out)!r} is not empty (pass --overwrite to write into it)")
-    cfg = build_config(args.kind, args.set)  # bad settings fail before the model is loaded
+    if not args.kind and not args.set:
+        raise UsageError("convert needs --kind (the attention to convert MODEL to), or --set alone to change the "
+                         "settings of a polyattn checkpoint's attention")
+    cfg = build_config(args.kind, args.set) if args.kind else None  # bad settings fail before the model is loaded
     path = resolve_model(args.model)
     cls = model_class(path, args.task)
     model = _load(cls, path, dtype=_torch_dtype(args.dtype))
     import hf_polyattn
 
-    try:
-        hf_polyattn.convert(model, cfg)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"cannot convert {args.model!r}: {err}") from None
+    if cfg is None:  # --set alone: settings that add no tensor (sparse_cache) on the checkpoint's trained attention
+        stored = hf_polyattn.get_polyattn_config(model)
+        if stored is None:
+            raise UsageError(f"--set without --kind changes a polyattn checkpoint's settings; {args.model!r} runs its "
+                             "own attention: give --kind (the attention to convert it to)")
+        cfg = reconfigure_checkpoint(model, stored, args.set, args.model)
+    else:
+        try:
+            hf_polyattn.convert(model, cfg)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"cannot convert {args.model!r}: {err}") from None
     kept = sum(e["role"] == "sliding" for e in hf_polyattn.layer_layout(model))  # sliding-window layers kept exact
     layers = sum(1 for m in model.modules() if isinstance(m, hf_polyattn.HFPolyAttention))
     out.mkdir(parents=True, exist_ok=True)
@@ -387,8 +420,6 @@ def cmd_eval(args, argv) -> int:
     if stride > args.context:
         raise UsageError(f"--stride {stride} must be <= --context {args.context}")
     cfg = build_config(args.kind, args.set) if args.kind else None
-    if args.set and not args.kind:
-        raise UsageError("--set needs --kind (the attention to convert the model to)")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -418,8 +449,14 @@ def cmd_eval(args, argv) -> int:
         except (TypeError, ValueError) as err:
             raise UsageError(f"cannot convert {args.model!r}: {err}") from None
         attention = f"{describe_config(cfg)}, converted for this evaluation"
+    elif stored is not None and args.set:  # settings that add no tensor (sparse_cache): the trained attention kept
+        stored = reconfigure_checkpoint(model, stored, args.set, args.model)
+        attention = f"{describe_config(stored)}, from the checkpoint with --set"
     elif stored is not None:
         attention = f"{describe_config(stored)}, from the checkpoint"
+    elif args.set:
+        raise UsageError(f"--set without --kind changes a polyattn checkpoint's settings; {args.model!r} runs its own "
+                         "attention: give --kind (the attention to convert it to)")
     else:
         attention = f"softmax ({model.config._attn_implementation}), the checkpoint's"
     model.to(device)
@@ -600,16 +637,16 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _add_attention_options(p: argparse.ArgumentParser, *, required: bool) -> None:
+def _add_attention_options(p: argparse.ArgumentParser, *, kind_help: str) -> None:
     from .registry import kind_names
 
-    p.add_argument("--kind", required=required, choices=kind_names(), metavar="KIND",
-                   help=f"attention kind, one of {', '.join(kind_names())}" + (
-                       "" if required else "; the model is converted to it before evaluating (default: the "
-                                           "checkpoint's own attention)"))
+    p.add_argument("--kind", choices=kind_names(), metavar="KIND",
+                   help=f"attention kind, one of {', '.join(kind_names())}; {kind_help}")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help=f"a PolyAttnConfig option of the kind, parsed by its type and validated (repeatable; "
-                        f"`{PROG} kinds` lists them), e.g. --set sketch_size=64 --set local_exact=true")
+                        f"`{PROG} kinds` lists them), e.g. --set sketch_size=64 --set local_exact=true. Without "
+                        "--kind, on a polyattn checkpoint: settings that add no tensor (e.g. sparse_cache=64), its "
+                        "trained attention kept (hf_polyattn.reconfigure)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -636,7 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL",
                    help="checkpoint: a local directory with config.json, a Hub id, or the offline aliases "
                         "'smollm2' / 'minilm'")
-    _add_attention_options(p, required=True)
+    _add_attention_options(p, kind_help="MODEL's attention is replaced by it (fresh attention tensors); without "
+                                        "it, --set changes a polyattn checkpoint's settings")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to save the converted model to")
     p.add_argument("--task", choices=list(TASKS), default="auto", metavar="TASK",
                    help=f"model head to load, one of {', '.join(TASKS)}; 'auto' = the class in the checkpoint's "
@@ -656,7 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal LM: a local directory (e.g. written by `hf-polyattn convert`), a Hub id or 'smollm2'")
     p.add_argument("--data", required=True, metavar="FILE",
                    help="a local .txt file (or a Hub dataset id with a text column)")
-    _add_attention_options(p, required=False)
+    _add_attention_options(p, kind_help="the model is converted to it before evaluating (default: the checkpoint's "
+                                        "own attention)")
     p.add_argument("--context", type=int_at_least(2), default=256, help="window length in tokens")
     p.add_argument("--stride", type=int_at_least(1), default=None,
                    help="window stride in tokens, at most --context (default: --context)")

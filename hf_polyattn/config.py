@@ -25,6 +25,7 @@ DECAYS = ("none", "scalar", "gate")
 SINK_POSITIONS = ("window", "own")
 SLIDING_LAYERS = ("exact", "kind")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
+SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
 # Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
 EVERY_KIND_FIELDS = ("seed", "softmax_heads")
 
@@ -43,9 +44,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
              "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset", "poly_coefficients",
-             "learn_coefficients", "feature_map", "decay", "decay_horizon", "short_conv")
+             "learn_coefficients", "feature_map", "decay", "decay_horizon", "short_conv", "sparse_cache",
+             "sparse_chunk")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
-                "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0}
+                "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0, "sparse_cache": 0,
+                "sparse_chunk": 1}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
 # sketches / features of a smaller one (2**62 those of 0).
 _INT_MAXIMUM = {"seed": 2**62 - 1}
@@ -195,6 +198,27 @@ class PolyAttnConfig:
             "layer (constant memory). 0 = off"
         },
     )
+    sparse_cache: int = field(
+        default=0,
+        metadata={
+            "help": "bounded sparse cache (LoLA, McDermott et al., arXiv:2505.23666): beside the sliding window and "
+            "the kernel state, each kv head keeps this many past keys and values exactly (scored like window keys, "
+            "under the window's normaliser), the ones the kernel state recalls worst (the error |v - phi(k) S / "
+            "phi(k) z| of what the state returns for the key); the others are folded into the state. Selected at "
+            "absolute blocks of sparse_chunk real keys once a whole block has left the window (until then its keys "
+            "stay exact), so the forward over a whole sequence, chunked prefill and decoding compute the same "
+            "outputs. Constant memory: sparse_cache + sparse_chunk - 1 keys per kv head beside the window. Causal "
+            "only; needs window > 0 and a kernel kind; adds no parameters (a trained model takes it without "
+            "training: hf_polyattn.reconfigure, or --set without --kind). 0 = off"
+        },
+    )
+    sparse_chunk: int = field(
+        default=SPARSE_CHUNK,
+        metadata={
+            "help": "the sparse cache's selection granularity in real keys: a block of this many keys becomes "
+            "candidate for the cache once all of it has left the window (needs sparse_cache > 0)"
+        },
+    )
     alpha: float = field(default=0.0, metadata={"help": "polynomial kernel bias: ((s q.k + alpha)/beta)^p"})
     beta: float = field(default=1.0, metadata={"help": "polynomial kernel scale: ((s q.k + alpha)/beta)^p"})
     denominator_offset: float = field(
@@ -281,6 +305,16 @@ class PolyAttnConfig:
         if not self.decay_horizon > 1.0:
             raise ValueError(f"decay_horizon must be a real number > 1 (tokens: the initial 1/(1 - gamma)), got "
                              f"{self.decay_horizon}")
+        if self.sparse_chunk != SPARSE_CHUNK and not self.sparse_cache:
+            raise ValueError(f"sparse_chunk={self.sparse_chunk} needs sparse_cache > 0 (it is the sparse cache's "
+                             "selection granularity)")
+        if self.sparse_cache:
+            if not self.window:
+                raise ValueError(f"sparse_cache={self.sparse_cache} needs window > 0: the cache holds keys that "
+                                 "left the exact sliding window, scored under its normaliser (LoLA), got window=0")
+            if self.backend != "auto":
+                raise ValueError(f"sparse_cache={self.sparse_cache} computes its kernel part in its own block loop "
+                                 f"(PyTorch, every device): backend must stay 'auto', got {self.backend!r}")
         if self.window_mix and not self.window:
             raise ValueError("window_mix needs window > 0 (it weights the kernel part beyond the window)")
         if self.window_mix_init < 0:

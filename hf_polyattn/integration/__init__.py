@@ -7,7 +7,7 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 
 from .cache import PolyAttnCache, PolyAttnCacheLayer, decode_memory
 from .compatibility import cache_kwargs, returned_cache
-from .convert import convert, get_polyattn_config
+from .convert import convert, get_polyattn_config, reconfigure
 from .hub import write_model_card
 from .layout import layer_layout
 from .registry import register_all
@@ -24,6 +24,7 @@ __all__ = [
     "decode_memory",
     "get_polyattn_config",
     "layer_layout",
+    "reconfigure",
     "register_all",
     "returned_cache",
     "write_model_card",

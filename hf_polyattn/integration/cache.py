@@ -367,6 +367,8 @@ def _layer_state_bytes(module: AttentionBase, prompt: int, decoded: int, batch: 
     if path == "quadratic":  # exact polynomial without tensor features: every key
         return n * key_value
     s, w = cfg.sinks, cfg.window
+    if cfg.sparse_cache:
+        return _sparse_state_bytes(module, prompt, decoded, batch, item, w_item)
     # a single-token call (every decoding step, and a one-token prompt) keeps a ring: fixed buffers of S + W slots of
     # keys and [v 1], their flags and log-gates, and the state
     if (decoded or prompt == 1) and _decodes_on_ring(module):
@@ -395,6 +397,38 @@ def _layer_state_bytes(module: AttentionBase, prompt: int, decoded: int, batch: 
     if w and s and n > w:  # the sink slots (all of them once a key left) + their flags
         total += s * key_value + batch * s
     if cfg.short_conv > 1:  # the convolution's last size - 1 inputs: the G queries and the key of each kv head
+        total += batch * hk * (module.groups + 1) * (cfg.short_conv - 1) * d * w_item
+    return total
+
+
+def _sparse_state_bytes(module: PolyAttention, prompt: int, decoded: int, batch: int, item: int, w_item: int) -> int:
+    """``_layer_state_bytes`` of a layer with ``sparse_cache`` m and blocks of C (``ops/sparse.py``). The ring: S + m +
+    C + W slots of keys and [v 1] and their flags, the kernel inputs of the m + C cache and waiting slots (and their
+    log-decays with decay), a (B,) count of waiting keys, the state, the window's log-gates. The generic state: the
+    last W + C - 1 keys and values raw, the state (from the first call on), the cache's m keys and values (raw), flags,
+    kernel inputs (where q/k maps or a convolution make them differ from the keys), log-decays (decay) and a (B,)
+    count of kept keys of complete blocks, the sink slots once a block is complete."""
+    cfg = module.config
+    hk, d, n, kdim = module.num_kv_heads, module.head_dim, prompt + decoded, module.kernel_dim
+    s, w, m, chunk = cfg.sinks, cfg.window, cfg.sparse_cache, cfg.sparse_chunk
+    decay = cfg.decay != "none"
+    state = batch * hk * module.num_features * (d + 1) * w_item
+    if (decoded or prompt == 1) and _decodes_on_ring(module):
+        slots = s + m + chunk + w
+        ring = batch * hk * slots * (2 * d + 1) * w_item + batch * slots + state + 8 * batch
+        ring += batch * hk * (m + chunk) * (kdim + decay) * w_item + decay * batch * hk * w * w_item
+        if s and n - w < s:  # sink slots still to fill: a (B,) int64 count of them
+            ring += 8 * batch
+        return ring
+    key_value = 2 * batch * hk * d * item
+    total = min(n, w + chunk - 1) * key_value + state + m * key_value + batch * hk * m + 8 * batch
+    if module._maps_inputs or cfg.short_conv:
+        total += batch * hk * m * kdim * w_item
+    if decay:
+        total += batch * hk * m * w_item
+    if s and n - w >= chunk:  # a block is complete: the sink slots + their flags
+        total += s * key_value + batch * s
+    if cfg.short_conv > 1:
         total += batch * hk * (module.groups + 1) * (cfg.short_conv - 1) * d * w_item
     return total
 

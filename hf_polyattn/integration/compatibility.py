@@ -290,6 +290,10 @@ def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str, *
     if not causal and cfg.decay != "none":
         raise ValueError(f"decay={cfg.decay!r} is defined for causal attention only and {where} is bidirectional "
                          "attention (an encoder or cross-attention): use decay='none' there")
+    if not causal and cfg.sparse_cache:
+        raise ValueError(f"sparse_cache={cfg.sparse_cache} is defined for causal attention only (it keeps keys that "
+                         f"left a causal window) and {where} is bidirectional attention (an encoder or "
+                         "cross-attention): use sparse_cache=0 there")
     if cross_blocker(cfg) and getattr(module, "is_cross_attention", False) is True:
         raise ValueError(_local_exact_cross_message(f"{owner} ({cls.__name__} is a cross-attention module)",
                                                     cross_blocker(cfg)))

@@ -8,8 +8,10 @@ tensors into the safetensors file; ``AutoModel*.from_pretrained(out)`` after
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
+import torch
 from transformers.modeling_utils import PreTrainedModel
 
 from .. import registry
@@ -19,9 +21,9 @@ from .compatibility import check_attention_module, check_model_options, find_att
 from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
 from .settings import check_supported_config, persist_settings
-from .state import attach_polyattn, attach_sliding, get_polyattn_config, sink_rope, sync_config
+from .state import HFPolyAttention, attach_polyattn, attach_sliding, get_polyattn_config, sink_rope, sync_config
 
-__all__ = ["convert", "get_polyattn_config"]
+__all__ = ["convert", "get_polyattn_config", "reconfigure"]
 
 
 def _as_config(config: PolyAttnConfig | dict | str | None, overrides: dict[str, Any]) -> PolyAttnConfig:
@@ -112,5 +114,63 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     for sub in model.modules():
         if isinstance(sub, PreTrainedModel):
             prepare_model_instance(sub)
+    sync_config(model)
+    return model
+
+
+def reconfigure(model: PreTrainedModel, **changes: Any):
+    """Change settings of a converted (or trained) model's attention that add, drop or reshape no tensor, keeping
+    every trained tensor: e.g. ``reconfigure(model, sparse_cache=64)`` gives a transferred model LoLA's sparse cache
+    training-free. In place; returns ``model``; ``save_pretrained`` then records the new settings.
+
+    Raises ``ValueError`` (before changing anything) for a model without polyattn attention, a change of ``kind``,
+    invalid settings, or a change that would add, drop or reshape a tensor of some layer (those need ``convert``,
+    which starts the attention tensors afresh, and training).
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"reconfigure() needs a transformers PreTrainedModel, got {type(model).__name__}")
+    old = get_polyattn_config(model)
+    if old is None:
+        raise ValueError(f"{type(model).__name__} has no polyattn attention to reconfigure: convert it first "
+                         "(hf_polyattn.convert)")
+    if "kind" in changes and changes["kind"] != old.kind:
+        raise ValueError(f"reconfigure keeps the kind ({old.kind!r}); another kind needs convert(), which starts its "
+                         f"tensors afresh, got kind={changes['kind']!r}")
+    if "options" in changes:
+        changes = {**changes, "options": {**old.options, **changes["options"]}}
+    cfg = old.replace(**changes)  # validated
+    if cfg.sliding_layers != old.sliding_layers:
+        raise ValueError(f"reconfigure keeps the layers the kind runs in (sliding_layers={old.sliding_layers!r}); "
+                         "converting a model's sliding-window layers or keeping them exact needs convert()")
+    found = [(name, mod, idx) for name, mod, idx in find_attention_modules(model)
+             if isinstance(getattr(mod, "polyattn", None), HFPolyAttention)]
+    owner = type(model).__name__
+    configs = {id(c): c for c in [model.config, *(mod.config for _, mod, _ in found)]}
+    check_model_options(list(configs.values()), cfg, owner)
+    for _, mod, _ in found:
+        check_attention_module(mod, cfg, owner)
+    built = []
+    for name, mod, idx in found:  # every layer built and checked before any is replaced
+        current = mod.polyattn
+        ref = next(chain(current.parameters(), current.buffers()), None)
+        rope = sink_rope(mod, cfg)  # a RoPE the new settings cannot read is refused here
+        with torch.device(ref.device if ref is not None else "cpu"):
+            fresh = HFPolyAttention(cfg, current.num_heads, current.head_dim, current.num_kv_heads, idx)
+        if ref is not None:
+            fresh = fresh.to(ref.dtype)
+        want, have = fresh.state_dict(), current.state_dict()
+        moved = sorted(set(want) ^ set(have)) + sorted(k for k in set(want) & set(have)
+                                                       if want[k].shape != have[k].shape)
+        if moved:
+            changed = sorted(k for k in changes if getattr(cfg, k, None) != getattr(old, k, None))
+            raise ValueError(f"reconfigure: {changed} change the tensors of {name}.polyattn ({moved[:4]}): "
+                             "that needs convert() and training, not a change of settings")
+        fresh.load_state_dict(have)
+        fresh.rope = rope
+        built.append((mod, fresh))
+    for mod, fresh in built:
+        mod.polyattn = fresh
+    for c in configs.values():
+        persist_settings(c, cfg)
     sync_config(model)
     return model

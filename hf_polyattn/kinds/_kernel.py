@@ -8,8 +8,9 @@ from __future__ import annotations
 KERNEL_FIELDS = ("short_conv", "qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 # sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
+# sparse_cache / sparse_chunk: the bounded sparse cache beside the window (ops/sparse.py).
 LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
-                "learned_sinks",
+                "learned_sinks", "sparse_cache", "sparse_chunk",
                 "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon")
@@ -45,6 +46,8 @@ def local_label(config) -> list[str]:
     if config.window:
         parts.append(f"exact {config.resolved_local_kernel} {config.window}-token sliding window"
                      + (" (mixed)" if config.window_mix else "") + sink_label(config))
+    if config.sparse_cache:
+        parts.append(f"sparse cache of {config.sparse_cache} keys (LoLA, blocks of {config.sparse_chunk})")
     if config.decay == "scalar":
         parts.append(f"scalar decay (horizon {config.decay_horizon:g})")
     elif config.decay == "gate":
@@ -76,6 +79,9 @@ def kernel_memory(config) -> str:
     extra = f" plus the keys of the current {config.block_size}-token block" if config.local_exact else ""
     if config.window:
         extra = f" plus {window_memory(config)}"
+    if config.sparse_cache:
+        extra += (f", the {config.sparse_cache} keys and values per kv head of the sparse cache and up to "
+                  f"{config.sparse_chunk - 1} keys of the block waiting for selection")
     extra += conv_memory(config)
     return ("Generation keeps a constant-size recurrent state per layer" + extra
             + " instead of a growing key/value cache (`hf_polyattn.PolyAttnCache`, picked by `generate()`).")

@@ -142,6 +142,11 @@ class DeltaAttention(SlidingWindowAttention):
 
 
 def _validate(config) -> None:
+    if config.sparse_cache:
+        raise ValueError(f"kind='delta' does not take sparse_cache={config.sparse_cache}: the sparse cache (LoLA) "
+                         "picks the keys an additive kernel state recalls worst and scores them under the window's "
+                         "normaliser, and the delta read-out is neither (it overwrites what a key holds and is added "
+                         "to the window's output); use a kernel kind (linear, polysketch, performer, taylor)")
     if not config.window and config.options["delta_mix_init"] != 0.0:
         raise ValueError(f"delta_mix_init={config.options['delta_mix_init']} is the initial factor on the delta "
                          "read-out beside the exact window: it needs window > 0 (without a window the output is the "

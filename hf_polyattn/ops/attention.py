@@ -55,6 +55,7 @@ from .flex import layer_backend
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
 from .sketches import project, symmetric_square
+from .sparse import SparseMixin
 from .state import RecurrentState
 from .window import sink_shifts
 
@@ -132,7 +133,7 @@ def _seeing(state: RecurrentState, seen: torch.Tensor | None, conv=None) -> Recu
                    conv_k=k_inputs[..., end - (size - 1) : end, :])
 
 
-class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
+class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase):
     """One attention layer of a kernel kind (polynomial, polysketch, linear, performer, sliding window).
 
     Holds the layer's state (sketches, feature parameters, q/k LayerNorms, polynomial
@@ -261,12 +262,13 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         return 0 if self.feature_map is None else self.feature_map.num_features
 
     def choose_path(self, q_len: int, kv_len: int, causal: bool) -> str:
-        """The algorithm of one call: 'linear' (the kernel product); a kind's class may add its own."""
-        return "linear"
+        """The algorithm of one call: 'linear' (the kernel product), 'sparse' (with ``sparse_cache``, causal:
+        ``ops/sparse.py``); a kind's class may add its own."""
+        return "sparse" if self.config.sparse_cache and causal else "linear"
 
     def _recurrent_path(self) -> str:
         """The path of a recurrent state (fixed for the whole generation)."""
-        return "linear"
+        return "sparse" if self.config.sparse_cache else "linear"
 
     def decodes_by_step(self, path: str) -> bool:
         """Whether a single token with a state takes ``_decode_step`` (a few matmuls) on this path."""
@@ -298,6 +300,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
                              "first tokens a causal softmax model parks its surplus attention on (StreamingLLM); "
                              "bidirectional (BERT-style) models have no such tokens to preserve. Use sinks=0 here "
                              "(learned_sinks work in both directions)")
+        if not causal and self.config.sparse_cache:
+            raise ValueError(f"sparse_cache={self.config.sparse_cache} is defined for causal attention only (it keeps "
+                             "keys that left a causal window); this call is bidirectional: use sparse_cache=0 there")
         if not causal and self.config.decay != "none":
             raise ValueError(f"decay={self.config.decay!r} is defined for causal attention only (a key decays "
                              "towards the queries after it); this call is bidirectional (an encoder or "
@@ -344,6 +349,10 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
             return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(out_dtype), _seeing(new_state, seen, conv)
         # half-precision models: the Triton kernels' dots take tf32 operands (fp32 accumulation)
         tf32 = True if out_dtype in HALF else None
+        if path == "sparse":  # ops/sparse.py
+            out, new_state = self._sparse_call(q5, k5, v5, mask, scale, state, raw, sink_q, key, value)
+            out = out.reshape(bsz, self.num_heads, lq, self.head_dim).to(out_dtype)
+            return out if state is None else (out, _seeing(new_state, seen, conv))
         sinks = self._window_sinks(raw[1], v5, mask, None if state is None else state.sinks, sink_q=sink_q)
         extra = {} if sinks is None else {"sinks": sinks}  # a kind's own run_path without sinks keeps its signature
         out, fk, vext, kv_end = self.run_path(path, q5, k5, v5, mask, causal, scale, kv0, raw, tf32, **extra)
@@ -383,7 +392,13 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, AttentionBase):
         q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, 1, self.head_dim)
         ring = state if isinstance(state, WindowRing) else from_recurrent(self, state, bsz, query.device, work,
                                                                           key.dtype)
-        sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
+        cfg = self.config
+        if (key_padding_mask is None and ring.seen is None and cfg.sinks and cfg.sink_position == "window"
+                and self.rope is not None):
+            # every row has seen `length` real keys: one delta for the whole batch (``window.sink_shifts``)
+            sink_q, seen = self.rope.rotate_by(q5, min(0, cfg.window + cfg.sinks - 1 - ring.length)), None
+        else:
+            sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
         out = ring_step(self, q5, key, value, key_padding_mask, scale, ring, sink_q)
         if seen is not None:
             ring.seen = seen

@@ -14,7 +14,10 @@ not its arithmetic (a 2-core CPU spent about half of a decoding step outside the
   recomputed from the values every token;
 * ``kv`` (B, Hkv, F, d + 1): the kernel state, referenced at the last folded key exactly as ``RecurrentState.kv``,
   so a query reads it times exp(sum of the ring's log-gates) (the gates of the keys after the folded one) and nothing
-  is ever divided.
+  is ever divided;
+* with ``sparse_cache`` (``ops/sparse.py``) ``extra`` slots between the sinks and the ring: the sparse cache, then the
+  block of keys waiting for selection (read exactly like the ring's), written by ``sparse.ring_leave`` where a key
+  leaving the window would be folded.
 
 One step writes the new key into the ring slot of the key that leaves the window, after folding that key into ``kv``
 (or keeping it as a sink: a row's first ``sinks`` real keys), and reads the S + W slots exactly and the state through
@@ -37,6 +40,7 @@ import torch
 
 from .common import _safe_divide
 from .local import far_scale
+from .sparse import pending_log, ring_leave, sparse_from_recurrent, sparse_to_recurrent
 from .state import RecurrentState
 
 __all__ = ["WindowRing", "ring_supported"]
@@ -47,7 +51,10 @@ class WindowRing:
     """Decoding state of a windowed kernel layer, in fixed-size buffers (module docstring). ``head``: the ring slot
     the next key goes to; ``count``: how many ring slots were ever written (<= W); ``length``, ``seen``: as
     ``RecurrentState``; ``filled`` (B,) int64: sink slots filled per row, None once every row has all of them
-    (``sinks_full``); ``key_dtype``: the dtype of the model's keys, restored by ``to_recurrent``."""
+    (``sinks_full``); ``key_dtype``: the dtype of the model's keys, restored by ``to_recurrent``. ``extra``: the
+    sparse cache's slots after the sinks (``cache`` of them the cache, then the waiting block), 0 without one;
+    ``kin``, ``slot_log``, ``pending``: their kernel inputs, log-decays and waiting keys per row (``ops/sparse.py``,
+    ``ring_leave``)."""
 
     kv: torch.Tensor
     keys: torch.Tensor
@@ -61,6 +68,11 @@ class WindowRing:
     seen: torch.Tensor | None
     sinks: int
     key_dtype: torch.dtype
+    extra: int = 0
+    cache: int = 0
+    kin: torch.Tensor | None = None
+    slot_log: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
@@ -81,7 +93,7 @@ class WindowRing:
 
     @property
     def window(self) -> int:
-        return self.keys.shape[2] - self.sinks
+        return self.keys.shape[2] - self.sinks - self.extra
 
     def _ring_order(self) -> torch.Tensor | slice:
         """The ring slots from the oldest key to the newest."""
@@ -93,6 +105,8 @@ class WindowRing:
     def to_recurrent(self) -> RecurrentState:
         """The same state as a ``RecurrentState`` (window keys in order, the sinks that left it), for the generic
         path."""
+        if self.extra:
+            return sparse_to_recurrent(self)
         s, d = self.sinks, self.keys.shape[-1]
         order = self._ring_order()
         ring_k = self.keys[:, :, s:][:, :, order]
@@ -118,7 +132,8 @@ def ring_supported(module, state) -> bool:
 
     cfg, cls = module.config, type(module)
     return (bool(cfg.window) and not cfg.learned_sinks and not cfg.short_conv and module.feature_map is not None
-            and not torch.is_grad_enabled() and module.decodes_by_step(module._recurrent_path())
+            and not torch.is_grad_enabled()
+            and (module.decodes_by_step(module._recurrent_path()) or module._recurrent_path() == "sparse")
             # a kind with its own path or input precision (the polynomial kind's float64 tensor features) keeps the
             # generic step, which computes what its path computes
             and cls.run_path is PolyAttention.run_path and cls.path_inputs is PolyAttention.path_inputs
@@ -130,9 +145,10 @@ def from_recurrent(module, state: RecurrentState, batch: int, device, work: torc
     """A ``WindowRing`` holding what ``state`` (the generic state after a prefill, or an empty one) holds."""
     cfg = module.config
     s, w, d, hkv = cfg.sinks, cfg.window, module.head_dim, module.num_kv_heads
-    keys = torch.zeros(batch, hkv, s + w, d, dtype=work, device=device)
-    vext = torch.zeros(batch, hkv, s + w, d + 1, dtype=work, device=device)
-    valid = torch.zeros(batch, s + w, dtype=torch.bool, device=device)
+    extra = cfg.sparse_cache + cfg.sparse_chunk if cfg.sparse_cache else 0
+    keys = torch.zeros(batch, hkv, s + extra + w, d, dtype=work, device=device)
+    vext = torch.zeros(batch, hkv, s + extra + w, d + 1, dtype=work, device=device)
+    valid = torch.zeros(batch, s + extra + w, dtype=torch.bool, device=device)
     logg = None if cfg.decay == "none" else torch.zeros(batch, hkv, w, dtype=work, device=device)
     if state.kv is None:
         kv = torch.zeros(batch, hkv, module.num_features, d + 1, dtype=work, device=device)
@@ -154,15 +170,21 @@ def from_recurrent(module, state: RecurrentState, batch: int, device, work: torc
             filled = state.sink_mask.sum(-1)
         if bool((filled == s).all()):
             filled = None
-    count = 0 if state.k is None else state.k.shape[2]
+    held = 0 if state.k is None else state.k.shape[2]
+    count = min(held, w) if extra else held  # a sparse cache's state holds the waiting block before the window
     if count:
         if count > w:
             raise AssertionError(f"a windowed state keeps at most {w} keys, got {count}")
-        real = state.mask if state.mask is not None else torch.ones(batch, count, dtype=torch.bool, device=device)
-        put(slice(s, s + count), state.k, state.v, real)
+        k, v, m = state.k[:, :, held - count :], state.v[:, :, held - count :], state.mask
+        m = None if m is None else m[:, held - count :]
+        real = m if m is not None else torch.ones(batch, count, dtype=torch.bool, device=device)
+        put(slice(s + extra, s + extra + count), k, v, real)
         if logg is not None:
-            logg[..., :count] = module.log_gates(state.v.to(work).unsqueeze(2), state.mask).squeeze(2)
-    return WindowRing(kv, keys, vext, valid, logg, filled, count % w, count, state.length, state.seen, s, key_dtype)
+            logg[..., :count] = module.log_gates(v.to(work).unsqueeze(2), m).squeeze(2)
+    ring = WindowRing(kv, keys, vext, valid, logg, filled, count % w, count, state.length, state.seen, s, key_dtype)
+    if extra:
+        sparse_from_recurrent(module, ring, state, held - count)
+    return ring
 
 
 def _log_gate(module, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -190,9 +212,11 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     b, hkv, g = q5.shape[:3]
     work = q5.dtype
     k_new, v_new = key.to(work), value.to(work)  # (B, Hkv, 1, d)
-    slot = s + ring.head
+    slot = s + ring.extra + ring.head
+    n_slots = ring.keys.shape[2]
     if ring.count == w:  # the key in this slot leaves the window: into the state, or kept as a sink
         k_old, vx_old = ring.keys.narrow(2, slot, 1), ring.vext.narrow(2, slot, 1)
+        is_sink = None
         if ring.filled is not None:
             is_sink = ring.valid[:, slot] & (ring.filled < s)  # (B,): one of its row's first `sinks` real keys
             into = (torch.arange(s, device=q5.device) == ring.filled[:, None]) & is_sink[:, None]  # (B, S)
@@ -205,13 +229,16 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             vx_old = vx_old * (~is_sink).to(work)[:, None, None, None]
             if bool((ring.filled == s).all()):
                 ring.filled = None
-        feats = module.feature_map(module._feature_inputs(module.kernel_input(k_old.unsqueeze(2), False), scale),
-                                   False)  # (B, Hkv, 1, 1, F)
-        add = feats.view(b, hkv, -1, 1) * vx_old  # the outer product phi(k)^T [v 1]: (B, Hkv, F, d + 1)
-        if ring.logg is not None:  # the reference moves to the folded key: the state decays by its gate
-            ring.kv.mul_(torch.exp(ring.logg.narrow(2, ring.head, 1)).unsqueeze(-1)).add_(add)
+        if ring.extra:  # into the block waiting for the sparse cache's selection instead (a sink too, for its gate)
+            ring_leave(module, ring, slot, is_sink, scale)
         else:
-            ring.kv.add_(add)
+            feats = module.feature_map(module._feature_inputs(module.kernel_input(k_old.unsqueeze(2), False),
+                                                              scale), False)  # (B, Hkv, 1, 1, F)
+            add = feats.view(b, hkv, -1, 1) * vx_old  # the outer product phi(k)^T [v 1]: (B, Hkv, F, d + 1)
+            if ring.logg is not None:  # the reference moves to the folded key: the state decays by its gate
+                ring.kv.mul_(torch.exp(ring.logg.narrow(2, ring.head, 1)).unsqueeze(-1)).add_(add)
+            else:
+                ring.kv.add_(add)
     # the new key takes the slot
     ring.keys.narrow(2, slot, 1).copy_(k_new)
     vx = ring.vext.select(2, slot)
@@ -232,18 +259,18 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     # exact part: the sinks (scored by the re-rotated query when given) and the window's keys, one normaliser; the
     # products as batched matmuls over (B Hkv) on 3-D views (a 4-D matmul dispatched twice the operations)
     bh, e = b * hkv, ring.vext.shape[-1]
-    kt = ring.keys.view(bh, s + w, d).transpose(1, 2)  # (B Hkv, d, S + W)
+    kt = ring.keys.view(bh, n_slots, d).transpose(1, 2)  # (B Hkv, d, S + W)
     x = torch.bmm(q5.reshape(bh, g, d), kt)  # (B Hkv, G, S + W)
     if s and sink_q is not None:
         x.narrow(2, 0, s).copy_(torch.bmm(sink_q.reshape(bh, g, d), kt.narrow(2, 0, s)))
-    x = x.view(b, hkv, g, s + w) * scale
+    x = x.view(b, hkv, g, n_slots) * scale
     if cfg.resolved_local_kernel == "softmax":  # exact_weights' softmax: exp(x - m), m = the row max clamped at 0
         x = torch.where(ring.valid[:, None, None, :], x, float("-inf"))
         m = x.amax(dim=-1, keepdim=True).clamp_min_(0.0)
         weights, log_far = torch.exp(x - m), -m
     else:
         weights, log_far = module.exact_weights(x, ring.valid[:, None, None, :], cfg.resolved_local_kernel)
-    num = torch.bmm(weights.view(bh, g, s + w), ring.vext.view(bh, s + w, e))  # (B Hkv, G, d + 1)
+    num = torch.bmm(weights.view(bh, g, n_slots), ring.vext.view(bh, n_slots, e))  # (B Hkv, G, d + 1)
     # kernel part: the state, decayed by the gates of every key after the folded one (the ring's keys)
     fq = module._feature_inputs(module.kernel_input(q5, True), scale)
     q_log_scale = None
@@ -256,7 +283,10 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     num = num.view(b, hkv, g, e)
     factor = far_scale(log_far, q_log_scale)
     if ring.logg is not None:
-        decay = torch.exp(ring.logg.sum(-1))[..., None, None]  # (B, Hkv, 1, 1)
+        total = ring.logg.sum(-1)
+        if ring.extra:  # and the gates of the block waiting for selection
+            total = total + pending_log(ring)
+        decay = torch.exp(total)[..., None, None]  # (B, Hkv, 1, 1)
         factor = decay if factor is None else factor * decay
     if cfg.window_mix:
         mix = module.window_mix.abs().to(work).view(hkv, g, 1)

@@ -75,7 +75,21 @@ def _decay_weights(module: PolyAttention, v: torch.Tensor | None, key_padding_ma
         raise ValueError(f"decay={cfg.decay!r} is defined for causal attention only")
     if v is None:
         raise ValueError(f"decay={cfg.decay!r}: the reference weights need the values (value=...)")
+    lk = v.shape[2]
+    g = _cumulative_log_gates(module, v, key_padding_mask)
+    pos_q = torch.arange(lq, device=v.device) + lk - lq
+    keep = torch.arange(lk, device=v.device)[None, :] <= pos_q[:, None]
+    x = (g[..., pos_q, None] - g[..., None, :]).masked_fill(~keep, float("-inf"))
+    return torch.exp(x).unsqueeze(2)
+
+
+def _cumulative_log_gates(module: PolyAttention, v: torch.Tensor, key_padding_mask: torch.Tensor | None):
+    """G (B, Hkv, Lk), G_t = sum_{s <= t} log g_s: log gamma = -exp(theta) ('scalar') or logsigmoid(v_t . w + b)
+    ('gate'), 0 at padded keys; zeros without decay."""
+    cfg = module.config
     b, hkv, lk, _ = v.shape
+    if cfg.decay == "none":
+        return torch.zeros(b, hkv, lk, dtype=v.dtype, device=v.device)
     if cfg.decay == "scalar":
         log_g = (-torch.exp(module.decay_theta.to(v.dtype)))[None, :, None].expand(b, hkv, lk)
     else:
@@ -83,11 +97,58 @@ def _decay_weights(module: PolyAttention, v: torch.Tensor | None, key_padding_ma
                                                + module.gate_bias.to(v.dtype)[None, :, None])
     if key_padding_mask is not None:
         log_g = torch.where(key_padding_mask[:, None, :], log_g, torch.zeros_like(log_g))
-    g = torch.cumsum(log_g, dim=-1)
-    pos_q = torch.arange(lq, device=v.device) + lk - lq
-    keep = torch.arange(lk, device=v.device)[None, :] <= pos_q[:, None]
-    x = (g[..., pos_q, None] - g[..., None, :]).masked_fill(~keep, float("-inf"))
-    return torch.exp(x).unsqueeze(2)
+    return torch.cumsum(log_g, dim=-1)
+
+
+def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | None,
+                  key_padding_mask: torch.Tensor | None, lq: int) -> torch.Tensor:
+    """(B, Hkv, 1, Lq, Lk) bool: the keys ``sparse_cache`` attends exactly besides the window and the sinks, from its
+    definition (``ops/sparse.py``), one row, head and block at a time: for query i with r_i real keys at least
+    ``window`` positions back and e_i = r_i // C (C = ``sparse_chunk``), every real key of block e_i or later (the
+    pending block) and Cache_{e_i}; Cache_{b+1} = the ``sparse_cache`` largest of |v - phi(k) S_v / phi(k) S_1| over
+    Cache_b and the non-sink keys of block b, S the kernel state of every key evicted so far (recomputed from its
+    definition each block, each key weighed by exp(G_ref - G_j), ref = block b's last key)."""
+    cfg = module.config
+    if v is None:
+        raise ValueError("sparse_cache: the reference weights need the values (value=...): they choose the cache")
+    w, chunk, budget, sinks = cfg.window, cfg.sparse_chunk, cfg.sparse_cache, cfg.sinks
+    b, hkv, lk, d = v.shape
+    g = _cumulative_log_gates(module, v, key_padding_mask).detach()
+    fk, v = fk.detach(), v.detach()  # the choice is not differentiable
+    exact = torch.zeros(b, hkv, 1, lq, lk, dtype=torch.bool, device=v.device)
+    for row in range(b):
+        real = list(range(lk)) if key_padding_mask is None else key_padding_mask[row].nonzero()[:, 0].tolist()
+        rank = {j: t for t, j in enumerate(real)}  # real index of each real key
+        sink = set(real[:sinks])
+        epochs = []
+        for i in range(lq):
+            at = lk - lq + i
+            left = sum(1 for j in real if j <= at - w)
+            epochs.append(left // chunk)
+        for h in range(hkv):
+            cache, folded, caches = [], [], [[]]
+            for blk in range(max(epochs)):
+                members = [j for j in real if blk * chunk <= rank[j] < (blk + 1) * chunk]
+                ref = members[-1]
+                cands = cache + [j for j in members if j not in sink]
+                state = torch.zeros(fk.shape[-1], d + 1, dtype=v.dtype, device=v.device)
+                for j in folded:
+                    state = state + torch.exp(g[row, h, ref] - g[row, h, j]) * torch.outer(
+                        fk[row, h, 0, j], torch.cat([v[row, h, j], v.new_ones(1)]))
+                errors = []
+                for j in cands:
+                    pred = fk[row, h, 0, j] @ state
+                    recall = pred[:d] / pred[d] if pred[d] > 0 else torch.zeros_like(pred[:d])
+                    errors.append(float(torch.linalg.vector_norm(v[row, h, j] - recall)))
+                ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
+                cache = [cands[t] for t in sorted(ranked[:budget])]
+                folded += [cands[t] for t in ranked[budget:]]
+                caches.append(cache)
+            for i, e in enumerate(epochs):
+                for j in real:
+                    if j <= lk - lq + i and (rank[j] >= e * chunk or j in caches[e]):
+                        exact[row, h, 0, i, j] = True
+    return exact
 
 
 def _sink_keys(cfg, key_padding_mask: torch.Tensor | None, batch: int, lk: int, device) -> torch.Tensor:
@@ -178,6 +239,8 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
             dist = (torch.arange(lq, device=q.device) + (lk - lq if causal else 0))[:, None] - torch.arange(
                 lk, device=q.device)[None, :]
             inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
+            if cfg.sparse_cache:
+                inside = inside | _sparse_exact(module, fk, value, key_padding_mask, lq)
             if cfg.window_mix:
                 w = w * module.window_mix.abs().to(w.dtype)
             w = torch.where(inside | sink, exact(x_raw, local), w)
@@ -197,6 +260,8 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
     if cfg.learned_sinks:  # m slots per kv head, scored with the model's own q, seen by every query
         slots = exact((q_raw @ module.sink_k.transpose(-1, -2)) * s, cfg.resolved_local_kernel)
         w = torch.cat([slots.reshape(q.shape[0], module.num_heads, lq, -1), w], dim=-1)
+    if cfg.sparse_cache and key_padding_mask is not None:  # its blocks count real keys: a padded query has no row
+        w = w * key_padding_mask[:, None, lk - lq :, None].to(w.dtype)
     return w
 
 

@@ -32,6 +32,14 @@ class RecurrentState:
     last ones when it holds none), zero at padded positions and before the sequence: what the convolution of the
     next keys (and of the held ones, when they leave a window) reads. None: no convolution, or nothing seen yet.
     The kind 'delta' keeps its delta-rule state S (B, Hkv, 1, D, D) in ``kv`` (``kinds/delta.py``).
+    With ``sparse_cache`` (``ops/sparse.py``) ``k``/``v``/``mask`` hold the last window + sparse_chunk - 1 keys: the
+    first ``sparse_skip`` (B,) real ones of each row belong to complete blocks (kept raw for the short convolution
+    only), the rest (at most window + sparse_chunk - 1) are the block waiting for selection and the window; ``kv`` is
+    referenced at the last complete block's last key, and
+    ``sparse_k``/``sparse_v`` (B, Hkv, sparse_cache, D) are the keys and values of the sparse cache (raw),
+    ``sparse_mask`` (B, Hkv, sparse_cache) which slots hold one, ``sparse_kin`` their kernel inputs (after the short
+    convolution, projection and LayerNorm; None where those are the raw keys) and ``sparse_logs`` (decay only) the
+    log-decay from each cached key to ``kv``'s reference (<= 0).
     """
 
     kv: torch.Tensor | None
@@ -45,6 +53,12 @@ class RecurrentState:
     seen: torch.Tensor | None = None
     conv_q: torch.Tensor | None = None
     conv_k: torch.Tensor | None = None
+    sparse_k: torch.Tensor | None = None
+    sparse_v: torch.Tensor | None = None
+    sparse_mask: torch.Tensor | None = None
+    sparse_kin: torch.Tensor | None = None
+    sparse_logs: torch.Tensor | None = None
+    sparse_skip: torch.Tensor | None = None
 
     @property
     def sinks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -180,6 +180,13 @@ def perturb_polyattn(model, seed: int = 1) -> None:
                 t.add_(0.05 * torch.randn(t.shape, generator=gen).to(t.dtype))
 
 
+def generating(model):
+    """``model`` set up for greedy generate() of a fixed number of tokens: no eos, pad id 0."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def prompt_ids(batch: int = 1, length: int = 10, seed: int = 0) -> torch.Tensor:
     """Seeded token ids in [3, VOCAB) (0..2 are the tiny models' pad / bos / eos)."""
     gen = torch.Generator().manual_seed(seed)

@@ -25,7 +25,14 @@ CONFIGS = {**{k: KIND_CONFIGS[k] for k in CAUSAL_KINDS},
            "linear-conv-hybrid": PolyAttnConfig(kind="linear", feature_map="elu", window=4, sinks=1, short_conv=3,
                                                 softmax_heads=((1, 0),)),
            "delta-elu-hybrid": PolyAttnConfig.for_kind("delta", window=4, sinks=2, decay="gate",
-                                                       delta_feature_map="elu", softmax_heads=((0, 0),))}
+                                                       delta_feature_map="elu", softmax_heads=((0, 0),)),
+           # LoLA's sparse cache (ops/sparse.py): 3 keys, blocks of 3, beside a 4-token window
+           "linear-sparse-proj-gate": PolyAttnConfig(kind="linear", window=4, sinks=2, decay="gate", feature_proj=32,
+                                                     sparse_cache=3, sparse_chunk=3),
+           "polysketch-sparse-hybrid": PolyAttnConfig(kind="polysketch", sketch_size=4, window=4, sparse_cache=2,
+                                                      sparse_chunk=4, softmax_heads=((0, 0),)),
+           "linear-sparse-conv": PolyAttnConfig(kind="linear", window=4, sinks=1, short_conv=3, sparse_cache=2,
+                                                sparse_chunk=3)}
 LENGTHS = (1, 4, 5, 6, 7, 9, 13)  # around the windows (4-6) and blocks (4)
 
 

@@ -13,7 +13,9 @@ from integration_helpers import (
     build,
     check_greedy_steps,
     check_left_padded_generation,
+    generating,
     perturb_polyattn,
+    prompt_ids,
 )
 from transformers import AutoModelForCausalLM
 
@@ -31,13 +33,7 @@ CONV_KINDS = {
 
 
 def _ids(batch=2, length=14, seed=0):
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _generating(model):
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return prompt_ids(batch, length, seed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
@@ -72,7 +68,7 @@ def test_short_conv_starts_as_the_kernel_model(name):
 @pytest.mark.parametrize("name", [*CONV_KINDS, "delta"])
 def test_greedy_with_cache_equals_full_forward(name, arch):
     """Prompts shorter and longer than the window; the convolution's and the delta rule's trained weights."""
-    model = _generating(build(arch, DELTA if name == "delta" else CONV_KINDS[name]))
+    model = generating(build(arch, DELTA if name == "delta" else CONV_KINDS[name]))
     perturb_polyattn(model)
     check_greedy_steps(model, _ids(1, 3, seed=1))
     check_greedy_steps(model, _ids(1, 10, seed=2))
@@ -80,14 +76,14 @@ def test_greedy_with_cache_equals_full_forward(name, arch):
 
 @pytest.mark.parametrize("name", ["linear-window-sinks", "delta"])
 def test_left_padded_generation_equals_rows(name):
-    model = _generating(build("llama", DELTA if name == "delta" else CONV_KINDS[name]))
+    model = generating(build("llama", DELTA if name == "delta" else CONV_KINDS[name]))
     perturb_polyattn(model)
     check_left_padded_generation(model, [_ids(1, 12, seed=3)[0], _ids(1, 5, seed=4)[0]], 12)
 
 
 def test_delta_beside_softmax_heads():
     """A hybrid layer: kv head 1 of layer 0 exact softmax, the rest the delta rule (window + sinks + conv)."""
-    model = _generating(build("llama", DELTA.replace(softmax_heads=((0, 1),))))
+    model = generating(build("llama", DELTA.replace(softmax_heads=((0, 1),))))
     perturb_polyattn(model)
     check_greedy_steps(model, _ids(1, 9, seed=5))
 
@@ -112,7 +108,7 @@ def test_save_reload_keeps_the_settings_and_weights(name, tmp_path):
 
 @pytest.mark.parametrize("name", ["linear-window-sinks", "delta"])
 def test_bf16_model_generates_finite_logits(name):
-    model = _generating(build("llama", DELTA if name == "delta" else CONV_KINDS[name])).to(torch.bfloat16)
+    model = generating(build("llama", DELTA if name == "delta" else CONV_KINDS[name])).to(torch.bfloat16)
     out = model.generate(_ids(2, 9, seed=6), attention_mask=torch.ones(2, 9, dtype=torch.long), max_new_tokens=4,
                          do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert all(torch.isfinite(x).all() for x in out.logits)

@@ -11,9 +11,9 @@ from torch.nn import functional as F
 from hf_polyattn import PolyAttnConfig
 from hf_polyattn.kinds.delta import DeltaAttention
 from hf_polyattn.kinds.sliding_window import SlidingWindowAttention
-from hf_polyattn.live_memory import PeakLive
 from hf_polyattn.ops.delta import delta_rule, delta_rule_chunked, delta_rule_recurrent, l2_normalise
 from hf_polyattn.ops.reference import reference_delta
+from recipes.live_memory import PeakLive
 from tests.kinds.inputs import padding_mask, qkv
 
 

@@ -1,0 +1,510 @@
+"""A bounded sparse cache beside the sliding window and the kernel state (LoLA, McDermott, Heath and Parhi,
+arXiv:2505.23666).
+
+Why: a kernel state S = sum phi(k)^T [v 1] is a fixed-size associative memory; keys whose features collide with
+others' are recalled as a blend (a SmolLM2-135M retrofit with every head linear-time found 1 / 1 / 0 of 10 passkeys
+at 1k / 2k / 4k tokens). LoLA keeps, per head, a small budget of past key/value pairs exactly, chosen by how badly
+the state represents them, and folds the rest into the state.
+
+Memory of one kv head, for a causal query i (keys bottom-right aligned, s sinks, window w, budget
+lambda = ``sparse_cache``, blocks of C = ``sparse_chunk`` real keys):
+
+* the sinks and the window W(i) (``ops/window.py``), exact;
+* the **pending block**: real keys that left the window while their block of C real keys has not wholly left it,
+  exact (so the exact part spans w to w + C - 1 keys);
+* the **sparse cache** Cache_e (<= lambda keys of earlier blocks), exact, under the same normaliser (scored like window
+  keys with the model's own q, k; softmax rows share one stabiliser);
+* the **kernel state** of every other real key of the complete blocks, read through the features (decayed,
+  ``window_mix``-ed and stabilised as the plain window's kernel part).
+
+Selection. Let r_i be the real keys that left query i's window and e_i = floor(r_i / C) its block count. When block b
+(real keys b C .. b C + C - 1) has wholly left the window, its keys that are not sinks join Cache_b as candidates;
+each candidate (k, v) gets its self-recall error against the state before that block:
+
+    err(k, v) = | v - phi(k) S_v / (phi(k) . S_1) |      (S_v: the value columns, S_1: the normaliser column)
+
+(0 recall while the state is empty); the lambda largest errors form Cache_{b+1} and the other candidates are added to
+the state, decayed from their own key to the block's last key. Ties of invalid candidates break by age, so the
+outcome does not depend on the batch layout; the cache keeps its keys in candidate order.
+
+Where this departs from the paper, and why:
+* LoLA selects as each token leaves the window; here a whole block of C real keys at a time, at absolute
+  boundaries counted in real keys. Selection is sequential (each step's errors read the state the previous step
+  left), so a token-by-token rule would force a loop over every token in a training forward. With blocks the
+  forward runs one step per C keys (a loop over n / C blocks, O(n) time and memory, nothing n x n) and computes
+  exactly what chunked prefill and token-by-token decoding compute (same blocks, same states, same errors); the
+  keys of an incomplete block stay exact until their block is scored, so no key is ever taken back out of the
+  state.
+* The recall reads the key's own (key-side) features phi(k): what the state returns for a query whose features equal
+  the key's. For the symmetric maps (elu, relu, taylor, polysketch) that is the query-side feature too.
+* Padding: the blocks count real keys, so a left-padded row computes what the row computes alone. A key padding
+  mask must hold each row's real keys contiguously (left padding; right padding too when no state is carried):
+  another mask is refused. A padded query's row is empty: its output is 0.
+
+The forward (``SparseMixin._sparse_call``) and the generic recurrent state (``RecurrentState``'s ``sparse_*`` fields)
+share ``select_and_fold``; the decoding ring (``ops/decode.py``) keeps the cache and the pending block in slots after
+the sinks and calls the same function (``ring_leave``). Pure PyTorch: never imports transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .common import _safe_divide, _with_normaliser, normalised_sum, to_work
+from .local import far_scale
+from .sketches import symmetric_square
+from .state import RecurrentState
+from .window import OUTSIDE, Sinks, first_true, gather_keys, keep_sinks, slot_scores
+
+__all__ = ["SparseMixin", "pending_log", "recall_error", "ring_leave", "select_and_fold", "sparse_from_recurrent",
+           "sparse_to_recurrent"]
+
+
+def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor) -> torch.Tensor:
+    """|v - phi(k) S_v / (phi(k) . S_1)| (..., N) of N candidates with full features ``feats`` (..., N, F) and
+    [v, 1] ``vext`` (..., N, d + 1) against the state ``kv`` (..., F, d + 1); 0 recall where the denominator is 0."""
+    d = vext.shape[-1] - 1
+    pred = torch.matmul(feats, kv)
+    recall = _safe_divide(pred[..., :d], pred[..., d:])
+    return torch.linalg.vector_norm(vext[..., :d] - recall, dim=-1)
+
+
+def select_and_fold(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, valid: torch.Tensor, budget: int,
+                    to_ref: torch.Tensor | None = None, decay: torch.Tensor | None = None):
+    """One selection step: (the state after it, keep (..., budget) the kept candidates' indices in increasing order,
+    their validity (..., budget)).
+
+    kv (..., F, e) the state; feats (..., N, F), vext (..., N, e), valid (..., N) the N >= budget candidates (the
+    cache, then the block); ``to_ref`` (..., N) each candidate's log-decay to the state's new reference (the block's
+    last key) and ``decay`` (...) the state's own, or None without decay. The errors are read under no_grad (the
+    choice is not differentiable); the fold is (gradients flow into the state through the evicted keys)."""
+    n = valid.shape[-1]
+    with torch.no_grad():
+        err = recall_error(kv.detach(), feats.detach(), vext.detach())
+        # invalid candidates rank below every valid one (errors are >= 0), the older first: a deterministic choice
+        age = torch.arange(n, device=err.device, dtype=err.dtype) / n
+        score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0 - age)
+        keep = score.topk(budget, dim=-1).indices
+        # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
+        # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
+        keep = keep.gather(-1, (keep + n * (~valid.gather(-1, keep))).argsort(dim=-1))
+    kept = torch.zeros_like(valid).scatter_(-1, keep, True)
+    weight = (valid & ~kept).to(vext.dtype)
+    if to_ref is not None:
+        weight = weight * torch.exp(torch.where(weight > 0, to_ref, 0.0))
+    add = torch.matmul((feats * weight.unsqueeze(-1)).transpose(-1, -2), vext)
+    if decay is not None:
+        kv = kv * torch.exp(decay)[..., None, None]
+    return kv + add, keep, valid.gather(-1, keep)
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` (B, Hkv, K) of x (B, Hkv, N, f) along N."""
+    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+def real_span(mask: torch.Tensor | None, batch: int, n: int, device, carried: bool):
+    """(P, L), both (B,) int64: each row's leading padded keys and real keys; a mask whose real keys are not
+    contiguous (or, when a state is carried, any padding after a real key) is refused."""
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device), torch.full((batch,), n, device=device)
+    real = mask.expand(batch, n)
+    count = real.sum(-1)
+    first = torch.where(count > 0, real.long().argmax(-1), n)
+    pos = torch.arange(n, device=device)
+    span = (pos >= first[:, None]) & (pos < (first + count)[:, None])
+    if bool((span != real).any()):
+        row = int((span != real).any(-1).nonzero()[0, 0])
+        raise ValueError(f"sparse_cache counts each row's real keys in blocks: key_padding_mask row {row} has padded "
+                         "keys between real ones; pad on the left (or on the right of a call without a recurrent "
+                         "state)")
+    if carried and bool(((first + count < n) & (count > 0)).any()):
+        raise ValueError("sparse_cache with a recurrent state needs left padding: a padded key after a row's real "
+                         "keys would sit between them and the next call's")
+    return torch.where(count > 0, first, 0), count
+
+
+@dataclass
+class _Aligned:
+    """A call's tensors with each row shifted left by its leading padding (``real_span``): real key m of every row at
+    position m, so the blocks and the window's epochs fall at the same positions in every row."""
+
+    idx: torch.Tensor | None  # (B, n) the gather index, None when no row is shifted
+    lead: torch.Tensor  # (B,) P
+
+    def keys(self, x: torch.Tensor | None, dim: int = 3) -> torch.Tensor | None:
+        return x if x is None or self.idx is None else gather_keys(x, self.idx, dim)
+
+    def mask(self, m: torch.Tensor) -> torch.Tensor:
+        return m if self.idx is None else m.expand(self.idx.shape[0], -1).gather(1, self.idx)
+
+    def unshift(self, out: torch.Tensor) -> torch.Tensor:
+        """Aligned rows (B, Hkv, G, n, e) back to their positions (zero at the leading padded ones)."""
+        if self.idx is None:
+            return out
+        n = out.shape[3]
+        pos = torch.arange(n, device=out.device)
+        back = (pos[None, :] - self.lead[:, None]).clamp(min=0)
+        return gather_keys(out, back, 3) * (pos[None, :] >= self.lead[:, None])[:, None, None, :, None].to(out.dtype)
+
+
+class SparseMixin:
+    """Methods of ``PolyAttention`` for ``sparse_cache`` (module docstring)."""
+
+    def _full_features(self, side: torch.Tensor) -> torch.Tensor:
+        return symmetric_square(side) if self.feature_map.squares else side
+
+    def _sparse_call(self, q5, k5, v5, pad_mask, scale, state, raw, sink_q, key, value):
+        """(output (B, Hkv, G, Lq, d), the state after the call or None) of a causal call with the sparse cache.
+
+        q5 (B, Hkv, G, Lq, d'), k5 (B, Hkv, 1, Lk, d'): the kernel inputs (the state's raw keys, then the call's);
+        v5 their values; ``pad_mask`` (B, Lk) or None their padding; ``raw`` the model's own q, k (the exact parts
+        score them); ``sink_q`` the queries that score the sinks (``Sinks.q``) or None; ``key``/``value`` the call's
+        own (the state keeps them raw)."""
+        cfg = self.config
+        w, chunk, budget = cfg.window, cfg.sparse_chunk, cfg.sparse_cache
+        b, hkv, g, lq = q5.shape[:4]
+        lk = k5.shape[3]
+        device = q5.device
+        q5, k5, v5 = to_work(q5, k5, v5)
+        q_raw, k_raw = to_work(*raw)
+        work = q5.dtype
+        # the keys of complete blocks the state keeps raw (for the convolution) read as padding from here on
+        mask = pad_mask
+        if state is not None and state.sparse_skip is not None:
+            real = torch.ones(b, lk, dtype=torch.bool, device=device) if mask is None else mask.expand(b, lk)
+            mask = real & (real.long().cumsum(-1) > state.sparse_skip[:, None])
+        sinks = self._window_sinks(k_raw, v5, mask, None if state is None else state.sinks, sink_q=sink_q)
+        lead, count = real_span(mask, b, lk, device, state is not None)
+        fq, q_log_scale = self._side_features(q5, scale, True)
+        fk, _ = self._side_features(k5, scale, False)
+        logs = self.log_decays(v5, mask)  # G from the state's reference; the sinks decay like every real key
+        rest = sinks.rest(mask) if sinks is not None else mask
+        vext = _with_normaliser(v5, rest)
+        valid = torch.ones(b, lk, dtype=torch.bool, device=device) if rest is None else rest.expand(b, lk)
+
+        pad = lk - lq  # queries bottom-right aligned: pad them to the keys' rows
+        def rows(x):
+            return None if x is None else torch.nn.functional.pad(x, (0, 0, pad, 0)) if pad else x
+
+        shifted = bool((lead > 0).any())
+        al = _Aligned(None, lead)
+        if shifted:
+            pos = torch.arange(lk, device=device)
+            al = _Aligned((pos[None, :] + lead[:, None]).clamp(max=lk - 1), lead)
+        qa, fqa, qls = al.keys(rows(q_raw)), al.keys(rows(fq)), al.keys(rows(q_log_scale))
+        ka, fka, kina, vexta = al.keys(k_raw), al.keys(fk), al.keys(k5), al.keys(vext)
+        ga = None if logs is None else al.keys(logs.unsqueeze(-1)).squeeze(-1)  # (B, Hkv, 1, Lk)
+        pos = torch.arange(lk, device=device)
+        valid_a = al.mask(valid) & (pos[None, :] < (lk - lead)[:, None])
+        sinks_a = None
+        if sinks is not None:
+            spos = sinks.pos.expand(b, -1)
+            spos = torch.where(spos.abs() < OUTSIDE, spos - lead[:, None], spos)
+            sinks_a = Sinks(sinks.k, sinks.v, spos, q=al.keys(rows(sinks.q)), learned=sinks.learned)
+
+        # the pool every cached key comes from: the state's cache (``budget`` slots), then the call's keys
+        c_k, c_v, c_valid, c_kin, c_logs = self._carried_cache(state, b, work, device)
+        c_side = self._side_features(c_kin.unsqueeze(2), scale, False)[0].squeeze(2)  # maps take (B, Hkv, 1, L, .)
+        pool_raw = torch.cat([c_k, ka.squeeze(2)], dim=2)
+        pool_side = torch.cat([c_side, fka.squeeze(2)], dim=2)
+        pool_vext = torch.cat([_with_normaliser(c_v, None) * c_valid[..., None].to(work), vexta.squeeze(2)], dim=2)
+        pool_kin = torch.cat([c_kin, kina.squeeze(2)], dim=2)
+        pool_g = None if ga is None else torch.cat([-c_logs, ga.squeeze(2)], dim=2)
+        cache_idx = torch.arange(budget, device=device).expand(b, hkv, budget)
+        cache_valid = c_valid
+        e_dim = vext.shape[-1]
+        nf = self.feature_map.num_features
+        kv = state.kv.squeeze(2).to(work) if state is not None and state.kv is not None else \
+            torch.zeros(b, hkv, nf, e_dim, dtype=work, device=device)
+        g_ref = torch.zeros(b, hkv, dtype=work, device=device)
+        last = count - 1  # each row's last real query (aligned)
+        first_out = lk - lq - int(lead.max())  # the first aligned row any caller reads
+        outs, starts = [], []
+        epoch = 0
+        while True:
+            a = 0 if epoch == 0 else epoch * chunk + w - 1
+            if a >= lk:
+                break
+            end = min(lk, (epoch + 1) * chunk + w - 1)
+            if epoch:  # block epoch - 1 has wholly left the window of the epoch's queries: select
+                lo = budget + (epoch - 1) * chunk
+                cand = torch.cat([cache_idx, torch.arange(lo, lo + chunk, device=device).expand(b, hkv, chunk)], -1)
+                cand_valid = torch.cat([cache_valid, valid_a[:, None, (epoch - 1) * chunk : epoch * chunk]
+                                        .expand(b, hkv, chunk)], dim=-1)
+                to_ref = decay = None
+                if pool_g is not None:
+                    new_ref = pool_g[..., budget + epoch * chunk - 1]
+                    to_ref, decay = new_ref[..., None] - pool_g.gather(2, cand), new_ref - g_ref
+                new_kv, keep, keep_valid = select_and_fold(
+                    kv, self._full_features(_take(pool_side, cand)), _take(pool_vext, cand), cand_valid, budget,
+                    to_ref, decay)
+                active = (epoch * chunk + w - 1 <= last)[:, None]  # rows whose queries reach this epoch
+                kv = torch.where(active[..., None, None], new_kv, kv)
+                cache_idx = torch.where(active[..., None], cand.gather(2, keep), cache_idx)
+                cache_valid = torch.where(active[..., None], keep_valid, cache_valid)
+                if pool_g is not None:
+                    g_ref = torch.where(active, new_ref, g_ref)
+            if end > first_out:
+                ks = 0 if epoch == 0 else epoch * chunk
+                outs.append(self._sparse_rows(qa, fqa, qls, ka, vexta, valid_a, ga, sinks_a, a, end, ks, scale,
+                                              _take(pool_raw, cache_idx), _take(pool_vext, cache_idx), cache_valid,
+                                              kv, g_ref))
+                starts.append(a)
+            epoch += 1
+        out = torch.cat(outs, dim=3)
+        if starts[0]:
+            out = torch.nn.functional.pad(out, (0, 0, starts[0], 0))
+        out = al.unshift(out)[..., pad:, :]
+        if pad_mask is not None:  # a padded query's row is empty (ops/reference.py's definition): 0
+            out = out * pad_mask[:, None, None, lk - lq :, None].to(out.dtype)
+        if state is None:
+            return out, None
+        return out, self._sparse_state(state, key, value, pad_mask, mask, lead, count, sinks, kv, g_ref, cache_idx,
+                                       cache_valid, pool_raw, pool_vext, pool_kin, pool_g)
+
+    def _carried_cache(self, state, b, work, device):
+        """The state's sparse cache as (keys, values, valid, kernel inputs, log-decays), empty when it has none."""
+        budget, d = self.config.sparse_cache, self.head_dim
+        hkv, kdim = self.num_kv_heads, self.kernel_dim
+        if state is None or state.sparse_k is None:
+            k = torch.zeros(b, hkv, budget, d, dtype=work, device=device)
+            kin = k if kdim == d else torch.zeros(b, hkv, budget, kdim, dtype=work, device=device)
+            return (k, k, torch.zeros(b, hkv, budget, dtype=torch.bool, device=device), kin,
+                    torch.zeros(b, hkv, budget, dtype=work, device=device))
+        k, v = state.sparse_k.to(work), state.sparse_v.to(work)
+        kin = k if state.sparse_kin is None else state.sparse_kin.to(work)
+        logs = state.sparse_logs.to(work) if state.sparse_logs is not None else torch.zeros(
+            b, hkv, budget, dtype=work, device=device)
+        return k, v, state.sparse_mask, kin, logs
+
+    def _sparse_rows(self, qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid, kv,
+                     g_ref):
+        """Outputs (B, Hkv, G, end - a, d) of the aligned queries a .. end - 1 of one epoch: exactly on the keys ks ..
+        their own (the pending block and the window), the sinks and the sparse cache (ck, cv (B, Hkv, lambda, .)),
+        through the features on the state kv (B, Hkv, F, e) referenced at G = g_ref (B, Hkv)."""
+        cfg = self.config
+        q = qa[..., a:end, :] * scale
+        qpos = torch.arange(a, end, device=q.device)
+        kpos = torch.arange(ks, end, device=q.device)
+        x = [torch.matmul(q, ka[..., ks:end, :].transpose(-1, -2))]
+        allowed = [(kpos[None, :] <= qpos[:, None]) & valid_a[:, None, None, None, ks:end]]
+        if sinks is not None:
+            x.append(slot_scores(q, sinks.k, None if sinks.q is None else sinks.q[..., a:end, :] * scale,
+                                 sinks.learned))
+            allowed.append(sinks.visible(qpos))
+        x.append(torch.matmul(q, ck.unsqueeze(2).transpose(-1, -2)))
+        allowed.append(c_valid[:, :, None, None, :])
+        shape = x[0].shape[:-1]
+        x = torch.cat(x, dim=-1)
+        allowed = torch.cat([m.expand(*shape, m.shape[-1]) for m in allowed], dim=-1)
+        weights, log_far = self.exact_weights(x, allowed, cfg.resolved_local_kernel)
+        n_loc = end - ks
+        loc = torch.matmul(weights[..., :n_loc], vexta[..., ks:end, :])
+        at = n_loc
+        if sinks is not None:
+            e = sinks.k.shape[-2]
+            loc = loc + torch.matmul(weights[..., at : at + e], sinks.v)
+            at += e
+        loc = loc + torch.matmul(weights[..., at:], cv.unsqueeze(2))
+        far = torch.matmul(self._full_features(fqa[..., a:end, :]), kv.unsqueeze(2))
+        if ga is not None:
+            far = far * torch.exp(ga[..., a:end] - g_ref[..., None, None]).unsqueeze(-1)
+        scale_far = far_scale(log_far, None if qls is None else qls[..., a:end, :])
+        if cfg.window_mix:
+            mix = self.window_mix.abs().to(far.dtype)
+            scale_far = mix if scale_far is None else scale_far * mix
+        return normalised_sum(far, loc, scale_far, cfg.denominator_offset, far.dtype)
+
+    def _sparse_state(self, state, key, value, pad_mask, mask, lead, count, sinks, kv, g_ref, cache_idx, cache_valid,
+                      pool_raw, pool_vext, pool_kin, pool_g) -> RecurrentState:
+        """The state after a call: the last window + chunk - 1 keys raw (every key after each row's last complete
+        block among them, ``sparse_skip`` counting the others), the sinks of the complete blocks in their slots, the
+        cache. ``pad_mask`` / ``mask``: the call's padding, and the keys the sparse path read."""
+        cfg = self.config
+        w, chunk = cfg.window, cfg.sparse_chunk
+        raw_k = key if state.k is None else torch.cat([state.k.to(key.dtype), key], dim=2)
+        raw_v = value if state.v is None else torch.cat([state.v.to(value.dtype), value], dim=2)
+        lk = raw_k.shape[2]
+        blocks = (count - w).clamp(min=0) // chunk  # complete blocks of each row after the call
+        keep_from = lead + blocks * chunk  # the first key each row keeps raw
+        pos = torch.arange(lk, device=raw_k.device)
+        kept = pos[None, :] >= keep_from[:, None]
+        if mask is not None:
+            kept = kept & mask
+        sink_parts = state.sink_k, state.sink_v, state.sink_mask
+        if sinks is not None and sinks.flags is not None:  # the sinks of the complete blocks go to their slots
+            leaving = sinks.flags & ~kept
+            if bool(leaving.any()):
+                sink_parts = keep_sinks(*sink_parts, raw_k, raw_v, leaving, cfg.sinks)
+        size = min(lk, w + chunk - 1)
+        b = raw_k.shape[0]
+        real = (torch.ones(b, lk, dtype=torch.bool, device=raw_k.device) if pad_mask is None
+                else pad_mask.expand(b, lk))[:, lk - size :]
+        skip = (real & (pos[None, lk - size :] < keep_from[:, None])).sum(-1)
+        d = self.head_dim
+        ck = _take(pool_raw, cache_idx)
+        cvx = _take(pool_vext, cache_idx)
+        kin = _take(pool_kin, cache_idx) if (self._maps_inputs or cfg.short_conv) else None
+        logs = None if pool_g is None else g_ref[..., None] - pool_g.gather(2, cache_idx)
+        return RecurrentState(kv.unsqueeze(2), raw_k[:, :, lk - size :], raw_v[:, :, lk - size :],
+                              None if bool(real.all()) else real, state.length + key.shape[2], *sink_parts,
+                              sparse_k=ck.to(key.dtype), sparse_v=cvx[..., :d].to(value.dtype),
+                              sparse_mask=cache_valid, sparse_kin=kin, sparse_logs=logs, sparse_skip=skip)
+
+
+# The decoding ring (``ops/decode.py``): ``extra`` = cache + chunk slots after the sinks, the cache's then the waiting
+# block's, in the ring's ``keys`` / ``vext`` / ``valid`` (read exactly with the window's), ``kin`` their kernel inputs,
+# ``slot_log`` (decay) the cache keys' log-decay to ``kv``'s reference and the waiting keys' own log-gates, ``pending``
+# (B,) the waiting keys per row (a sink among them holds its place and gate, not a candidate: ``valid`` False).
+
+
+def pending_log(ring) -> torch.Tensor:
+    """(B, Hkv): the log-gates of the keys waiting for selection, between ``kv``'s reference and the window."""
+    return ring.slot_log[..., ring.cache :].sum(-1)
+
+
+def ring_leave(module, ring, slot: int, is_sink: torch.Tensor | None, scale: float) -> None:
+    """The key in ring slot ``slot`` leaves the window: it waits in the block (a sink too, for its gate, but not as a
+    candidate) and, in the rows whose block is now complete, the cache is chosen (``select_and_fold``)."""
+    lam, s = ring.cache, ring.sinks
+    chunk = ring.extra - lam
+    real = ring.valid[:, slot]  # (B,): padded keys leave without a trace
+    at = (torch.arange(chunk, device=real.device) == ring.pending[:, None]) & real[:, None]  # (B, C)
+    wait = slice(s + lam, s + ring.extra)
+    pick = at[:, None, :, None]
+    ring.keys[:, :, wait] = torch.where(pick, ring.keys[:, :, slot : slot + 1], ring.keys[:, :, wait])
+    ring.vext[:, :, wait] = torch.where(pick, ring.vext[:, :, slot : slot + 1], ring.vext[:, :, wait])
+    ring.valid[:, wait] |= at if is_sink is None else at & ~is_sink[:, None]
+    kin = module.kernel_input(ring.keys[:, :, slot : slot + 1].unsqueeze(2), False).squeeze(2)  # (B, Hkv, 1, d')
+    ring.kin[:, :, lam:] = torch.where(pick, kin.to(ring.kin.dtype), ring.kin[:, :, lam:])
+    if ring.slot_log is not None:
+        gate = ring.logg[:, :, ring.head : ring.head + 1]  # the leaving key's log-gate (B, Hkv, 1)
+        ring.slot_log[:, :, lam:] = torch.where(at[:, None, :], gate, ring.slot_log[:, :, lam:])
+    ring.pending += real.long()
+    done = ring.pending == chunk
+    if bool(done.any()):
+        _ring_select(module, ring, done, scale)
+
+
+def _ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
+    """The rows ``done`` (B,) have a complete block: cache and block compete, the evicted join ``kv``, the block
+    slots empty."""
+    lam, s = ring.cache, ring.sinks
+    b, hkv = ring.keys.shape[:2]
+    both = slice(s, s + ring.extra)
+    feats = module._full_features(module._side_features(ring.kin.unsqueeze(2), scale, False)[0].squeeze(2))
+    valid = ring.valid[:, None, both].expand(b, hkv, ring.extra)
+    to_ref = decay = None
+    if ring.slot_log is not None:
+        waiting = ring.slot_log[..., lam:]
+        decay = waiting.sum(-1)  # the state moves its reference to the block's last key
+        to_ref = torch.cat([ring.slot_log[..., :lam] + decay[..., None], decay[..., None] - waiting.cumsum(-1)], -1)
+    new_kv, keep, keep_valid = select_and_fold(ring.kv, feats, ring.vext[:, :, both], valid, lam, to_ref, decay)
+    rows = done[:, None, None, None]
+    ring.kv.copy_(torch.where(rows, new_kv, ring.kv))
+    cache, wait = slice(s, s + lam), slice(s + lam, s + ring.extra)
+    kept_valid = keep_valid[:, 0]  # the same slots in every kv head (select_and_fold's order)
+    ring.keys[:, :, cache] = torch.where(rows, _take(ring.keys[:, :, both], keep), ring.keys[:, :, cache])
+    ring.vext[:, :, cache] = torch.where(rows, _take(ring.vext[:, :, both], keep) * keep_valid[..., None],
+                                         ring.vext[:, :, cache])
+    ring.kin[:, :, :lam] = torch.where(rows, _take(ring.kin, keep), ring.kin[:, :, :lam])
+    if ring.slot_log is not None:
+        ring.slot_log[..., :lam] = torch.where(done[:, None, None], to_ref.gather(-1, keep), ring.slot_log[..., :lam])
+        ring.slot_log[..., lam:] = torch.where(done[:, None, None], 0.0, ring.slot_log[..., lam:])
+    ring.valid[:, cache] = torch.where(done[:, None], kept_valid, ring.valid[:, cache])
+    ring.valid[:, wait] &= ~done[:, None]
+    ring.keys[:, :, wait] = torch.where(rows, 0.0, ring.keys[:, :, wait])
+    ring.vext[:, :, wait] = torch.where(rows, 0.0, ring.vext[:, :, wait])
+    ring.pending = torch.where(done, 0, ring.pending)
+
+
+def sparse_from_recurrent(module, ring, state: RecurrentState, region: int) -> None:
+    """Give ``ring`` (built by ``decode.from_recurrent`` with its extra slots empty) the state's sparse cache and its
+    waiting block: the real keys of ``state.k``'s first ``region`` positions after its ``sparse_skip`` ones; the
+    sinks among them (they left the window) go to the sink slots too."""
+    cfg = module.config
+    lam, chunk, s, d = cfg.sparse_cache, cfg.sparse_chunk, ring.sinks, module.head_dim
+    b, hkv = ring.keys.shape[:2]
+    work, device = ring.keys.dtype, ring.keys.device
+    ring.extra, ring.cache = lam + chunk, lam
+    ring.kin = torch.zeros(b, hkv, lam + chunk, module.kernel_dim, dtype=work, device=device)
+    ring.slot_log = None if ring.logg is None else torch.zeros(b, hkv, lam + chunk, dtype=work, device=device)
+    ring.pending = torch.zeros(b, dtype=torch.long, device=device)
+    if state.sparse_k is not None:
+        c_valid = state.sparse_mask[:, 0]
+        ring.keys[:, :, s : s + lam] = state.sparse_k.to(work)
+        ring.vext[:, :, s : s + lam] = _with_normaliser(state.sparse_v.to(work), None) * c_valid[:, None, :, None]
+        ring.valid[:, s : s + lam] = c_valid
+        ring.kin[:, :, :lam] = (state.sparse_k if state.sparse_kin is None else state.sparse_kin).to(work)
+        if ring.slot_log is not None:
+            ring.slot_log[..., :lam] = state.sparse_logs.to(work)
+    if not region:
+        return
+    real = torch.ones(b, region, dtype=torch.bool, device=device) if state.mask is None else state.mask[:, :region]
+    if state.sparse_skip is not None:
+        real = real & (real.long().cumsum(-1) > state.sparse_skip[:, None])
+    idx, found = first_true(real, chunk - 1)  # the waiting keys, in order
+    k = gather_keys(state.k[:, :, :region].to(work), idx, 2)
+    v = gather_keys(state.v[:, :, :region].to(work), idx, 2)
+    vext = _with_normaliser(v, None) * found[:, None, :, None]
+    is_sink = torch.zeros_like(found)
+    if ring.filled is not None:  # the row's next sinks: its first waiting keys
+        is_sink = found & (torch.arange(chunk - 1, device=device) < (s - ring.filled)[:, None])
+        sk, sv, sm = keep_sinks(ring.keys[:, :, :s], ring.vext[:, :, :s, :d], ring.valid[:, :s], k, v, is_sink, s)
+        ring.keys[:, :, :s] = sk
+        ring.vext[:, :, :s] = _with_normaliser(sv, None) * sm[:, None, :, None]
+        ring.valid[:, :s] = sm
+        ring.filled = sm.sum(-1)
+        if bool((ring.filled == s).all()):
+            ring.filled = None
+    wait = slice(s + lam, s + lam + chunk - 1)
+    ring.keys[:, :, wait] = k * found[:, None, :, None]
+    ring.vext[:, :, wait] = vext
+    ring.valid[:, wait] = found & ~is_sink
+    ring.kin[:, :, lam : lam + chunk - 1] = module.kernel_input(k.unsqueeze(2), False).squeeze(2).to(work)
+    if ring.slot_log is not None:
+        ring.slot_log[..., lam : lam + chunk - 1] = module.log_gates(v.unsqueeze(2), found).squeeze(2)
+    ring.pending = found.sum(-1)
+
+
+def sparse_to_recurrent(ring) -> RecurrentState:
+    """``ring`` with a sparse cache as the generic ``RecurrentState``: the waiting block (right-aligned in chunk - 1
+    positions, its sinks back among its keys instead of in their slots), then the window in order."""
+    lam, s, d = ring.cache, ring.sinks, ring.keys.shape[-1]
+    chunk = ring.extra - lam
+    b, hkv = ring.keys.shape[:2]
+    device = ring.keys.device
+    order = ring._ring_order()
+    base = s + ring.extra
+    win_k, win_v = ring.keys[:, :, base:][:, :, order], ring.vext[:, :, base:, :d][:, :, order]
+    win_real = ring.valid[:, base:][:, order]
+    t = torch.arange(chunk - 1, device=device)
+    at = t[None, :] - (chunk - 1 - ring.pending[:, None])  # the waiting slot at each position, < 0: none
+    here = at >= 0
+    wait = slice(s + lam, s + lam + chunk - 1)
+    wk = gather_keys(ring.keys[:, :, wait], at.clamp(min=0), 2)
+    wv = gather_keys(ring.vext[:, :, wait, :d], at.clamp(min=0), 2)
+    k = torch.cat([wk, win_k], dim=2).to(ring.key_dtype)
+    v = torch.cat([wv, win_v], dim=2).to(ring.key_dtype)
+    mask = torch.cat([here, win_real], dim=1)
+    sink_k = sink_v = sink_mask = None
+    if s and bool(ring.valid[:, :s].any()):
+        # the waiting sinks (real, not candidates) leave their slots: the generic state keeps them among its keys
+        waiting_sinks = ((torch.arange(chunk, device=device)[None, :] < ring.pending[:, None])
+                         & ~ring.valid[:, s + lam : s + ring.extra]).sum(-1)
+        filled = ring.valid[:, :s].sum(-1)
+        sink_mask = ring.valid[:, :s] & (torch.arange(s, device=device)[None, :] < (filled - waiting_sinks)[:, None])
+        if bool(sink_mask.any()):
+            sink_k = ring.keys[:, :, :s].to(ring.key_dtype)
+            sink_v = ring.vext[:, :, :s, :d].to(ring.key_dtype)
+        else:
+            sink_mask = None
+    c_valid = ring.valid[:, None, s : s + lam].expand(b, hkv, lam).clone()
+    return RecurrentState(ring.kv.unsqueeze(2), k, v, None if bool(mask.all()) else mask, ring.length, sink_k, sink_v,
+                          sink_mask, ring.seen, sparse_k=ring.keys[:, :, s : s + lam].to(ring.key_dtype),
+                          sparse_v=ring.vext[:, :, s : s + lam, :d].to(ring.key_dtype), sparse_mask=c_valid,
+                          sparse_kin=ring.kin[:, :, :lam].clone(),
+                          sparse_logs=None if ring.slot_log is None else ring.slot_log[..., :lam].clone())
