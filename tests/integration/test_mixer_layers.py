@@ -76,3 +76,18 @@ def test_attention_and_mamba_in_one_cache_layer_is_refused_before_generate():
         hf_polyattn.convert(model, RECIPE)
     with pytest.raises(ValueError, match=row.refusal):  # building it with the kind: refused as well
         AutoModelForCausalLM.from_config(row.make_config(), attn_implementation="linear")
+
+
+@pytest.mark.parametrize("row_id", ["lfm2", "qwen3_next"])
+def test_bf16_left_padded_generation_is_finite(row_id):
+    model = hf_polyattn.convert(_model(row_id).to(torch.bfloat16), RECIPE)
+    ids = torch.randint(3, 100, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    logits = torch.stack(out.logits, 1)
+    assert bool(torch.isfinite(logits).all())  # (generate() hands logits back in float32)
+    conv = [s for layer in returned_cache(out).layers if isinstance(layer, LinearAttentionLayer)
+            for s in layer.conv_states.values()]
+    assert conv and all(s.dtype == torch.bfloat16 for s in conv)  # the mixer's state as the model keeps it
