@@ -151,7 +151,8 @@ class PolyAttnCacheLayer(CacheLayerMixin):
 class PolyAttnCache(Cache):
     """Cache of recurrent states for polyattn models; ``generate()`` picks it automatically.
 
-    ``PolyAttnCache(model_or_config)`` pre-builds one layer per hidden layer;
+    ``PolyAttnCache(model_or_config)`` pre-builds one layer per hidden layer (``cache_layers``: transformers' own
+    layer for a convolution / DeltaNet layer);
     ``PolyAttnCache()`` adds layers as they are used. ``nbytes()`` is the memory held.
     """
 
@@ -194,10 +195,10 @@ def cache_layers(config) -> list:
             layers.append(PolyAttnCacheLayer())
         elif issubclass(cls, CacheLayerMixin):  # e.g. LinearAttentionAndFullAttentionLayer
             raise ValueError(
-                f"layer {idx} of this model is a {layer_type!r} layer (config.layer_types): its attention and a "
-                f"convolution / state-space mixer share one cache layer ({cls.__name__}), and hf_polyattn's "
-                "PolyAttnCacheLayer keeps the attention's recurrent state only: generation with hf_polyattn "
-                "attention is not supported for this model")
+                f"layer {idx} of model_type {text.model_type!r} is a {layer_type!r} layer (config.layer_types): its "
+                f"attention and a convolution / state-space mixer share one cache layer ({cls.__name__}), and "
+                "hf_polyattn's PolyAttnCacheLayer keeps the attention's recurrent state only: generation with "
+                "hf_polyattn attention is not supported for this model")
         else:
             layers.append(cls(**kwargs))
     return layers

@@ -63,7 +63,8 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     Converting again replaces them. Raises ``TypeError``/``ValueError`` (before changing
     anything) for a model that is not a transformers model, bypasses the attention
     interface, uses chunked attention, soft-caps the logits of a layer the kind converts,
-    has no layer left to convert (every layer sliding), passes its attention function an
+    has no layer left to convert (every layer sliding), keeps attention and a state-space mixer
+    in one cache layer (Falcon-H1), passes its attention function an
     argument the kernels cannot honour (T5's ``position_bias``, attention sinks, ...), or has
     cross-attention with ``local_exact=True``.
     """

@@ -212,7 +212,8 @@ DECODERS = [
         reason="computes softmax (with ALiBi) itself"),
     Row("falcon_h1", "Falcon-H1 (attention and Mamba-2 side by side in every layer)",
         dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16, **_GQA),
-        refusal=r"layer 0 of this model is a 'hybrid' layer.*share one cache layer.*generation with hf_polyattn "
+        refusal=r"layer 0 of model_type 'falcon_h1' is a 'hybrid' layer.*share one cache layer.*generation with "
+                r"hf_polyattn "
                 r"attention is not supported",
         reason="each layer's attention and Mamba-2 mixer keep their states in one transformers cache layer, and "
                "the PolyAttnCache layer holds the attention's recurrent state only: refused at convert rather "
