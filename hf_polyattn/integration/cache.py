@@ -35,8 +35,8 @@ from ..ops.common import work_dtype
 from .compatibility import CACHE_ARGUMENT, attention_dims
 from .settings import CONFIG_KEY, polyattn_kind, resolve_polyattn_config
 
-__all__ = ["DecodeMemory", "PolyAttnCache", "PolyAttnCacheLayer", "cache_nbytes", "decode_memory",
-           "polyattn_layer_of"]
+__all__ = ["DecodeMemory", "PolyAttnCache", "PolyAttnCacheLayer", "cache_layers", "cache_nbytes", "check_cache_layers",
+           "decode_memory", "polyattn_layer_of"]
 
 
 def _state_tensors(state) -> list[torch.Tensor]:
@@ -152,7 +152,8 @@ class PolyAttnCacheLayer(CacheLayerMixin):
 class PolyAttnCache(Cache):
     """Cache of recurrent states for polyattn models; ``generate()`` picks it automatically.
 
-    ``PolyAttnCache(model_or_config)`` pre-builds one layer per hidden layer;
+    ``PolyAttnCache(model_or_config)`` pre-builds one layer per hidden layer (``cache_layers``: transformers' own
+    layer for a convolution / DeltaNet layer);
     ``PolyAttnCache()`` adds layers as they are used. ``nbytes()`` is the memory held.
     """
 
@@ -160,14 +161,68 @@ class PolyAttnCache(Cache):
         if config is not None and hasattr(config, "config") and not hasattr(config, "num_hidden_layers"):
             config = config.config  # a model was passed
         if config is not None:
-            text = config.get_text_config(decoder=True)
-            super().__init__(layers=[PolyAttnCacheLayer() for _ in range(text.num_hidden_layers)])
+            super().__init__(layers=cache_layers(config))
         else:
             super().__init__(layer_class_to_replicate=PolyAttnCacheLayer)
 
     def nbytes(self) -> int:
-        """Bytes held by every layer's state (keys kept for local blocks included)."""
-        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, PolyAttnCacheLayer))
+        """Bytes held by every layer's state (keys kept for local blocks included; a convolution layer's inputs)."""
+        return sum(_layer_nbytes(layer) for layer in self.layers)
+
+
+def _mixer_layer_class(layer_type: str) -> type | None:
+    """The class transformers' ``DynamicCache(config=...)`` gives layers of ``layer_type`` when they keep a state of
+    their own instead of attention keys (``LinearAttentionCacheLayerMixin``: LFM2's short convolutions 'conv',
+    Qwen3-Next's 'linear_attention'), else None."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+
+    cls = DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+    return cls if isinstance(cls, type) and issubclass(cls, LinearAttentionCacheLayerMixin) else None
+
+
+def cache_layers(config) -> list:
+    """One cache layer per hidden layer of ``config``'s decoder: a :class:`PolyAttnCacheLayer` for every attention
+    layer, and for a layer that is no attention layer (LFM2's convolutions: a conv state of kernel-size inputs,
+    constant) the layer transformers' own ``DynamicCache(config=...)`` gives it, which its module reads and writes
+    (``get_conv_state``). ValueError for a layer that keeps both in one cache layer (Falcon-H1's 'hybrid'): a
+    ``PolyAttnCacheLayer`` holds no conv state (``check_cache_layers`` refuses such a model at convert)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    layers = []
+    for idx, (layer_type, kwargs) in enumerate(zip(*get_layer_types_and_kwargs(text))):
+        cls = _mixer_layer_class(layer_type)
+        if cls is None:
+            layers.append(PolyAttnCacheLayer())
+        elif issubclass(cls, CacheLayerMixin):  # e.g. LinearAttentionAndFullAttentionLayer
+            raise ValueError(
+                f"layer {idx} of model_type {text.model_type!r} is a {layer_type!r} layer (config.layer_types): its "
+                f"attention and a convolution / state-space mixer share one cache layer ({cls.__name__}), and "
+                "hf_polyattn's PolyAttnCacheLayer keeps the attention's recurrent state only: generation with "
+                "hf_polyattn attention is not supported for this model")
+        else:
+            layers.append(cls(**kwargs))
+    return layers
+
+
+def check_cache_layers(config) -> None:
+    """Refuse (ValueError, at convert / from_pretrained) a decoder whose generation cache ``cache_layers`` cannot
+    build, rather than a failure in ``generate()``."""
+    if getattr(config, "is_encoder_decoder", False) or not hasattr(config, "get_text_config"):
+        return
+    if getattr(config.get_text_config(decoder=True), "layer_types", None) is not None:
+        cache_layers(config)
+
+
+def _layer_nbytes(layer) -> int:
+    """Bytes one cache layer holds: a ``PolyAttnCacheLayer``'s state, a transformers layer's keys and values and its
+    conv / recurrent states (LFM2's convolution layers)."""
+    if isinstance(layer, PolyAttnCacheLayer):
+        return layer.nbytes()
+    tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    for name in ("conv_states", "recurrent_states"):
+        tensors += list((getattr(layer, name, None) or {}).values())
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def polyattn_layer_of(cache, layer_idx) -> PolyAttnCacheLayer:
@@ -216,20 +271,14 @@ def polyattn_layer_of(cache, layer_idx) -> PolyAttnCacheLayer:
 
 def cache_nbytes(cache) -> int:
     """Bytes a generation cache holds: ``PolyAttnCache.nbytes()``, or the keys and values of every layer of a
-    transformers cache (``DynamicCache``; its sliding-window layers hold what they kept)."""
+    transformers cache (``DynamicCache``; its sliding-window layers hold what they kept; a convolution layer its
+    conv states)."""
     if isinstance(cache, PolyAttnCache):
         return cache.nbytes()
     if not isinstance(cache, Cache):
         raise TypeError(f"cache must be a transformers Cache, got {type(cache).__name__}")
-    total = 0
-    for layer in cache.layers:
-        if isinstance(layer, PolyAttnCacheLayer):  # a DynamicCache whose layers a polyattn model replaced
-            total += layer.nbytes()
-            continue
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    # a DynamicCache whose layers a polyattn model replaced holds PolyAttnCacheLayers too
+    return sum(_layer_nbytes(layer) for layer in cache.layers)
 
 
 @dataclasses.dataclass(frozen=True)

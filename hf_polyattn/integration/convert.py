@@ -16,6 +16,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from .. import registry
 from ..config import PolyAttnConfig
+from .cache import check_cache_layers
 from .compatibility import check_attention_module, check_model_options, find_attention_modules, mark_checked
 from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
@@ -62,7 +63,8 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     Converting again replaces them. Raises ``TypeError``/``ValueError`` (before changing
     anything) for a model that is not a transformers model, bypasses the attention
     interface, uses chunked attention, soft-caps the logits of a layer the kind converts,
-    has no layer left to convert (every layer sliding), passes its attention function an
+    has no layer left to convert (every layer sliding), keeps attention and a state-space mixer
+    in one cache layer (Falcon-H1), passes its attention function an
     argument the kernels cannot honour (T5's ``position_bias``, attention sinks, ...), or has
     cross-attention with ``local_exact=True``.
     """
@@ -86,6 +88,7 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     configs = {id(c): c for c in [model.config, *(mod.config for _, mod, _ in found)]}
     for c in configs.values():
         check_supported_config(c)
+    check_cache_layers(model.config)  # a layer PolyAttnCache cannot hold: refused here, not in generate()
     check_model_options(list(configs.values()), cfg, owner)
     windows = plan_layers(found, cfg, owner)  # sliding-window layers kept exact: their window, else None
     for (_, mod, idx), window in zip(found, windows):

@@ -1,13 +1,16 @@
 """The model-type matrix (rows in model_matrix.py): every supported decoder type with the long-context recipe (and
 one kv head softmax) keeps cache = no cache over 150 generated tokens after a prompt longer than window + sinks,
-a left-padded batch equals each prompt alone, its RoPE is read from the model (the layers' rotations turn the
-model's own queries at one position into its queries at another), save -> reload is bit-identical and
-``trust_remote_code=True`` loads it without the plugin imported; every supported encoder type does the same with
-polysketch; every refused row raises its own message; docs/supported_models.md is the rendering of these rows."""
+a left-padded batch equals each prompt alone, its RoPE is read from the model (each layer's rotation turns the
+model's own queries at one position into its queries at another; a layer read as without RoPE has the same query
+at every position), its layers take the roles the row names (sliding layers kept exact, the others converted),
+save -> reload is bit-identical and ``trust_remote_code=True`` loads it without the plugin imported; every
+supported encoder type does the same with polysketch; every refused row raises its own message, also under the
+other settings it names; docs/supported_models.md is the rendering of these rows."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,18 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 from integration_helpers import check_left_padded_generation, perturb_polyattn
-from model_matrix import DECODERS, DOC, ENCODERS, ROWS, VOCAB, installed, render
+from model_matrix import DOC, ROWS, VOCAB, counts, installed, render
 
 import hf_polyattn
 from hf_polyattn import PolyAttnCache, PolyAttnConfig, returned_cache
 from hf_polyattn.integration.compatibility import find_attention_modules
+from hf_polyattn.integration.layout import layer_layout
 from hf_polyattn.integration.rope import model_rope
 from hf_polyattn.integration.state import HFPolyAttention
+from hf_polyattn.ops.sliding import SlidingWindowSoftmax
 
 ROOT = Path(__file__).resolve().parents[2]
 W, S = 16, 2
 RECIPE = PolyAttnConfig(kind="linear", window=W, sinks=S, decay="gate")
-RECIPES = {"long-context": RECIPE, "softmax-heads": RECIPE.replace(softmax_heads=((1, 0),))}
+RECIPES = ("long-context", "softmax-heads")
 ENCODER_KIND = PolyAttnConfig(kind="polysketch", degree=4, sketch="learned", sketch_size=8, local_exact=True,
                               block_size=4)
 PROMPT, NEW = 24, 150  # a prompt beyond w + s = 18, and 150 tokens decoded past it
@@ -39,7 +44,22 @@ SUPPORTED_DECODERS = [pytest.param(r, id=r.id) for r in NOW if not r.encoder and
 ROPE_DECODERS = [pytest.param(r, id=r.id) for r in NOW if not r.encoder and r.supported and any(r.rope)]
 SUPPORTED_ENCODERS = [pytest.param(r, id=r.id) for r in NOW if r.encoder and r.supported]
 REFUSED = [pytest.param(r, id=r.id) for r in NOW if r.refusal is not None]
-FAILING = [pytest.param(r, id=r.id) for r in NOW if r.known_error is not None]
+
+
+def layout(row) -> tuple:
+    """The row's (layer, role, window) per attention layer: as it names it, else every layer converted."""
+    return row.layout if row.layout is not None else tuple((i, "kind", None) for i in range(2))
+
+
+def kind(row, recipe: str = "long-context") -> PolyAttnConfig:
+    """The row's config: polysketch for an encoder, else the recipe; 'softmax-heads': kv head 0 of the last
+    converted layer kept softmax. With the row's own settings on top."""
+    if row.encoder:
+        return ENCODER_KIND.replace(**row.polyattn)
+    cfg = RECIPE.replace(**row.polyattn)
+    if recipe == "softmax-heads":
+        cfg = cfg.replace(softmax_heads=((max(i for i, role, _ in layout(row) if role != "sliding"), 0),))
+    return cfg
 
 
 def build(row, cfg: PolyAttnConfig | None = None, seed: int = 0):
@@ -68,12 +88,12 @@ def _layers(model) -> list:
 
 
 # ----------------------------------------------------------------------------- decoders
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("row", SUPPORTED_DECODERS)
 def test_decoder_cache_equals_no_cache(row, recipe):
     """Greedy generate() with the recurrent cache: its logits at each of the 150 steps are the uncached forward's
     over the sequence so far (one forward gives them all: it is causal), and each token is their argmax."""
-    model = build(row, RECIPES[recipe])
+    model = build(row, kind(row, recipe))
     ids = _ids(1, PROMPT, seed=1)
     out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert isinstance(returned_cache(out), PolyAttnCache) and out.sequences.shape[1] == PROMPT + NEW
@@ -87,53 +107,77 @@ def test_decoder_cache_equals_no_cache(row, recipe):
 def test_decoder_left_padded_batch_equals_each_prompt(row):
     """Prompts of 24 and 19 tokens (both beyond w + s) left-padded in one batch: each row generates the tokens and
     logits it generates alone."""
-    check_left_padded_generation(build(row, RECIPE), [_ids(1, PROMPT, seed=2)[0], _ids(1, PROMPT - 5, seed=3)[0]],
+    check_left_padded_generation(build(row, kind(row)), [_ids(1, PROMPT, seed=2)[0], _ids(1, PROMPT - 5, seed=3)[0]],
                                  PROMPT)
 
 
-_CAPTURED: list = []
+_CAPTURED: dict = {}
 
 
 def _capture(module, query, key, value, attention_mask, **kwargs):
-    _CAPTURED.append(query.detach())
-    raise StopIteration  # the first layer's queries are all the test needs
+    """Keeps each layer's queries and attends causally: every value of a layer is the same here (one token
+    repeated), so any attention weights give the same output."""
+    _CAPTURED[id(module)] = query.detach()
+    groups = query.shape[1] // key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), is_causal=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+POSITIONS = [0, 1, 2, 3, 5, 23, 100, 255]
+FIRST = 3  # compared from the 4th token: LFM2's convolution (kernel 3) sees three of the same token from there
 
 
 @pytest.mark.parametrize("row", ROPE_DECODERS)
 def test_rope_is_the_models_own(row):
     """The acceptance check of the RoPE reading, through the model itself (its own rotary embedding, its own
-    attention forward with apply_rotary_pos_emb): one token repeated at positions P reaches the first layer's
-    attention as the same hidden state, so its queries there are R(P_i) q; the rotation read for that layer turns
-    the query at P_i into the one at P_j for every pair, both directions (sinks turn queries back). And every layer
-    reads the layout the row names (a layer without RoPE reads None)."""
+    attention forward with apply_rotary_pos_emb): one token repeated at positions P reaches every attention layer as
+    the same hidden state, so its queries there are R_layer(P_i) q; the rotation of each converted layer (and the
+    reading of each sliding layer kept exact) turns the query at P_i into the one at P_j for every pair, both
+    directions (sinks turn queries back). A layer read as without RoPE (EXAONE 4's global layers, SmolLM3's NoPE
+    layers) must have the same query at every position. Every layer reads the layout, rotated dims and rope_theta
+    the row names."""
     from transformers import AttentionInterface
 
     model = build(row)
-    _, attention, layer = find_attention_modules(model)[0]
-    rope = model_rope(attention, layer)
-    positions = [0, 5, 23, 100, 255]
     AttentionInterface.register("matrix_capture", _capture)
     model.config._attn_implementation = "matrix_capture"
     _CAPTURED.clear()
-    with torch.no_grad(), pytest.raises(StopIteration):
-        model(torch.full((1, len(positions)), 7), position_ids=torch.tensor([positions]))
-    query = _CAPTURED[0].double()  # (1, H, L, D)
-    pos = torch.tensor(positions)
-    n = len(positions)
-    turned = rope.rotate(query[:, :, :, None].expand(-1, -1, n, n, -1), pos[None, :] - pos[:, None])
-    want = query[:, :, None].expand_as(turned)
-    assert float((turned - want).abs().amax()) <= 1e-4 * float(query.abs().amax())
-    assert float((query[:, :, 1:] - query[:, :, :1]).abs().amax()) > 0.1 * float(query.abs().amax())  # it turns
-    converted = build(row, RECIPE)
-    read = tuple(None if layer.rope is None else
-                 ("rotate_half" if layer.rope.pairs is None else "interleaved", layer.rope.rotary_dim)
-                 for layer in _layers(converted))
-    if any(layout == "interleaved" for layout, _ in filter(None, row.rope)):
-        for layer in _layers(converted):
-            if layer.rope is not None:
-                half = layer.rope.rotary_dim // 2
-                assert torch.equal(layer.rope.pairs, torch.arange(2 * half).reshape(half, 2).T)
-    assert read == row.rope
+    with torch.no_grad():
+        model(torch.full((1, len(POSITIONS)), 7), position_ids=torch.tensor([POSITIONS]))
+    converted = {idx: mod._modules.get("polyattn") for _, mod, idx in find_attention_modules(build(row, kind(row)))}
+    pos = torch.tensor(POSITIONS[FIRST:])
+    n = len(pos)
+    found = find_attention_modules(model)
+    assert len(found) == len(row.rope)
+    for (_, mod, idx), want in zip(found, row.rope):
+        query = _CAPTURED[id(mod)][:, :, FIRST:].double()  # (1, H, n, D)
+        scale = float(query.abs().amax())
+        layer = converted[idx]
+        rope = layer.rope if isinstance(layer, HFPolyAttention) else model_rope(mod, idx)  # kept exact: the reading
+        if rope is None:
+            assert want is None, (idx, want)
+            assert float((query - query[:, :, :1]).abs().amax()) <= 1e-5 * scale  # no rotation in the model either
+            continue
+        turned = rope.rotate(query[:, :, :, None].expand(-1, -1, n, n, -1), pos[None, :] - pos[:, None])
+        assert float((turned - query[:, :, None].expand_as(turned)).abs().amax()) <= 1e-4 * scale, idx
+        assert float((query[:, :, 1:] - query[:, :, :1]).abs().amax()) > 0.1 * scale  # it turns
+        assert want is not None and want[:2] == ("rotate_half" if rope.pairs is None else "interleaved",
+                                                 rope.rotary_dim), (idx, want)
+        if rope.pairs is not None:
+            half = rope.rotary_dim // 2
+            assert torch.equal(rope.pairs, torch.arange(2 * half).reshape(half, 2).T)
+        if len(want) == 3:  # inv_freq[t] = theta^(-2t / rotary_dim)
+            theta = float(rope.inv_freq[1].double()) ** (-rope.rotary_dim / 2)
+            assert math.isclose(theta, want[2], rel_tol=1e-3), (idx, theta, want[2])
+
+
+@pytest.mark.parametrize("row", [*SUPPORTED_DECODERS, *SUPPORTED_ENCODERS])
+def test_layer_roles_are_the_rows(row):
+    """hf_polyattn.layer_layout of the converted model: which layers kept their sliding window exact and which got
+    the kind (and the window a converted layer had)."""
+    got = tuple((e["layer"], e["role"], e.get("window")) for e in layer_layout(build(row, kind(row))))
+    assert got == layout(row)
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -141,7 +185,7 @@ def test_rope_is_the_models_own(row):
 def test_encoder_padded_batch_equals_each_sequence(row):
     """polysketch (learned sketch, exact local blocks): a batch of 12 and 9 real tokens right-padded gives each
     row's real positions the logits of the sequence alone."""
-    model = build(row, ENCODER_KIND)
+    model = build(row, kind(row))
     ids = _ids(2, 12, seed=4)
     mask = torch.ones_like(ids)
     ids[1, 9:], mask[1, 9:] = model.config.pad_token_id or 0, 0
@@ -155,20 +199,16 @@ def test_encoder_padded_batch_equals_each_sequence(row):
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("row", REFUSED)
 def test_refused_rows_raise_their_reason(row):
-    """convert raises the row's ValueError before changing anything (the encoder rows with polysketch)."""
+    """convert raises the row's ValueError before changing anything (the encoder rows with polysketch), under the
+    recipe and each other setting the row names; with the setting its reason offers, it converts."""
     model = build(row)
-    with pytest.raises(ValueError, match=row.refusal):
-        hf_polyattn.convert(model, ENCODER_KIND if row.encoder else RECIPE)
-    assert not _layers(model)
-
-
-@pytest.mark.parametrize("row", FAILING)
-def test_known_gaps_fail_in_generate(row):
-    """Rows that convert but whose generate() raises the row's ValueError (a fix turns this test red: then the row
-    becomes supported)."""
-    model = build(row, RECIPE)
-    with pytest.raises(ValueError, match=row.known_error):
-        model.generate(_ids(1, PROMPT, seed=6), max_new_tokens=2, do_sample=False)
+    for extra in ({}, *row.refused_also):
+        with pytest.raises(ValueError, match=row.refusal):
+            hf_polyattn.convert(model, kind(row).replace(**extra))
+        assert not any(isinstance(m, (HFPolyAttention, SlidingWindowSoftmax)) for m in model.modules())
+    if row.converts_with is not None:
+        hf_polyattn.convert(model, kind(row).replace(**row.converts_with))
+        assert _layers(model)
 
 
 # ----------------------------------------------------------------------------- save, reload, remote code
@@ -181,7 +221,7 @@ def saved(tmp_path_factory):
     for row in NOW:
         if not row.supported:
             continue
-        model = build(row, ENCODER_KIND if row.encoder else RECIPE)
+        model = build(row, kind(row))
         ids = _ids(2, PROMPT, seed=5)
         mask = torch.ones_like(ids)
         if row.encoder:
@@ -194,7 +234,7 @@ def saved(tmp_path_factory):
         model.save_pretrained(folder)
         torch.save({"ids": ids, "mask": mask, "logits": logits}, root / f"{row.id}.pt")
         auto = "AutoModelForMaskedLM" if row.encoder else "AutoModelForCausalLM"
-        cases[row.id] = (str(folder), auto, RECIPE.kind if not row.encoder else ENCODER_KIND.kind)
+        cases[row.id] = (str(folder), auto, kind(row).kind)
     return root, cases
 
 
@@ -245,12 +285,12 @@ def test_trust_remote_code_loads_every_supported_row(saved):
 
 # ----------------------------------------------------------------------------- the rows themselves
 def test_matrix_covers_the_model_types_it_claims():
-    """At least 25 decoder and 8 encoder model types supported, each refused row with a reason, one row per id."""
-    decoders = {r.model_type for r in DECODERS if r.supported}
-    encoders = {r.model_type for r in ENCODERS if r.supported}
-    assert len(decoders) >= 25 and len(encoders) >= 8, (len(decoders), len(encoders))
+    """At least 25 decoder and 8 encoder model types supported with the recipe as it is (a row's own option, such as
+    Mistral's sliding_layers='kind', not counted), each refused row with a reason, one row per id."""
+    n = counts()
+    assert n["decoders"] >= 25 and n["encoders"] >= 8, n
     assert all(r.reason for r in ROWS if not r.supported)
-    assert not any(r.refusal and r.known_error for r in ROWS)
+    assert not any(r.refusal and (r.layout or r.rope) for r in ROWS)
     assert len({r.id for r in ROWS}) == len(ROWS)
 
 

@@ -31,8 +31,8 @@ DECODERS = {
     "exaone4": dict(layer_types=ALTERNATE),  # its full-attention layers have no RoPE (NoPE)
     "qwen2": dict(use_sliding_window=True, max_window_layers=2),  # layers 2, 3 sliding
 }
-# the recipe the issue asks for, on the converted layers (sinks at their own positions: Gemma's RoPE is not read
-# by integration/rope.py's list yet)
+# the recipe the issue asks for, on the converted layers, sinks at their own positions (sinks within the window, with
+# Gemma 3's RoPE read per layer, run in test_model_matrix.py)
 RECIPE = PolyAttnConfig(kind="linear", window=3, sinks=2, sink_position="own", decay="gate", block_size=4)
 
 
@@ -336,7 +336,7 @@ def test_retrofit_pipeline_records_the_layout(tmp_path):
     base = _decoder("gemma3_text", vocab_size=len(tok))
     base.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
-    # sinks at their own positions: Gemma's RoPE is not in integration/rope.py's list yet
+    # sinks at their own positions, as RECIPE
     res = run(RetrofitArgs(model=str(tmp_path / "base"), data=str(TEXT), attention="linear", context=32,
                            eval_context=32, eval_stride=32, max_eval_tokens=128, transfer_steps=1, eval_before=False,
                            polyattn_json=json.dumps({"sink_position": "own"}), progress=False,
