@@ -561,8 +561,8 @@ def _eval_long_context(args, model, cls, path, tokenizer, data, attention, store
         settings = LongContextSettings(
             contexts=tuple(args.contexts or DEFAULT_CONTEXTS), max_tokens=int(data.eval_ids.numel()),
             passkey_lengths=tuple(args.passkey or ()), passkey_depths=args.passkey_depths,
-            passkey_seed=args.passkey_seed, baselines=baselines, streaming_sinks=args.streaming_sinks,
-            streaming_window=args.streaming_window)
+            passkey_seed=args.passkey_seed, passkey_templates=tuple(args.passkey_templates),
+            baselines=baselines, streaming_sinks=args.streaming_sinks, streaming_window=args.streaming_window)
     except ValueError as err:
         raise UsageError(str(err)) from None
     base = _baseline_checkpoint(args, path, stored) if baselines else None
@@ -601,6 +601,18 @@ def _baseline_checkpoint(args, path: str, stored) -> str:
         raise UsageError(f"{args.model!r} records no base model: pass --base (the softmax checkpoint of the baseline "
                          "rows) or --baselines none")
     return resolve_model(recorded)
+
+
+def _name_list(allowed):
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.replace(" ", "").split(",") if x]
+        bad = [n for n in names if n not in allowed]
+        if not names or bad or len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"expected distinct comma-separated names from {', '.join(allowed)}, "
+                                             f"got {text!r}")
+        return names
+
+    return parse
 
 
 def _int_list(minimum: int):
@@ -793,6 +805,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--passkey", type=_int_list(64), metavar="N,N,...", help="passkey prompt lengths, e.g. 1024,2048")
     g.add_argument("--passkey-depths", type=int_at_least(1), default=10, help="needle depths per length")
     g.add_argument("--passkey-seed", type=int, default=0, help="seed of the keys")
+    from .eval.passkey import TEMPLATES
+
+    g.add_argument("--passkey-templates", type=_name_list(TEMPLATES), default=["classic"], metavar="NAME,...",
+                   help=f"passkey templates, each scored at every length and depth: {', '.join(TEMPLATES)} "
+                        "('classic': the Landmark-Attention prompt; 'vault': another filler, phrasing and 4-7 digit "
+                        "keys; 'multi': four labelled 4-7 digit keys, one asked)")
     g.add_argument("--baselines", type=_baseline_list, default=["softmax", "streaming"], metavar="LIST",
                    help="baseline rows: a comma-separated subset of softmax,streaming, or none")
     g.add_argument("--base", metavar="MODEL", help="the softmax checkpoint of the baselines (default: MODEL when it is "

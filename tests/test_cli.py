@@ -21,6 +21,7 @@ import hf_polyattn  # noqa: E402
 from hf_polyattn import cli  # noqa: E402
 from hf_polyattn.config import PolyAttnConfig  # noqa: E402
 from hf_polyattn.registry import all_kinds, kind_names  # noqa: E402
+from tests.conftest import TEXT  # noqa: E402
 
 WORDS = ("the king and queen of a castle by the sea sang to their people while ships came home "
          "with bread wine and stories from far lands").split()
@@ -301,6 +302,22 @@ def test_eval_long_context_rows_table_and_plot(tiny, converted, capsys, tmp_path
     code, _, err = run(["eval", tiny["model"], "--data", tiny["text"], "--passkey", "128", "--baselines", "window"],
                        capsys)
     assert code == 2 and "softmax" in err
+    code, _, err = run(["eval", tiny["model"], "--data", tiny["text"], "--passkey", "128", "--passkey-templates",
+                        "classic,door"], capsys)
+    assert code == 2 and "--passkey-templates" in err and "classic, vault, multi" in err
+
+
+def test_eval_scores_every_passkey_template(long_tiny, tmp_path, capsys):
+    """--passkey-templates: each template's grid in the row (the first as 'passkey') and a column per template."""
+    out = tmp_path / "lc"
+    code, _, _ = run(["eval", long_tiny, "--data", str(TEXT), "--contexts", "64", "--passkey", "400",
+                      "--passkey-depths", "1", "--passkey-templates", "classic,vault,multi", "--baselines", "none",
+                      "--out", out, "--json"], capsys)
+    assert code == 0
+    row = json.loads((out / "long_context.json").read_text())["rows"][0]
+    assert [row[k]["template"] for k in ("passkey", "passkey_vault", "passkey_multi")] == ["classic", "vault", "multi"]
+    md = (out / "long_context.md").read_text()
+    assert "classic @ 400" in md and "vault @ 400" in md and "multi @ 400" in md
 
 
 # ----------------------------------------------------------------------------------------------- bad input

@@ -102,8 +102,16 @@ class DataArgs:
     max_eval_tokens: int | None = field(default=8192, metadata={"help": "causal_lm: cap on held-out tokens"})
     num_eval: int = field(default=2000, metadata={"help": "classification: size of the seeded validation split"})
     max_length: int = field(default=128, metadata={"help": "classification: max tokens per example"})
+    retrieval_mix: float = field(default=0.0, metadata={
+        "help": "causal_lm: the fraction of training windows (transfer and fine-tuning) replaced by retrieval-shaped "
+                "text: recall tasks (names and 3-8 digit numbers, or an inventory table, recalled at the window's "
+                "end) laid into the window's own corpus text, worded unlike every passkey template of the "
+                "evaluation (training/retrieval_data.py); 0: none"})
 
     def __post_init__(self):
+        if isinstance(self.retrieval_mix, bool) or not isinstance(self.retrieval_mix, (int, float)) or \
+                not 0.0 <= float(self.retrieval_mix) <= 1.0:
+            raise ValueError(f"retrieval_mix must be a fraction in [0, 1], got {self.retrieval_mix!r}")
         for name in ("max_train_tokens", "max_eval_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
@@ -181,6 +189,9 @@ class EvalArgs:
     passkey_lengths: str | None = field(default=None, metadata={
         "help": "causal_lm: passkey retrieval at these comma-separated prompt lengths after the last stage"})
     passkey_depths: int = field(default=10, metadata={"help": "needle depths per passkey length"})
+    passkey_templates: str = field(default="classic", metadata={
+        "help": "comma-separated passkey templates (hf_polyattn.eval.passkey.TEMPLATES: classic, vault, multi), each "
+                "scored at every length and depth"})
     long_eval_tokens: int = field(default=12288, metadata={"help": "held-out tokens of the long-context evaluation"})
     long_eval_baselines: str = field(default="softmax,streaming", metadata={
         "help": "baseline rows of the long-context evaluation: a comma-separated subset of softmax,streaming, or "
@@ -284,6 +295,9 @@ class RetrofitArgs:
             if not issubclass(spec.module_class(), PolyAttention):
                 raise ValueError(f"--attn_ce_weight compares attention weights, which only the kernel kinds write out "
                                  f"(ops.reference_weights); kind {kind!r} has none: leave it 0")
+        if self.data.retrieval_mix and not causal:
+            raise ValueError(f"--retrieval_mix lays recall tasks into causal LM training text: leave it out for "
+                             f"task={m.task!r}")
         if e.lm_eval_tasks:
             if not causal:
                 raise ValueError("--lm_eval_tasks scores causal LMs (lm-eval's hf model): leave it out for "
@@ -351,7 +365,9 @@ class RetrofitArgs:
         kw = {"contexts": ints("eval_contexts")} if e.eval_contexts else {"contexts": (e.eval_context,)}
         return LongContextSettings(**kw, passkey_lengths=ints("passkey_lengths"), passkey_depths=e.passkey_depths,
                                    max_tokens=e.long_eval_tokens, baselines=tuple(baselines),
-                                   passkey_seed=self.train.seed)
+                                   passkey_seed=self.train.seed,
+                                   passkey_templates=tuple(n.strip() for n in e.passkey_templates.split(",")
+                                                           if n.strip()))
 
 
 # ----------------------------------------------------------------------------------------------- the attention
@@ -766,6 +782,13 @@ class Retrofit:
         world = self.acc.num_processes  # each rank its slice of the global batch (data._global_draw)
         if a.model.task == "causal_lm":
             ids = self.data.train_ids
+            mixer = None
+            if a.data.retrieval_mix:
+                from .retrieval_data import RetrievalMixer
+
+                # its own seed per stage: transfer and fine-tuning lay different tasks into their windows
+                mixer = RetrievalMixer(self.tokenizer, float(a.data.retrieval_mix),
+                                       seed=f"{a.train.seed}-{stage}")
 
             def lm(step, micro, rank):
                 # the phase of this step (a pure function of the step, so a resumed run draws the same batches)
@@ -775,8 +798,9 @@ class Retrofit:
                     if step < end:
                         phase = p
                         break
-                return lm_batch(ids, batch_size=phase[2], context=phase[0], seed=a.train.seed, step=step, micro=micro,
-                                rank=rank, world=world)
+                batch = lm_batch(ids, batch_size=phase[2], context=phase[0], seed=a.train.seed, step=step,
+                                 micro=micro, rank=rank, world=world)
+                return batch if mixer is None else mixer(batch, step=step, micro=micro, rank=rank)
 
             return lm
         batch_size = phases[0][2]

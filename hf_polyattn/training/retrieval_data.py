@@ -95,7 +95,7 @@ class RetrievalMixer:
 
     tokenizer: object
     fraction: float
-    seed: int = 0
+    seed: int | str = 0
     shapes: tuple[str, ...] = SHAPES
 
     def __post_init__(self) -> None:

@@ -246,3 +246,31 @@ def test_softmax_heads_auto_scores_the_checkpoint(tiny_dirs, text_file, tmp_path
             build(model="x", data="y", attention={"kind": "polysketch", "softmax_heads": bad})
     with pytest.raises(ValueError, match="causal_lm only"):
         build(model="x", data="y", task="classification", attention={"kind": "linear", "softmax_heads": "auto"})
+
+
+def test_retrieval_mix_lays_recall_tasks_into_the_training_windows(tiny_dirs, text_file, tsv_file, tmp_path):
+    """--retrieval_mix: a seeded fraction of each stage's windows carries a recall task (training/retrieval_data.py),
+    the same at every call of a step (a resumed run draws the same), different between the stages."""
+    from hf_polyattn.training.pipeline import Retrofit
+
+    args = build(model=tiny_dirs["llama"], data=text_file, attention={"kind": "linear", "window": 8},
+                 transfer_steps=4, transfer_batch_size=8, finetune_steps=2, context=200, retrieval_mix=0.5,
+                 progress=False, output_dir=str(tmp_path / "run"))
+    plain = build(model=tiny_dirs["llama"], data=text_file, attention={"kind": "linear", "window": 8},
+                  transfer_steps=4, transfer_batch_size=8, finetune_steps=2, context=200, progress=False,
+                  output_dir=str(tmp_path / "plain"))
+    r, p = Retrofit(args).prepare(), Retrofit(plain).prepare()
+    tok = r.tokenizer
+    for stage in ("transfer", "finetune"):
+        mixed, base = r._batch_fn(stage)(1, 0, 0)["input_ids"], p._batch_fn(stage)(1, 0, 0)["input_ids"]
+        assert mixed.shape == base.shape
+        changed = [i for i in range(mixed.shape[0]) if not torch.equal(mixed[i], base[i])]
+        assert changed and len(changed) < mixed.shape[0]
+        assert all(("wrote down" in tok.decode(mixed[i])) or ("Inventory:" in tok.decode(mixed[i])) for i in changed)
+        assert torch.equal(r._batch_fn(stage)(1, 0, 0)["input_ids"], mixed)
+    assert not torch.equal(r._batch_fn("transfer")(1, 0, 0)["input_ids"], r._batch_fn("finetune")(1, 0, 0)["input_ids"])
+    with pytest.raises(ValueError, match="retrieval_mix must be a fraction"):
+        build(model=tiny_dirs["llama"], data=text_file, attention="polysketch", retrieval_mix=1.5)
+    with pytest.raises(ValueError, match="--retrieval_mix lays recall tasks into causal LM"):
+        build(model=tiny_dirs["bert"], data=tsv_file, task="classification", attention="polysketch",
+              retrieval_mix=0.5)
