@@ -1,0 +1,62 @@
+"""Issue 32's study: retrieval with a constant-size decode state (no softmax heads) on SmolLM2-135M-Instruct.
+
+Every trained row has the ``linear-only`` preset's budget (attention transfer, 60 steps of 2 x 1,024 tokens of the
+bundled Tiny Shakespeare, ``--data demo``) and is judged the same way: perplexity at 256 ... 8,192 tokens on the first
+12,288 held-out tokens, passkey retrieval at 1k / 2k / 4k / 8k with 10 needle depths on two templates ('classic' and
+'vault': another filler, phrasing and 4-7 digit keys; ``hf_polyattn/eval/passkey.py``). The rows named ``+sparseN``
+train nothing: they evaluate a trained row's saved model with a bounded sparse cache of N keys per kv head
+(``--set sparse_cache=N``: LoLA's mechanism, training-free). ``baselines`` evaluates the softmax checkpoint and
+StreamingLLM (4 sinks + 128 window) on the same tokens.
+
+    python recipes/experiments/run.py retrieval [ROW ...]
+
+``collect.py`` (AFTER) copies each row's long-context record into ``recipes/results/retrieval/`` with the decode state's
+bytes at 8k (``hf_polyattn.decode_memory``) and writes the table and the plot.
+"""
+
+RETROFIT = ["-m", "hf_polyattn.retrofit", "--model", "smollm2", "--data", "demo", "--threads", "2",
+            "--progress", "false", "--no_resume", "--output_dir", "{out}"]
+CONTEXTS, PASSKEY, TEMPLATES = "256,1024,2048,4096,8192", "1024,2048,4096,8192", "classic,vault"
+# the retrofit's own long-context stage: this study's evaluation after training
+EVAL_STAGE = ["--eval_contexts", CONTEXTS, "--passkey_lengths", PASSKEY, "--passkey_templates", TEMPLATES,
+              "--passkey_depths", "10", "--long_eval_tokens", "12288", "--long_eval_baselines", "none",
+              "--eval_before", "false"]
+
+
+def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str = "none") -> list[str]:
+    """``hf-polyattn eval`` of a saved model (another row's ``runs/retrieval/<row>/model``) with ``settings``."""
+    sets = [x for s in settings for x in ("--set", s)]
+    return ["-m", "hf_polyattn.cli", "eval", model, "--data", "demo", "--contexts", CONTEXTS, "--passkey", PASSKEY,
+            "--passkey-templates", TEMPLATES, "--passkey-depths", "10", "--max-eval-tokens", "12288",
+            "--baselines", baselines, "--threads", "2", *(["--kind", kind] if kind else []), *sets, "--out", "{out}"]
+
+
+TRAINED = "runs/retrieval/{}/model"
+
+ROWS = {
+    # every head linear-time: the linear-only preset (hedgehog features + 128 window + 4 sinks + gated decay)
+    "hh": [*RETROFIT, "--preset", "linear-only", *EVAL_STAGE],
+    "hh+sparse64": evaluate(TRAINED.format("hh"), "sparse_cache=64"),
+    # the same with a quarter of the training windows carrying recall tasks (training/retrieval_data.py)
+    "hh_retr": [*RETROFIT, "--preset", "linear-only", "--retrieval_mix", "0.25", *EVAL_STAGE],
+    "hh_retr+sparse64": evaluate(TRAINED.format("hh_retr"), "sparse_cache=64"),
+    # softmax and StreamingLLM on the same tokens (no training)
+    "baselines": evaluate("smollm2", "window=128", "sinks=4", kind="sliding_window", baselines="softmax"),
+    "hh_retr+sparse128": evaluate(TRAINED.format("hh_retr"), "sparse_cache=128"),
+    "hh+sparse128": evaluate(TRAINED.format("hh"), "sparse_cache=128"),
+    # the elu kernel of the hybrid recipe, without its softmax heads
+    "elu_retr": [*RETROFIT, "--preset", "linear-only", "--set", "feature_map=elu", "--retrieval_mix", "0.25",
+                 *EVAL_STAGE],
+    "elu_retr+sparse64": evaluate(TRAINED.format("elu_retr"), "sparse_cache=64"),
+    # a short causal convolution on q / k (LAWCAT), identity at the start
+    "hh_conv_retr": [*RETROFIT, "--preset", "linear-only", "--set", "short_conv=4", "--retrieval_mix", "0.25",
+                     *EVAL_STAGE],
+    # the gated delta rule (overwrites what a key holds) with the window and sinks, conv and recall tasks
+    "delta_conv_retr": [*RETROFIT, "--kind", "delta", "--set", "window=128", "--set", "sinks=4", "--set",
+                        "decay=gate", "--set", "short_conv=4", "--transfer_steps", "60", "--transfer_schedule",
+                        "1024:60:2", "--retrieval_mix", "0.25", *EVAL_STAGE],
+}
+
+# the rows run in this order: every '+sparse' row after the row whose model it reads
+ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+AFTER = [["recipes/experiments/retrieval/collect.py"]]
