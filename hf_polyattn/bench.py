@@ -382,8 +382,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_positive_int,
                    help=f"seconds one (kind, n) cell may take before it is recorded as a timeout (default: {TIMEOUT})")
     p.add_argument("--out", type=Path,
-                   help=f"output folder of DEVICE-DTYPE.md, .json and .png; with --model its table, JSON and plot go "
-                        f"to {bench_model.DEFAULT_OUT} by default (default: {DEFAULT_OUT})")
+                   help=f"output folder of DEVICE-DTYPE.md, .json and .png (default: {DEFAULT_OUT}); with --model, "
+                        f"of its table, JSON and plot (default there: {bench_model.DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true", help="the two shortest default lengths, one repeat (a smoke run)")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
     bench_model.add_arguments(p)

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_FIELDS = ("transfer_steps", "transfer_lr", "transfer_batch_size", "transfer_schedule", "attn_ce_weight",
                 "finetune_steps", "finetune_lr", "polyattn_lr", "batch_size", "grad_accum", "finetune_schedule",
                 "warmup_steps", "lora", "lora_r", "lora_alpha", "context", "seed", "mixed_precision")
+# PolyAttnConfig fields added after the presets' runs were recorded (short_conv: the delta work; sliding_layers: the
+# sliding-window layers; sparse_cache, sparse_chunk: the sparse cache). A record without one ran before it existed,
+# i.e. with what its default computes: no short convolution, no sparse cache, and SmolLM2 has no sliding layers.
+ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk"}
 
 
 def smollm2_config():
@@ -41,6 +45,15 @@ def _resolved(preset, recorded_heads):
     if spec.get("softmax_heads") == "auto":
         spec["softmax_heads"] = recorded_heads
     return resolve_attention(spec, smollm2_config())
+
+
+def _assert_is_recorded(config: PolyAttnConfig, recorded: dict) -> None:
+    """``config`` is the recorded attention field for field: every field the record holds has its value, and the
+    fields it lacks are the ones added since (ADDED_SINCE), at the defaults the recorded run computed with."""
+    got = config.to_dict()
+    assert set(recorded) <= set(got) and set(got) - set(recorded) <= ADDED_SINCE, sorted(set(got) ^ set(recorded))
+    assert {k: got[k] for k in recorded} == recorded
+    assert got == PolyAttnConfig.from_dict(recorded).to_dict()
 
 
 LONG_CONTEXT = [p for p in PRESETS.values() if p.source.startswith("recipes/results/long_context/")]
@@ -70,7 +83,7 @@ def test_long_context_presets_are_their_rows(preset):
     cpu = sum(s.get("cpu_s", 0) for s in r["stages"].values())
     if cpu:
         assert f"{preset.figures['train_cpu_s']}" == f"{cpu:.0f}"
-    assert _resolved(preset, r["polyattn"]["softmax_heads"]).to_dict() == r["polyattn"]
+    _assert_is_recorded(_resolved(preset, r["polyattn"]["softmax_heads"]), r["polyattn"])
     defaults = TrainArgs()
     for name in TRAIN_FIELDS:
         want = preset.train.get(name, getattr(defaults, name))
@@ -86,7 +99,7 @@ def test_demo_preset_is_the_demo_run():
     assert p.figures["perplexity"] == {x["context"]: round(x["perplexity"], 2) for x in row["perplexity"]}
     assert p.figures["softmax"]["perplexity"] == {x["context"]: round(x["perplexity"], 2) for x in soft["perplexity"]}
     assert p.figures["passkey"] == _passkey(row["passkey"]["hits"], row["passkey"]["lengths"])
-    assert _resolved(p, row["attention"]["softmax_heads"]).to_dict() == row["attention"]
+    _assert_is_recorded(_resolved(p, row["attention"]["softmax_heads"]), row["attention"])
     s = r["settings"]
     e = p.eval
     assert ",".join(map(str, s["contexts"])) == e["eval_contexts"]

@@ -3,7 +3,7 @@
     python recipes/experiments/run.py                          # the studies
     python recipes/experiments/run.py retrofit_kinds --list    # a study's rows
     python recipes/experiments/run.py retrofit_kinds           # every row, then its tables and section
-    python recipes/experiments/run.py retrofit_kinds smollm2_kinds/bigbird16 --dry-run   # print the commands
+    python recipes/experiments/run.py retrofit_kinds smollm2_kinds/bigbird16 --dry-run   # its commands, shell-quoted
 
 Works from any directory: every command runs from the repository root with this Python (``sys.executable``), one
 row after another (``JOBS`` of the study at once where the rows are single-threaded processes); each row's output
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -131,9 +132,10 @@ def main(argv=None) -> int:
     todo = [(name, command(args.study, name, rows[name])) for name in chosen]
     after = [] if args.rows else [command(args.study, "after", a) for a in getattr(study, "AFTER", [])]
     if args.dry_run:
-        prefix = " ".join(f"{k}={v}" for k, v in env.items())
+        # quoted as a shell reads them: a printed line runs as it is from the repository root
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         for cmd in [c for _, c in todo] + after:
-            print((prefix + " " if prefix else "") + " ".join(["python", *cmd[1:]]))
+            print((prefix + " " if prefix else "") + shlex.join(["python", *cmd[1:]]))
         return 0
     jobs = args.jobs or getattr(study, "JOBS", 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:

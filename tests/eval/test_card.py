@@ -77,10 +77,15 @@ def test_pipeline_card(packaged_smollm2, text_file, tmp_path):
     data.parent.mkdir()
     shutil.copy(text_file, data)
     out = tmp_path / "run"
-    run(RetrofitArgs(model=str(packaged_smollm2), data=str(data), attention="linear", window=8, feature_proj=0,
-                     context=32, eval_context=32, eval_stride=32, max_eval_tokens=64, transfer_steps=1,
-                     eval_before=False, progress=False, eval_contexts="16,64", passkey_lengths="", passkey_depths=1,
-                     long_eval_tokens=128, long_eval_baselines="softmax", output_dir=str(out)))
+    # the attention the retrofit's old flags (attention="linear", window=8, feature_proj=0) built: their recommended
+    # long-context settings (4 sinks, gated decay of horizon 256, window_mix from 0.01) with qk_norm and 64-token
+    # blocks
+    attention = {"kind": "linear", "window": 8, "feature_proj": 0, "block_size": 64, "qk_norm": True, "sinks": 4,
+                 "decay": "gate", "decay_horizon": 256.0, "window_mix": True, "window_mix_init": 0.01}
+    run(RetrofitArgs.build(model=str(packaged_smollm2), data=str(data), attention=attention, context=32,
+                           eval_context=32, eval_stride=32, max_eval_tokens=64, transfer_steps=1, eval_before=False,
+                           progress=False, eval_contexts="16,64", passkey_lengths="", passkey_depths=1,
+                           long_eval_tokens=128, long_eval_baselines="softmax", output_dir=str(out)))
     folder = out / "model"
     text = (folder / "README.md").read_text()
     assert_no_local_path(text, tmp_path, packaged_smollm2, data)

