@@ -99,8 +99,8 @@ def _studies() -> list[str]:
 def test_every_study_is_inputs_and_the_runner():
     """PEFT's method_comparison shape: each study folder holds its inputs (rows.py) and its section writer, no shell
     scripts; the runner lists them from any directory."""
-    assert _studies() == ["paper_tables_long", "retrofit_kinds", "retrofit_window", "rope_fft", "second_family",
-                          "thesis_reversal"]
+    assert _studies() == ["paper_tables_long", "retrieval", "retrofit_kinds", "retrofit_window", "rope_fft",
+                          "second_family", "thesis_reversal"]
     assert sorted(EXPERIMENTS.rglob("*.sh")) == []
     for study in _studies():
         assert (EXPERIMENTS / study / "fill_section.py").exists(), study

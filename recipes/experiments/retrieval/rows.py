@@ -11,7 +11,7 @@ StreamingLLM (4 sinks + 128 window) on the same tokens.
     python recipes/experiments/run.py retrieval [ROW ...]
 
 ``collect.py`` (AFTER) copies each row's long-context record into ``recipes/results/retrieval/`` with the decode state's
-bytes at 8k (``hf_polyattn.decode_memory``) and writes the table and the plot.
+bytes at 8k (``hf_polyattn.decode_memory``); ``fill_section.py`` writes ``SECTION_retrieval.md`` and the plot.
 """
 
 RETROFIT = ["-m", "hf_polyattn.retrofit", "--model", "smollm2", "--data", "demo", "--threads", "2",
@@ -59,4 +59,4 @@ ROWS = {
 
 # the rows run in this order: every '+sparse' row after the row whose model it reads
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-AFTER = [["recipes/experiments/retrieval/collect.py"]]
+AFTER = [["-m", "recipes.experiments.retrieval.collect"], ["-m", "recipes.experiments.retrieval.fill_section"]]
