@@ -107,8 +107,9 @@ def check_launch(acc, fsdp: bool) -> dict[str, Any]:
     if fsdp and connected < 2:
         raise LaunchError(
             "--fsdp shards the model across processes, and this run has one: launch it with "
-            f"`{TORCHRUN_CPU}` (CPUs, gloo) or `accelerate launch --config_file recipes/accelerate_fsdp.yaml ...` "
-            "(GPUs), or leave out --fsdp")
+            f"`{TORCHRUN_CPU}` (CPUs, gloo) or `accelerate launch --num_processes N -m hf_polyattn.retrofit ... "
+            "--fsdp` (GPUs; the project's repository has an accelerate FSDP config, recipes/accelerate_fsdp.yaml), "
+            "or leave out --fsdp")
     record = {"processes": connected, "distributed_type": kind,
               "backend": torch.distributed.get_backend() if connected > 1 else None,
               "sharding": "fsdp2" if fsdp else ("ddp" if connected > 1 else "none")}
