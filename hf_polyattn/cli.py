@@ -563,6 +563,7 @@ def _eval_long_context(args, model, cls, path, tokenizer, data, attention, store
             passkey_lengths=tuple(args.passkey or ()), passkey_depths=args.passkey_depths,
             passkey_seed=args.passkey_seed, passkey_templates=tuple(args.passkey_templates),
             baselines=baselines, streaming_sinks=args.streaming_sinks, streaming_window=args.streaming_window)
+        settings.check_positions(model.config)  # before minutes of perplexity, not after
     except ValueError as err:
         raise UsageError(str(err)) from None
     base = _baseline_checkpoint(args, path, stored) if baselines else None

@@ -105,6 +105,24 @@ class LongContextSettings:
         if bad:
             raise ValueError(f"baselines must be a subset of {list(BASELINES)}, got {list(self.baselines)!r}")
 
+    def check_positions(self, config) -> None:
+        """Refuse (ValueError) a context or passkey prompt (+ its template's answer tokens) longer than the model's
+        positions, read from ``config``: called where a run learns its model, before any training, so that a
+        30-minute retrofit does not end in this error at its evaluation (SmolLM2: 8,192 positions, so an 8k passkey
+        prompt of the 'vault' template, up to 7-digit keys + 3, is at most 8,182 tokens)."""
+        limit = _max_positions(config)
+        if not limit:
+            return
+        long = [c for c in self.contexts if c > limit]
+        if long:
+            raise ValueError(f"contexts {long} are longer than the model's {limit} positions: drop them")
+        if self.passkey_lengths:
+            answer = max(TEMPLATES[t].digits[1] + 3 for t in self.passkey_templates)
+            if max(self.passkey_lengths) + answer > limit:
+                raise ValueError(f"passkey_lengths: {max(self.passkey_lengths)} (+{answer} answer tokens of the "
+                                 f"templates {list(self.passkey_templates)}) is longer than the model's {limit} "
+                                 f"positions: use at most {limit - answer}")
+
 
 # ----------------------------------------------------------------------------------------------- perplexity
 
@@ -135,7 +153,8 @@ def perplexity_curve(model, ids: torch.Tensor, contexts: Sequence[int], *, token
 
 
 def _max_positions(model) -> int | None:
-    cfg = getattr(model, "config", None)
+    """The positions of a model or of its config (None when it names none: no limit known)."""
+    cfg = getattr(model, "config", model)
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 

@@ -520,6 +520,9 @@ class Retrofit:
         # 1. model (unreachable id / unsupported architecture -> CheckpointError)
         path = resolve_checkpoint(m.model)
         mcfg = AutoConfig.from_pretrained(path)
+        long = a.long_context_settings()
+        if long is not None:  # before training: an evaluation the model cannot run is refused now
+            long.check_positions(mcfg)
         check_supported(mcfg)
         self.model_path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)

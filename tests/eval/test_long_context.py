@@ -83,6 +83,25 @@ def test_settings_refuse_bad_values():
         LongContextSettings(passkey_depths=0)
 
 
+def test_settings_check_positions_with_the_templates_answer_tokens():
+    """A prompt + its template's answer (classic: 5 digits + 3; vault: up to 7 + 3) must fit the positions."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(max_position_embeddings=128)
+    LongContextSettings(contexts=(128,), passkey_lengths=(120,)).check_positions(cfg)  # 120 + 8 = 128
+    LongContextSettings(contexts=(64,), passkey_lengths=(118,),
+                        passkey_templates=("classic", "vault")).check_positions(cfg)  # 118 + 10 = 128
+    with pytest.raises(ValueError, match=r"passkey_lengths: 120 \(\+10 answer tokens.*use at most 118"):
+        LongContextSettings(contexts=(64,), passkey_lengths=(120,),
+                            passkey_templates=("classic", "vault")).check_positions(cfg)
+    with pytest.raises(ValueError, match=r"contexts \[256\] are longer than the model's 128 positions"):
+        LongContextSettings(contexts=(64, 256), passkey_lengths=()).check_positions(cfg)
+    from types import SimpleNamespace
+
+    # a config that names no positions: nothing to check
+    LongContextSettings(contexts=(4096,), passkey_lengths=(4096,)).check_positions(SimpleNamespace())
+
+
 def test_rows_with_baselines_table_and_files(tiny, tiny_dirs, tmp_path):
     """The model's row beside softmax and StreamingLLM rows on the same tokens; the streaming row is the
     sliding_window kind with sinks (its perplexity differs from softmax's once the context exceeds sinks + window)."""
@@ -128,3 +147,9 @@ def test_pipeline_long_context_stage_and_card(tiny_dirs, text_file, tmp_path):
     assert "Long context" in card and "long_context.png" in card and (out / "model" / "long_context.png").exists()
     with pytest.raises(ValueError, match="eval_contexts"):
         RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file, attention="polysketch", eval_contexts="16,x")
+    # a passkey the model's positions cannot hold is refused before any training, not at the evaluation
+    late = out.parent / "late"
+    with pytest.raises(ValueError, match="passkey_lengths: .* is longer than the model's"):
+        run(RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file, attention=attention, context=32,
+                               transfer_steps=1, progress=False, passkey_lengths="100000", output_dir=str(late)))
+    assert not (late / "checkpoint-transfer").exists()

@@ -2,11 +2,11 @@
 
 Every trained row has the ``linear-only`` preset's budget (attention transfer, 60 steps of 2 x 1,024 tokens of the
 bundled Tiny Shakespeare, ``--data demo``) and is judged the same way: perplexity at 256 ... 8,192 tokens on the first
-12,288 held-out tokens, passkey retrieval at 1k / 2k / 4k / 8k with 10 needle depths on two templates ('classic' and
-'vault': another filler, phrasing and 4-7 digit keys; ``hf_polyattn/eval/passkey.py``). The rows named ``+sparseN``
-train nothing: they evaluate a trained row's saved model with a bounded sparse cache of N keys per kv head
-(``--set sparse_cache=N``: LoLA's mechanism, training-free). ``baselines`` evaluates the softmax checkpoint and
-StreamingLLM (4 sinks + 128 window) on the same tokens.
+12,288 held-out tokens, passkey retrieval at 1k / 2k / 4k / 8k (8,182 tokens) with 10 needle depths on two
+templates ('classic' and 'vault': another filler, phrasing and 4-7 digit keys; ``hf_polyattn/eval/passkey.py``).
+The rows named ``+sparseN`` train nothing: they evaluate a trained row's saved model with a bounded sparse cache of
+N keys per kv head (``--set sparse_cache=N``: LoLA's mechanism, training-free). ``baselines`` evaluates the softmax
+checkpoint and StreamingLLM (4 sinks + 128 window) on the same tokens.
 
     python recipes/experiments/run.py retrieval [ROW ...]
 
@@ -16,7 +16,8 @@ bytes at 8k (``hf_polyattn.decode_memory``); ``fill_section.py`` writes ``SECTIO
 
 RETROFIT = ["-m", "hf_polyattn.retrofit", "--model", "smollm2", "--data", "demo", "--threads", "2",
             "--progress", "false", "--no_resume", "--output_dir", "{out}"]
-CONTEXTS, PASSKEY, TEMPLATES = "256,1024,2048,4096,8192", "1024,2048,4096,8192", "classic,vault"
+# the 8k passkey prompt is 8,182 tokens: SmolLM2 has 8,192 positions and the 'vault' answer takes up to 7 digits + 3
+CONTEXTS, PASSKEY, TEMPLATES = "256,1024,2048,4096,8192", "1024,2048,4096,8182", "classic,vault"
 # the retrofit's own long-context stage: this study's evaluation after training
 EVAL_STAGE = ["--eval_contexts", CONTEXTS, "--passkey_lengths", PASSKEY, "--passkey_templates", TEMPLATES,
               "--passkey_depths", "10", "--long_eval_tokens", "12288", "--long_eval_baselines", "none",
