@@ -24,6 +24,7 @@ BACKENDS = ("auto", "loop", "batched", "triton", "fla")
 DECAYS = ("none", "scalar", "gate")
 SINK_POSITIONS = ("window", "own")
 SLIDING_LAYERS = ("exact", "kind")
+SOFTCAP_MODES = ("refuse", "exact_parts")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
 SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
 # Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
@@ -40,6 +41,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "decay": DECAYS,
     "sink_position": SINK_POSITIONS,
     "sliding_layers": SLIDING_LAYERS,
+    "softcap_mode": SOFTCAP_MODES,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
@@ -276,6 +278,21 @@ class PolyAttnConfig:
             "layers get the kind; 'kind' converts them too (the kind then attends beyond the window). A model whose "
             "every layer is sliding needs 'kind' to be converted at all. No effect on models without sliding layers "
             "(hf_polyattn.integration.layer_layout(model) lists which layers are which)"
+        },
+    )
+
+    softcap_mode: str = field(
+        default="refuse",
+        metadata={
+            "help": "what a converted layer does with a model's attention logit soft-capping (Gemma 2: every score s "
+            "q.k becomes c tanh(s q.k / c), attn_logit_softcapping c = 50): 'refuse' (convert refuses a layer whose "
+            "kind has a part that forms no score to cap: the kernel part phi(q).phi(k)); 'exact_parts' applies the "
+            "cap wherever the layer forms a score (the sliding window, the sinks and learned slots, local_exact "
+            "blocks, softmax heads, the sparse cache's exact keys) and leaves the kernel part beyond them to "
+            "approximate the capped softmax (attention transfer trains it against the capped model). A layer with no "
+            "exact part (no window, no local_exact, no softmax heads there) is refused either way: nothing would "
+            "apply the cap. Layers without soft-capping, and sliding layers kept exact (which apply it), are the "
+            "same under both"
         },
     )
 
