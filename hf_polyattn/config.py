@@ -422,9 +422,12 @@ class PolyAttnConfig:
     def read_settings(self) -> dict[str, Any]:
         """The settings this kind reads, JSON-ready: ``kind``, the shared fields its ``KindSpec.fields`` names, those
         every kind reads (``EVERY_KIND_FIELDS``) and its own ``options``; the fields it ignores are left out (a model
-        card shows these). ``from_dict`` of it gives a config that computes the same attention."""
+        card shows these), and ``softcap_mode`` where it is not the default. ``from_dict`` of it gives a config that
+        computes the same attention."""
         d = self.to_dict()
         out = {name: d[name] for name in dict.fromkeys(("kind", *self.spec.fields, *EVERY_KIND_FIELDS))}
+        if self.softcap_mode != "refuse":  # only where set: the cards of models without soft-capping stay as they were
+            out["softcap_mode"] = self.softcap_mode
         if "options" in d:
             out["options"] = d["options"]
         return out
