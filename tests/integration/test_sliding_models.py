@@ -329,6 +329,31 @@ def test_attention_transfer_skips_the_sliding_layers():
     assert coll.exact_layers == 2 and len(coll.mse) == 2  # two sliding layers, two converted ones
 
 
+def test_attention_transfer_teacher_is_the_capped_model():
+    """Under attention transfer every layer returns its teacher: for Gemma 2 that is its soft-capped softmax (SDPA
+    would drop the cap), so the model gives the eager Gemma 2's logits, left-padded too; the converted layers' students
+    train against it."""
+    from hf_polyattn.training.transfer import distillation, transfer_loss
+
+    model = _decoder("gemma2", attn_logit_softcapping=3.0)
+    with torch.no_grad():  # scores of several units: the cap decides (test_gemma2_converted_layers_apply_its_softcap)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+    ids, mask = prompt_ids(2, 12, seed=3), torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    hf_polyattn.convert(model, RECIPE.replace(softcap_mode="exact_parts"))
+    with distillation(model) as coll, torch.no_grad():
+        out = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    with distillation(model) as coll:
+        loss = transfer_loss(model.model, {"input_ids": ids, "attention_mask": mask}, coll)
+        loss.backward()
+    assert coll.exact_layers == 2 and len(coll.mse) == 2 and torch.isfinite(loss)
+
+
 def test_score_heads_candidates_are_the_converted_layers():
     import string
 
