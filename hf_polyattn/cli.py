@@ -37,7 +37,7 @@ PROG = "hf-polyattn"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # PolyAttnConfig fields that every kind reads (the others are listed under the kinds that read them)
-EVERY_KIND_FIELDS = ("seed", "softmax_heads", "sliding_layers")
+EVERY_KIND_FIELDS = ("seed", "softmax_heads", "sliding_layers", "softcap_mode")
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 

@@ -24,6 +24,7 @@ BACKENDS = ("auto", "loop", "batched", "triton", "fla")
 DECAYS = ("none", "scalar", "gate")
 SINK_POSITIONS = ("window", "own")
 SLIDING_LAYERS = ("exact", "kind")
+SOFTCAP_MODES = ("refuse", "exact_parts")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
 SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
 # Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
@@ -40,6 +41,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "decay": DECAYS,
     "sink_position": SINK_POSITIONS,
     "sliding_layers": SLIDING_LAYERS,
+    "softcap_mode": SOFTCAP_MODES,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
@@ -279,6 +281,21 @@ class PolyAttnConfig:
         },
     )
 
+    softcap_mode: str = field(
+        default="refuse",
+        metadata={
+            "help": "what a converted layer does with a model's attention logit soft-capping (Gemma 2: every score s "
+            "q.k becomes c tanh(s q.k / c), attn_logit_softcapping c = 50): 'refuse' (convert refuses a layer whose "
+            "kind has a part that forms no score to cap: the kernel part phi(q).phi(k)); 'exact_parts' applies the "
+            "cap wherever the layer forms a score (the sliding window, the sinks and learned slots, local_exact "
+            "blocks, softmax heads, the sparse cache's exact keys) and leaves the kernel part beyond them to "
+            "approximate the capped softmax (attention transfer trains it against the capped model). A layer with no "
+            "exact part (no window, no local_exact, no softmax heads there) is refused either way: nothing would "
+            "apply the cap. Layers without soft-capping, and sliding layers kept exact (which apply it), are the "
+            "same under both"
+        },
+    )
+
     options: dict[str, Any] = field(
         default_factory=dict,
         metadata={"help": "the kind's own options (declared by its KindSpec), e.g. {'num_landmarks': 32} for "
@@ -405,9 +422,12 @@ class PolyAttnConfig:
     def read_settings(self) -> dict[str, Any]:
         """The settings this kind reads, JSON-ready: ``kind``, the shared fields its ``KindSpec.fields`` names, those
         every kind reads (``EVERY_KIND_FIELDS``) and its own ``options``; the fields it ignores are left out (a model
-        card shows these). ``from_dict`` of it gives a config that computes the same attention."""
+        card shows these), and ``softcap_mode`` where it is not the default. ``from_dict`` of it gives a config that
+        computes the same attention."""
         d = self.to_dict()
         out = {name: d[name] for name in dict.fromkeys(("kind", *self.spec.fields, *EVERY_KIND_FIELDS))}
+        if self.softcap_mode != "refuse":  # only where set: the cards of models without soft-capping stay as they were
+            out["softcap_mode"] = self.softcap_mode
         if "options" in d:
             out["options"] = d["options"]
         return out

@@ -19,9 +19,10 @@ TRAIN_FIELDS = ("transfer_steps", "transfer_lr", "transfer_batch_size", "transfe
                 "finetune_steps", "finetune_lr", "polyattn_lr", "batch_size", "grad_accum", "finetune_schedule",
                 "warmup_steps", "lora", "lora_r", "lora_alpha", "context", "seed", "mixed_precision")
 # PolyAttnConfig fields added after the presets' runs were recorded (short_conv: the delta work; sliding_layers: the
-# sliding-window layers; sparse_cache, sparse_chunk: the sparse cache). A record without one ran before it existed,
-# i.e. with what its default computes: no short convolution, no sparse cache, and SmolLM2 has no sliding layers.
-ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk"}
+# sliding-window layers; sparse_cache, sparse_chunk: the sparse cache; softcap_mode: Gemma 2's soft-capping). A record
+# without one ran before it existed, i.e. with what its default computes: no short convolution, no sparse cache, and
+# SmolLM2 has no sliding layers and no soft-capping.
+ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk", "softcap_mode"}
 
 
 def smollm2_config():

@@ -33,6 +33,7 @@ from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
 
 from ..config import PolyAttnConfig
+from ..ops.hybrid import softcap_refusal
 from .settings import config_sliding
 
 __all__ = [
@@ -80,7 +81,9 @@ _HARMLESS = ("position_ids", "cache_position", "use_cache", "past_key_values", "
              "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
              "deterministic")
 HANDLED_KWARGS = frozenset(_SIGNATURE + _ENFORCED + _HARMLESS)
-# What a sliding-window layer kept exact (``ops/sliding.py``) applies besides: Gemma 2's logit soft-capping.
+# What a sliding-window layer kept exact (``ops/sliding.py``) applies besides: Gemma 2's logit soft-capping. A layer
+# the kind converts applies it too where its module can (``ops.hybrid.softcap_refusal``), the cap read at convert /
+# from_pretrained (``state.attach_polyattn``) and checked against every call (``registry.py``).
 EXACT_WINDOW_KWARGS = ("softcap",)
 
 # What the usual refused arguments mean, for the error message.
@@ -88,8 +91,8 @@ _WHAT = {
     "position_bias": "a position bias added to the attention scores (T5-style relative positions)",
     "attention_bias": "a bias added to the attention scores",
     "alibi": "an ALiBi bias added to the attention scores",
-    "softcap": "logit soft-capping tanh(score / cap) * cap (applied where hf_polyattn keeps a sliding-window layer "
-               "exact, PolyAttnConfig.sliding_layers='exact'; a layer the kind converts has no score to cap)",
+    "softcap": "logit soft-capping tanh(score / cap) * cap (applied by the sliding-window layers hf_polyattn keeps "
+               "exact, and by a converted layer's exact parts; this one cannot be read at convert)",
     "s_aux": "attention sinks (extra logits in the softmax normaliser)",
     "sinks": "attention sinks (extra logits in the softmax normaliser)",
     "head_mask": "a per-head mask on the attention probabilities",
@@ -287,11 +290,14 @@ def call_keyword_value(module: nn.Module, name: str) -> Any:
     return None
 
 
-def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str, *, exact_window: bool = False) -> None:
+def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str, *, exact_window: bool = False,
+                           layer_idx: int | None = None) -> None:
     """Refuse (ValueError) an attention module whose call site passes an argument we cannot honour,
     or a cross-attention module with ``local_exact``. ``owner``: the model class, for the message.
     ``exact_window``: the module is a sliding-window layer kept exact (``layout.py``), which honours soft-capping
-    and runs no kind (the kind's direction and options do not apply to it)."""
+    and runs no kind (the kind's direction and options do not apply to it). A converted layer (``layer_idx``, default
+    the module's own) honours a soft-cap read from its call site where its module applies one
+    (``ops.hybrid.softcap_refusal``: the kernel part forms no score, ``PolyAttnConfig.softcap_mode`` decides)."""
     cls = type(module)
     where = f"{owner} ({cls.__name__}.forward)"
     honoured = EXACT_WINDOW_KWARGS if exact_window else ()
@@ -301,6 +307,14 @@ def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str, *
         value = _static_value(expr, module)
         if value is None:
             continue  # e.g. softcap=self.attn_logit_softcapping with the option off
+        if name == "softcap" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            idx = getattr(module, "layer_idx", 0) if layer_idx is None else layer_idx
+            reason = softcap_refusal(cfg, idx if isinstance(idx, int) else 0, attention_dims(module)[2])
+            if reason is None:
+                continue
+            raise ValueError(f"{where} passes softcap={ast.unparse(expr)} ({value}) to its attention function, "
+                             f"logit soft-capping c tanh(score / c) of every score, and layer {idx} cannot apply it: "
+                             f"{reason}")
         raise ValueError(_refusal(name, where, ast.unparse(expr)))
     if exact_window:
         return

@@ -86,7 +86,8 @@ def _registration_hook(parent: nn.Module, name: str, child):
             exact = "polyattn_sliding" in mod._modules
             if (isinstance(pa, HFPolyAttention) or exact) and not mod.__dict__.get("_polyattn_checked"):
                 cfg = pa.config if isinstance(pa, HFPolyAttention) else resolve_polyattn_config(mod.config)
-                check_attention_module(mod, cfg, _owner(parent), exact_window=exact)
+                check_attention_module(mod, cfg, _owner(parent), exact_window=exact,
+                                       layer_idx=pa.layer_idx if isinstance(pa, HFPolyAttention) else None)
                 mark_checked(mod, _owner(parent))
     return None
 

@@ -62,7 +62,8 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     ``config.sliding_layers='kind'`` (``layout.py``; ``layer_layout(model)`` lists the roles).
     Converting again replaces them. Raises ``TypeError``/``ValueError`` (before changing
     anything) for a model that is not a transformers model, bypasses the attention
-    interface, uses chunked attention, soft-caps the logits of a layer the kind converts,
+    interface, uses chunked attention, soft-caps the logits of a layer the kind converts where
+    the layer cannot apply the cap (a kernel part without ``softcap_mode='exact_parts'``, or no exact part at all),
     has no layer left to convert (every layer sliding), keeps attention and a state-space mixer
     in one cache layer (Falcon-H1), passes its attention function an
     argument the kernels cannot honour (T5's ``position_bias``, attention sinks, ...), or has
@@ -92,7 +93,7 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     check_model_options(list(configs.values()), cfg, owner)
     windows = plan_layers(found, cfg, owner)  # sliding-window layers kept exact: their window, else None
     for (_, mod, idx), window in zip(found, windows):
-        check_attention_module(mod, cfg, owner, exact_window=window is not None)
+        check_attention_module(mod, cfg, owner, exact_window=window is not None, layer_idx=idx)
         if window is None:
             sink_rope(mod, cfg, idx)  # a RoPE the sinks' positions cannot be read from: refused before anything changes
     for (_, mod, idx), window in zip(found, windows):
@@ -148,8 +149,8 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
     owner = type(model).__name__
     configs = {id(c): c for c in [model.config, *(mod.config for _, mod, _ in found)]}
     check_model_options(list(configs.values()), cfg, owner)
-    for _, mod, _ in found:
-        check_attention_module(mod, cfg, owner)
+    for _, mod, idx in found:
+        check_attention_module(mod, cfg, owner, layer_idx=idx)  # a soft-cap the new settings cannot apply too
     built = []
     for name, mod, idx in found:  # every layer built and checked before any is replaced
         current = mod.polyattn
@@ -168,6 +169,7 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
                              "that needs convert() and training, not a change of settings")
         fresh.load_state_dict(have)
         fresh.rope = rope
+        fresh.softcap = current.softcap
         built.append((mod, fresh))
     for mod, fresh in built:
         mod.polyattn = fresh

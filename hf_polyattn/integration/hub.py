@@ -138,10 +138,10 @@ def decode_memory_rows(model, base: str | None, lengths: tuple[int, ...] = MEMOR
 
 
 def layout_note(model: nn.Module) -> str | None:
-    """The model card's paragraph on which layers run the kind, for a model with sliding-window layers (None
-    without: every layer runs it)."""
+    """The model card's paragraph on which layers run the kind, for a model with sliding-window layers or soft-capped
+    layers (None without: every layer runs it, uncapped)."""
     entries = layer_layout(model)
-    if not has_sliding(entries):
+    if not has_sliding(entries) and not any(e.get("softcap") is not None for e in entries):
         return None
     kept = [e for e in entries if e["role"] == "sliding"]
     text = f"By layer: {describe_layout(entries)}."

@@ -93,7 +93,8 @@ def layer_layout(model: nn.Module, config: PolyAttnConfig | None = None) -> list
     For a converted model (``convert`` / ``from_pretrained(..., attn_implementation=KIND)``) what it runs; with
     ``config``, what ``convert(model, config)`` would make of it (an unconverted model too). Each entry:
     ``{"layer": i, "module": name, "role": "kind" | "sliding" | "softmax" | "unconverted", "text": "..."}`` plus
-    ``"window"`` (a sliding layer kept exact: its window; a converted one: the window it had), ``"softcap"``,
+    ``"window"`` (a sliding layer kept exact: its window; a converted one: the window it had), ``"softcap"`` (a
+    sliding layer kept exact: its cap or None; a converted one, when soft-capped: the cap its exact parts apply),
     ``"softmax_kv_heads"`` (kv heads kept softmax in a converted layer). ``"softmax"``: a converted layer whose every
     kv head is softmax (it computes the model's own attention). JSON-ready (the model card and results.json carry it).
     """
@@ -133,6 +134,10 @@ def layer_layout(model: nn.Module, config: PolyAttnConfig | None = None) -> list
             every = bool(heads) and len(heads) == attention_dims(mod)[2]
             entry.update(role="softmax" if every else "kind", kind=cfg.kind, softmax_kv_heads=heads)
             text = "softmax (every kv head)" if every else cfg.kind + (f", softmax kv heads {heads}" if heads else "")
+            softcap = call_keyword_value(mod, "softcap")
+            if isinstance(softcap, (int, float)):  # applied where the layer forms a score (softcap_mode)
+                entry["softcap"] = softcap
+                text += f", soft-capped at {softcap}" + ("" if every else " in its exact parts")
             if had is not None:
                 entry["window"] = had
                 text += f" (was a sliding-window layer, window {had})"

@@ -203,7 +203,13 @@ def _make_attention_function(kind: str) -> Callable:
             # the kind replaces a sliding window only where convert planned it (sliding_layers='kind')
             raise ValueError(f"{type(module).__name__} was converted as a full-attention layer and is called with "
                              f"sliding_window={window}: convert the model again (hf_polyattn.convert)")
-        check_call_kwargs(module, kwargs)  # a bias, softcap, sinks, ...: refused, never dropped
+        # a bias, sinks, ...: refused, never dropped; a soft-cap where the layer applies one (read at convert)
+        check_call_kwargs(module, kwargs, EXACT_WINDOW_KWARGS if pa.softcap is not None else ())
+        softcap = kwargs.get("softcap")
+        if softcap != pa.softcap:  # the cap the layer applies was read from the model at convert / from_pretrained
+            raise ValueError(f"{type(module).__name__} (layer {pa.layer_idx}) was converted with softcap={pa.softcap} "
+                             f"(read from the model at convert / from_pretrained) and is now called with "
+                             f"softcap={softcap}: convert the model again")
         if cross_blocker(pa.config) and getattr(module, "_polyattn_cross_call", False):
             raise local_exact_cross_call_error(module, pa.config)
         causal = _is_causal(module, kwargs)

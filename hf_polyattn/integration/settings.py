@@ -127,7 +127,8 @@ def check_supported_config(config: PreTrainedConfig) -> None:
 
     Sliding-window layers are no longer refused here: ``layout.py`` decides per layer (kept exact, or converted on
     request), and logit soft-capping is checked where it is passed, per attention module (``compatibility.py``):
-    a sliding layer kept exact applies it, a converted layer refuses it.
+    a sliding layer kept exact applies it, a converted layer applies it in its exact parts
+    (``PolyAttnConfig.softcap_mode``) or refuses it.
     """
     layer_types = getattr(config, "layer_types", None)
     if "chunked_attention" in (layer_types or []):

@@ -168,8 +168,9 @@ def sink_rope(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int | None = No
 def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, device=None, dtype=None,
                     replaced_window: int | None = None) -> None:
     """Give ``module`` its own ``polyattn`` submodule (replacing an existing one, or the exact window of a sliding
-    layer) and the cache hooks. ``replaced_window``: the model's sliding window of this layer, which the kind
-    replaces (``sliding_layers='kind'``): its calls pass it, and it is accepted instead of refused."""
+    layer), with the logit soft-cap its call site passes (``AttentionBase.softcap``), and the cache hooks.
+    ``replaced_window``: the model's sliding window of this layer, which the kind replaces (``sliding_layers='kind'``):
+    its calls pass it, and it is accepted instead of refused."""
     heads, head_dim, kv_heads = attention_dims(module)
     rope = sink_rope(module, cfg, layer_idx)  # before anything changes: a RoPE it cannot read is refused here
     if device is None and dtype is None:
@@ -180,6 +181,8 @@ def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, d
         if dtype is not None:
             pa = pa.to(dtype)
     pa.rope = rope
+    softcap = call_keyword_value(module, "softcap")  # Gemma 2's, on every layer: applied by the exact parts
+    pa.softcap = softcap if isinstance(softcap, (int, float)) else None  # ValueError where nothing would apply it
     module._modules.pop("polyattn_sliding", None)
     module.polyattn = pa
     module.__dict__["_polyattn_replaced_window"] = replaced_window

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops.base import AttentionBase
 from ..ops.common import to_work, work_dtype
 from ..ops.delta import delta_rule, l2_normalise
 from ..ops.feature_maps import FEATURE_MAPS, selectable_feature_maps
@@ -87,6 +88,12 @@ class DeltaAttention(SlidingWindowAttention):
         self.beta_bias.fill_(math.log(b / (1.0 - b)))
         if self.config.window:
             self.delta_mix.fill_(opts["delta_mix_init"])
+
+    @classmethod
+    def softcap_refusal(cls, config, layer_idx: int, num_kv_heads: int, exact_elsewhere: bool = False) -> str | None:
+        # its own paths (the delta read-out beside the window, its decoding) are not written for a cap: refused as a
+        # kind that applies none
+        return AttentionBase.softcap_refusal.__func__(cls, config, layer_idx, num_kv_heads, exact_elsewhere)
 
     def choose_path(self, q_len: int, kv_len: int, causal: bool) -> str:
         return "delta"

@@ -28,6 +28,10 @@ from ._kernel import sink_label, window_memory
 
 
 class SlidingWindowAttention(PolyAttention):
+    @classmethod
+    def scoreless_part(cls, config) -> bool:
+        return False  # the window (and sinks) alone: every weight comes from a score
+
     def build_feature_map(self, dim: int, seed: int) -> None:
         return None  # the window alone: no kernel beyond it
 

@@ -205,6 +205,35 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
             self.conv_k = ShortConv(num_kv_heads, 1, head_dim, config.short_conv)
         self.feature_map = self.build_feature_map(kdim, self.seed)
 
+    @classmethod
+    def scoreless_part(cls, config: PolyAttnConfig) -> bool:
+        """Whether layers of this class under ``config`` compute part of their attention as phi(q).phi(k) (the
+        kernel part beyond the window / blocks), which forms no score that a logit soft-cap could apply to."""
+        return not cls.exact_everywhere
+
+    @classmethod
+    def softcap_refusal(cls, config: PolyAttnConfig, layer_idx: int, num_kv_heads: int,
+                        exact_elsewhere: bool = False) -> str | None:
+        """``AttentionBase.softcap_refusal``: the cap is applied to every score the layer forms (``exact_weights``:
+        the window, sinks, learned slots, local_exact blocks, the sparse cache's exact keys); the kernel part forms
+        none, so a layer with one needs ``softcap_mode='exact_parts'`` (it then approximates the capped softmax),
+        and a layer with nothing but a kernel part is refused either way."""
+        scoreless = cls.scoreless_part(config)
+        if scoreless and not exact_elsewhere and config.resolved_local_kernel is None:
+            return (f"kind={config.kind!r} has no exact part in layer {layer_idx} (no window, no local_exact blocks, "
+                    "no softmax heads there): every weight is a kernel product phi(q).phi(k), which forms no score to "
+                    "soft-cap, so nothing would apply the model's attention logit soft-capping c tanh(score / c), not "
+                    "even with softcap_mode='exact_parts'. Give the layer an exact part (window=..., sinks=..., "
+                    "softmax_heads) or use kind='polynomial'")
+        if scoreless and config.softcap_mode == "refuse":
+            return (f"kind={config.kind!r}: the kernel part phi(q).phi(k) beyond the layer's exact parts forms no "
+                    "attention score, so the model's attention logit soft-capping c tanh(score / c) cannot be applied "
+                    "there (softcap_mode='refuse', the default). Pass softcap_mode='exact_parts' to apply the cap "
+                    "wherever the layer forms a score (window, sinks, local_exact blocks, softmax heads) and let the "
+                    "kernel part approximate the capped softmax (attention transfer trains it against the capped "
+                    "model)")
+        return None
+
     def build_feature_map(self, dim: int, seed: int) -> FeatureMap | None:
         """The kind's feature map on ``dim``-dimensional kernel inputs (None: no kernel part)."""
         raise NotImplementedError(f"{type(self).__name__} must define build_feature_map")

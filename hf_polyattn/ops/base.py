@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import PolyAttnConfig
+from .common import check_softcap
 from .state import RecurrentState
 
 __all__ = ["AttentionBase", "KVCacheAttention", "join_masks", "layer_seed", "softmax_heads_of"]
@@ -75,9 +76,38 @@ class AttentionBase(nn.Module):
         # scored at positions within the window (``sink_position='window'``); None: q and k carry no rotary
         # positions (GPT-2, BERT) or nothing reads them.
         self.rope = None
+        self.__dict__["_softcap"] = None
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.groups = num_heads // num_kv_heads
         self.layer_idx = layer_idx
+
+    @property
+    def softcap(self) -> float | None:
+        """The model's attention logit soft-cap c of this layer (Gemma 2's ``attn_logit_softcapping``), applied as
+        c tanh(s / c) to every score s = s q.k the layer forms (``common.soft_cap``); None: no capping. Set by the
+        integration from the layer's call site (not saved with the weights: read from the model again at every
+        load); setting it refuses (ValueError) a layer that would not honour it (``softcap_refusal``)."""
+        return self.__dict__["_softcap"]
+
+    @softcap.setter
+    def softcap(self, value) -> None:
+        value = check_softcap(value)
+        if value is not None:
+            reason = type(self).softcap_refusal(self.config, self.layer_idx, self.num_kv_heads)
+            if reason is not None:
+                raise ValueError(reason)
+        self.__dict__["_softcap"] = value
+
+    @classmethod
+    def softcap_refusal(cls, config: PolyAttnConfig, layer_idx: int, num_kv_heads: int,
+                        exact_elsewhere: bool = False) -> str | None:
+        """Why a layer of this class under ``config`` cannot honour a logit soft-cap, or None when it can.
+        ``exact_elsewhere``: other heads of the layer are exact softmax (a hybrid's), so the layer has an exact part
+        even where this class has none. Here: the kind applies no cap at all (its own scores, if any, are formed
+        where hf_polyattn does not cap them)."""
+        return (f"kind={config.kind!r} does not apply attention logit soft-capping c tanh(score / c) (it is "
+                "implemented by the kernel kinds' exact parts: window, sinks, local_exact blocks, softmax heads, and "
+                "by kind='polynomial'); dropping it would silently change the model")
 
     @property
     def seed(self) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn import functional as F
 
-__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "normalised_sum", "read_state",
-           "row_chunks", "rowwise_recompute", "to_work", "work_dtype"]
+__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "check_softcap", "normalised_sum",
+           "read_state", "row_chunks", "rowwise_recompute", "soft_cap", "to_work", "work_dtype"]
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -24,6 +26,21 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 def to_work(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``xs`` in their working dtype (``work_dtype``): half-precision tensors upcast, the others as they are."""
     return tuple(x.to(work_dtype(x.dtype)) for x in xs)
+
+
+def check_softcap(value) -> float | None:
+    """A logit soft-cap as stored: None (no capping) or a finite float > 0; ValueError naming ``softcap`` else."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap must be None or a finite number > 0 (the cap c of c tanh(score / c)), got {value!r}")
+    return float(value)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Logit soft-capping of scores x = s q.k: c tanh(x / c) (Gemma 2's ``attn_logit_softcapping``, applied before
+    the mask and the softmax as its ``eager_attention_forward`` does); ``x`` itself for ``cap`` None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def _int_power(x: torch.Tensor, p: int) -> torch.Tensor:

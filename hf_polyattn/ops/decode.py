@@ -38,7 +38,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .common import _safe_divide
+from .common import _safe_divide, soft_cap
 from .local import far_scale
 from .sparse import pending_log, ring_leave, sparse_from_recurrent, sparse_to_recurrent
 from .state import RecurrentState
@@ -265,7 +265,7 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         x.narrow(2, 0, s).copy_(torch.bmm(sink_q.reshape(bh, g, d), kt.narrow(2, 0, s)))
     x = x.view(b, hkv, g, n_slots) * scale
     if cfg.resolved_local_kernel == "softmax":  # exact_weights' softmax: exp(x - m), m = the row max clamped at 0
-        x = torch.where(ring.valid[:, None, None, :], x, float("-inf"))
+        x = torch.where(ring.valid[:, None, None, :], soft_cap(x, module.softcap), float("-inf"))  # and its cap
         m = x.amax(dim=-1, keepdim=True).clamp_min_(0.0)
         weights, log_far = torch.exp(x - m), -m
     else:

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import PolyAttention
 from .backend import lt_product
-from .common import _int_power, _with_normaliser
+from .common import _int_power, _with_normaliser, soft_cap
 from .feature_maps import FeatureMap, PolynomialFeatureMap
 
 __all__ = ["ExactPolynomialAttention"]
@@ -35,6 +35,20 @@ class ExactPolynomialAttention(PolyAttention):
             num_coefficients=len(cfg.poly_coefficients or ()),
         )
 
+    @classmethod
+    def scoreless_part(cls, config) -> bool:
+        # the tensor path's features phi(q).phi(k) = (q.k)^p form no score; the quadratic path forms every one
+        return config.exact_path == "tensor"
+
+    @classmethod
+    def softcap_refusal(cls, config, layer_idx: int, num_kv_heads: int, exact_elsewhere: bool = False) -> str | None:
+        if config.exact_path == "tensor":
+            return ("kind='polynomial' with exact_path='tensor' computes (s q.k)^p through tensor-power features, "
+                    "which form no score to soft-cap, so the model's attention logit soft-capping c tanh(score / c) "
+                    "cannot be applied: use exact_path='quadratic' or 'auto' (which takes the quadratic path on a "
+                    "capped layer)")
+        return None
+
     def choose_path(self, q_len: int, kv_len: int, causal: bool) -> str:
         return self.exact_path(q_len, kv_len, causal)
 
@@ -50,6 +64,8 @@ class ExactPolynomialAttention(PolyAttention):
         cfg = self.config
         if cfg.exact_path != "auto":
             return cfg.exact_path
+        if self.softcap is not None:  # c tanh(s q.k / c) needs the scores: only the quadratic path forms them
+            return "quadratic"
         feats = self.num_features
         if feats > cfg.max_tensor_features:
             return "quadratic"
@@ -60,7 +76,8 @@ class ExactPolynomialAttention(PolyAttention):
 
     def _recurrent_path(self) -> str:
         cfg = self.config
-        if cfg.exact_path == "quadratic" or (cfg.exact_path == "auto" and self.num_features > cfg.max_tensor_features):
+        if cfg.exact_path == "quadratic" or (cfg.exact_path == "auto" and (
+                self.num_features > cfg.max_tensor_features or self.softcap is not None)):
             return "quadratic"
         return "tensor"
 
@@ -96,7 +113,7 @@ class ExactPolynomialAttention(PolyAttention):
         vext = _with_normaliser(v5, mask)
 
         def chunk(qc, start):
-            base, p = self._exact_base(torch.matmul(qc * scale, k5.transpose(-1, -2)))
+            base, p = self._exact_base(soft_cap(torch.matmul(qc * scale, k5.transpose(-1, -2)), self.softcap))
             allowed = torch.ones(base.shape[-2:], dtype=torch.bool, device=qc.device)
             if causal:
                 rows = torch.arange(start, start + qc.shape[3], device=qc.device) + (lk - lq)

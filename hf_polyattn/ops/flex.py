@@ -35,7 +35,7 @@ import torch
 
 from ..config import BACKENDS
 from .backend import ENV_VAR, FLA_MAX_FEATURES, fla_available, resolve_backend
-from .common import to_work
+from .common import soft_cap, to_work
 from .window import Sinks, slot_scores
 
 __all__ = ["FLEX_BLOCK", "flex_window", "layer_backend", "window_blocks"]
@@ -106,9 +106,10 @@ def _flex_function(device: torch.device):
     return _COMPILED["cuda"]
 
 
-def _window_attention(q, k, v, rest, causal: bool, scale: float, window: int):
+def _window_attention(q, k, v, rest, causal: bool, scale: float, window: int, softcap: float | None = None):
     """(output (B, Hq, n, d), log-sum-exp (B, Hq, n), -inf for a row without keys) of softmax attention over each
-    query's window (0 <= i - j < w causal, |i - j| < w bidirectional) and the keys ``rest`` (B, n) keeps."""
+    query's window (0 <= i - j < w causal, |i - j| < w bidirectional) and the keys ``rest`` (B, n) keeps; with
+    ``softcap`` c the scores are c tanh(x / c) (a score_mod: FlexAttention hands it the scaled score)."""
     from torch.nn.attention import flex_attention as fa
 
     n = q.shape[-2]
@@ -122,32 +123,35 @@ def _window_attention(q, k, v, rest, causal: bool, scale: float, window: int):
     mask = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(n, n))
     # return_aux (torch >= 2.9; return_lse before it, deprecated since): the GPU machines may run an older torch
     aux = {"return_aux": fa.AuxRequest(lse=True)} if hasattr(fa, "AuxRequest") else {"return_lse": True}
+    capped = {} if softcap is None else {"score_mod": lambda score, b, h, q_idx, kv_idx: soft_cap(score, softcap)}
     out, stats = _flex_function(q.device)(q, k, v, block_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1], **aux)
+                                          enable_gqa=q.shape[1] != k.shape[1], **aux, **capped)
     return out, stats.lse if "return_aux" in aux else stats
 
 
 def flex_window(qs: torch.Tensor, ks: torch.Tensor, vext: torch.Tensor, rest: torch.Tensor | None, causal: bool,
-                scale: float, window: int, sinks: Sinks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float, window: int, sinks: Sinks | None = None,
+                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loc, log_far) of a sliding window's exact softmax part (and its ``sinks``), as ``_window_exact`` gives them:
     loc (B, Hkv, G, n, e + 1) = the window's and the slots' weights e^{x - m} times [v, 1], log_far = -m (B, Hkv, G,
     n, 1) (module doc). qs (B, Hkv, G, n, d) the queries (rows aligned with the keys), ks (B, Hkv, 1, n, d), vext
     (B, Hkv, 1, n, e + 1) = [v, 1], ``rest`` (B or 1, n) bool or None: the keys the window may read. The window runs
-    in the inputs' common dtype (a half model's stays half), the rest in float32."""
+    in the inputs' common dtype (a half model's stays half), the rest in float32. ``softcap``: the layer's logit
+    soft-cap, applied to the window's and the slots' scores."""
     b, hkv, g, n, d = qs.shape
     dtype = torch.promote_types(torch.promote_types(qs.dtype, ks.dtype), vext.dtype)
     q = qs.to(dtype).reshape(b, hkv * g, n, d)
     k, v = ks.to(dtype).squeeze(2), vext[..., :-1].to(dtype).squeeze(2)
     if rest is not None:
         rest = rest.expand(b, n)
-    out, lse = _window_attention(q, k, v, rest, causal, scale, window)
+    out, lse = _window_attention(q, k, v, rest, causal, scale, window, softcap)
     (out, lse) = to_work(out.view(b, hkv, g, n, -1), lse.view(b, hkv, g, n, 1))
     found = torch.isfinite(lse)  # -inf: no key in the row's window
     top = lse
     if sinks is not None:
         qw, sk, sv = to_work(qs, sinks.k, sinks.v)
         sq = None if sinks.q is None else to_work(sinks.q)[0] * scale
-        x = slot_scores(qw * scale, sk, sq, sinks.learned)  # (B, Hkv, G, n, E)
+        x = soft_cap(slot_scores(qw * scale, sk, sq, sinks.learned), softcap)  # (B, Hkv, G, n, E)
         x = x.masked_fill(~sinks.visible(torch.arange(n, device=qs.device)), float("-inf"))
         top = torch.maximum(lse, x.amax(-1, keepdim=True))
     m = top.clamp_min(0.0).detach()

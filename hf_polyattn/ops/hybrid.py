@@ -31,13 +31,14 @@ from torch.nn import functional as F
 from ..config import PolyAttnConfig
 from .base import AttentionBase, softmax_heads_of
 from .common import to_work
+from .sliding import sliding_window_softmax
 
 __all__ = ["HybridAttention", "HybridState", "build_attention", "hybrid_reference", "layer_module_class",
-           "softmax_attention"]
+           "softcap_refusal", "softmax_attention"]
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      key_padding_mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Exact softmax attention (B, H, Lq, D) of q (B, H, Lq, D) over k, v (B, Hkv, Lk, D), H a multiple of Hkv.
 
     Causal rows are bottom-right aligned (query i at position Lk - Lq + i: a chunk after a past);
@@ -46,8 +47,18 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     float32 (float64 stays float64), returned in q's dtype. SDPA's own causal path (``is_causal``, top-left aligned)
     serves the case without padding or past; otherwise an explicit boolean mask, (B, 1, Lq, Lk) when causal (what
     transformers' own SDPA path builds for a softmax model: the exact heads cost what softmax costs).
+
+    ``softcap`` c (Gemma 2's logit soft-capping): scores c tanh(s q.k / c), which SDPA cannot apply; computed as
+    ``sliding.sliding_window_softmax`` with a window past every key (the same rows: causal bottom-right, key padding,
+    0 for a row without keys), in tiles of its ``TILE`` queries: memory O(TILE Lk) per head, never Lq x Lk.
     """
     lq, lk = q.shape[2], k.shape[2]
+    if softcap is not None:
+        if not causal and lq != lk:
+            raise ValueError(f"soft-capped softmax heads with bidirectional attention need q_len == kv_len "
+                             f"(self-attention), got {lq} and {lk}")
+        return sliding_window_softmax(q, k, v, window=lk + 1, causal=causal, scale=scale, softcap=softcap,
+                                      key_padding_mask=key_padding_mask)
     qw, kw, vw = to_work(q, k, v)
     gqa = q.shape[1] != k.shape[1]
     if key_padding_mask is None and (not causal or lq == lk or lq == 1):
@@ -235,6 +246,30 @@ class HybridAttention(AttentionBase):
         if kernel is not None:
             kernel.rope = value
 
+    @property
+    def softcap(self) -> float | None:
+        """``AttentionBase.softcap``; setting it sets the kind's module's too (its exact parts apply it)."""
+        return self.__dict__["_softcap"]
+
+    @softcap.setter
+    def softcap(self, value) -> None:
+        AttentionBase.softcap.fset(self, value)  # refuses what the layer as a whole cannot honour
+        kernel = self._modules.get("kernel")
+        if kernel is not None:
+            # checked above for the layer: its softmax heads are an exact part even where the kernel heads have none
+            kernel.__dict__["_softcap"] = self.softcap
+
+    @classmethod
+    def softcap_refusal(cls, config: PolyAttnConfig, layer_idx: int, num_kv_heads: int,
+                        exact_elsewhere: bool = False) -> str | None:
+        """Every kv head softmax: every score is formed and capped. Else the kind's answer for its heads, whose
+        layer has an exact part in the softmax heads."""
+        soft = softmax_heads_of(config, layer_idx)
+        if len(soft) >= num_kv_heads:
+            return None
+        return config.spec.module_class().softcap_refusal(config.replace(softmax_heads=None), layer_idx,
+                                                          num_kv_heads - len(soft), exact_elsewhere=True)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         if self.kernel is not None:  # the only holder of tensors
@@ -298,7 +333,7 @@ class HybridAttention(AttentionBase):
                 m_buf = _append(m_buf, past, new, 1, in_place)
             new_state = HybridState(None, k_buf, v_buf, m_buf, past + lk)
             ks, vs, mask = new_state.keys, new_state.values, new_state.key_mask
-        exact = softmax_attention(qs, ks, vs, causal=causal, scale=scale, key_padding_mask=mask)
+        exact = softmax_attention(qs, ks, vs, causal=causal, scale=scale, key_padding_mask=mask, softcap=self.softcap)
         kernel_out = kernel_state = None
         if kernel_inputs is not None:
             call = dict(causal=causal, scaling=scaling, key_padding_mask=key_padding_mask)
@@ -319,6 +354,12 @@ def layer_module_class(config: PolyAttnConfig, layer_idx: int) -> type:
     return HybridAttention if softmax_heads_of(config, layer_idx) else config.spec.module_class()
 
 
+def softcap_refusal(config: PolyAttnConfig, layer_idx: int, num_kv_heads: int) -> str | None:
+    """Why layer ``layer_idx`` (``num_kv_heads`` kv heads) built for ``config`` cannot honour a logit soft-cap, or
+    None when it can (``AttentionBase.softcap_refusal`` of its module class): asked before anything is built."""
+    return layer_module_class(config, layer_idx).softcap_refusal(config, layer_idx, num_kv_heads)
+
+
 def build_attention(config: PolyAttnConfig, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
                     layer_idx: int = 0) -> AttentionBase:
     """The attention module of one layer for ``config`` (hybrid where it names softmax heads of the layer)."""
@@ -329,8 +370,9 @@ def hybrid_reference(module: HybridAttention, q: torch.Tensor, k: torch.Tensor, 
                      scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Naive definition of a hybrid layer, one query head at a time (B, H, Lq, D).
 
-    A query head h whose kv head h // G is softmax: exp(s q.k - max) over the keys it may see (causal bottom-right,
-    key padding), normalised; 0 for a row that sees none. The other heads: the kind's own reference
+    A query head h whose kv head h // G is softmax: exp(x - max) over the keys it may see (causal bottom-right,
+    key padding), normalised, x = s q.k soft-capped to c tanh(x / c) with the layer's ``softcap`` c; 0 for a row
+    that sees none. The other heads: the kind's own reference
     (``KindSpec.reference``) on ``module.kernel`` with those heads' q, k, v gathered head by head.
     """
     s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
@@ -357,6 +399,8 @@ def hybrid_reference(module: HybridAttention, q: torch.Tensor, k: torch.Tensor, 
             outs.append(kernel_out[:, kernel_heads.index(h) * g + hq % g])
             continue
         x = (q[:, hq] @ k[:, h].transpose(-1, -2)) * s  # (B, Lq, Lk)
+        if module.softcap is not None:
+            x = module.softcap * torch.tanh(x / module.softcap)
         top = torch.where(keep, x, torch.full_like(x, -math.inf)).amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         w = torch.where(keep, torch.exp(torch.where(keep, x, top) - top), torch.zeros_like(x))

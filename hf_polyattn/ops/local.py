@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .backend import _is_auto, resolve_backend
-from .common import _with_normaliser, normalised_sum, read_state, to_work
+from .common import _with_normaliser, normalised_sum, read_state, soft_cap, to_work
 from .flex import flex_window
 from .sketches import symmetric_square
 from .window import OUTSIDE, Sinks, first_true, gather_keys, shifted_lt, sink_flags, window_scores, window_tiles
@@ -74,7 +74,9 @@ class LocalExactMixin:
         """(weights, log_far) of the exact local part from scores x = s q.k, ``allowed`` a bool mask
         broadcastable to x (None: all). softmax: exp(x - m) with m = the row max clamped at 0, detached
         (the ratio does not depend on m; a row with no visible key gets m = 0, exp(-m) = 1, no NaN), and
-        log_far = -m; polynomial: this config's polynomial, masked to 0, and log_far None."""
+        log_far = -m; polynomial: this config's polynomial, masked to 0, and log_far None. Scores are soft-capped
+        first when the layer has a cap (``softcap``): every exact part's scores pass here."""
+        x = soft_cap(x, self.softcap)  # the model's logit soft-capping, before the mask and the weights
         if kernel == "softmax":
             if allowed is not None:
                 x = x.masked_fill(~allowed, float("-inf"))
@@ -138,7 +140,7 @@ class LocalExactMixin:
                                  f"local_kernel={kernel!r} needs backend 'triton', 'batched' or 'loop' (or 'auto')")
             if sinks is not None and sinks.q is not None:
                 sinks = replace(sinks, q=_aligned(sinks.q, qs))
-            loc, log_far = flex_window(qs, ks, vext, mask, causal, scale, self.config.window, sinks)
+            loc, log_far = flex_window(qs, ks, vext, mask, causal, scale, self.config.window, sinks, self.softcap)
             return loc, far_scale(log_far, q_log_scale)
         triton = self._local_triton(qs, ks, vext, mask, causal, scale, self.config.resolved_local_kernel,
                                     q_log_scale, tf32, window=self.config.window, sinks=sinks)
@@ -146,7 +148,8 @@ class LocalExactMixin:
             return triton
         qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
         if (not torch.is_grad_enabled() and causal and q_log_scale is None and flash_window_available(qs)
-                and self.config.resolved_local_kernel == "softmax"):
+                and self.config.resolved_local_kernel == "softmax" and self.softcap is None):
+            # (the fused kernel takes no score_mod: a capped layer's window takes _window_exact below)
             # inference on the CPU: the fused kernel on the window's tiles (ops/window_flash.py)
             sink_q = None if sinks is None or sinks.q is None else to_work(_aligned(sinks.q, qs))[0]
             if sinks is not None:
@@ -262,6 +265,10 @@ class LocalExactMixin:
         cfg = self.config
         if resolve_backend(cfg.backend, device, dtype) != "triton" or (
                 kernel != "softmax" and cfg.poly_coefficients is not None):
+            return False
+        if self.softcap is not None:
+            # the Triton kernels form their scores on chip without a cap: a capped layer's exact part runs in
+            # PyTorch (exact_weights), the same weights, the kernel part stays on Triton
             return False
         # imported only on the Triton backend: importing triton took ~5 s, paid by a CPU model's first windowed call
         from .triton import LOCAL_MAX_HEAD_DIM

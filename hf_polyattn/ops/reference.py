@@ -8,6 +8,8 @@ with ``local_exact``, inside the sliding window and at the attention sinks with 
 slots (``learned_sinks`` m) are m extra keys and values in front of the sequence's, never masked:
 the weights are then (B, H, Lq, m + Lk). With ``sink_position='window'`` and a RoPE module (``module.rope``) the sink
 columns are scored by each query re-rotated to position min(p_i, w + s - 1), p_i its row's real keys before it.
+A layer's logit soft-cap c (``module.softcap``) turns every exact score x into c tanh(x / c) first; the kernel part
+phi(q).phi(k) forms no score and stays as it is.
 Slow and memory-hungry on purpose: no blocks, no prefix sums, no shared code paths with
 ``attention.py`` beyond the module's parameters.
 """
@@ -200,6 +202,8 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
     x_raw = (q_raw @ k_raw.transpose(-1, -2)) * s  # a sliding window scores with the model's own q, k
 
     def exact(xx: torch.Tensor, kernel: str) -> torch.Tensor:
+        if module.softcap is not None:  # the model's logit soft-capping, on every score an exact part forms
+            xx = module.softcap * torch.tanh(xx / module.softcap)
         if kernel == "softmax":
             return torch.exp(xx)
         if cfg.poly_coefficients is not None:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .base import join_masks
-from .common import to_work
+from .common import check_softcap, soft_cap, to_work
 from .state import RecurrentState
 
 __all__ = ["TILE", "SlidingWindowSoftmax", "sliding_window_softmax"]
@@ -62,8 +62,7 @@ def sliding_window_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         lo = max(0, offset + start - window + 1)
         hi = min(lk, offset + stop + reach)
         scores = torch.matmul(q5[..., start:stop, :], k5[..., lo:hi, :].transpose(-1, -2)) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        scores = soft_cap(scores, softcap)
         dist = (torch.arange(offset + start, offset + stop, device=q.device)[:, None]
                 - torch.arange(lo, hi, device=q.device)[None, :])
         allowed = (dist < window) & (dist > -window if not causal else dist >= 0)
@@ -89,9 +88,7 @@ class SlidingWindowSoftmax(nn.Module):
         super().__init__()
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1 (the keys each query sees, itself included), got {window!r}")
-        if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-        self.window, self.softcap, self.layer_idx = window, None if softcap is None else float(softcap), layer_idx
+        self.window, self.softcap, self.layer_idx = window, check_softcap(softcap), layer_idx
 
     def extra_repr(self) -> str:
         return f"window={self.window}, softcap={self.softcap}, exact softmax"

@@ -4,7 +4,8 @@ The model is frozen; only the per-layer ``polyattn`` parameters (the PolyAttenti
 ``hf_polyattn.convert`` attaches to every attention module) train. During transfer the model runs
 with a dedicated attention function, registered as ``"polyattn_distill"``, which in every layer
 
-1. computes the teacher: the checkpoint's softmax attention output (SDPA, no grad),
+1. computes the teacher: the checkpoint's softmax attention output (SDPA, no grad; with the model's logit
+   soft-capping, Gemma 2's ``softcap=``, explicit capped softmax, which SDPA cannot apply),
 2. computes the student: ``module.polyattn(q, k, v)`` on the *same* q, k, v,
 3. records MSE(student, teacher) (optionally + a cross-entropy between the attention weights),
 4. returns the **teacher** output, so the next layer sees exactly the softmax model's hidden states.
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..ops.common import soft_cap
 from ..ops.hybrid import HybridAttention
 
 __all__ = [
@@ -85,10 +87,36 @@ def _key_padding_from_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tens
     return None if bool(kpm.all()) else kpm
 
 
+def _capped_teacher(query, key, value, attention_mask, scaling, is_causal, softcap: float) -> torch.Tensor:
+    """Softmax attention with logit soft-capping c tanh(x / c) (Gemma 2's, as its eager attention applies it before
+    the mask), which SDPA has no hook for: scores formed explicitly in float32 (the recipes' contexts: the Lq x Lk
+    weights of eager attention). ``attention_mask``: SDPA's 4-D mask (bool, True = attend; or additive), or None for
+    plain causal / bidirectional attention. (B, Lq, H, D) in the query's dtype."""
+    groups = query.shape[1] // key.shape[1]
+    k, v = (x.float().repeat_interleave(groups, dim=1) for x in (key, value))
+    s = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
+    x = soft_cap(torch.matmul(query.float(), k.transpose(-1, -2)) * s, softcap)
+    lq, lk = x.shape[-2:]
+    if attention_mask is None:
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=x.device)
+        allowed = allowed.tril(lk - lq) if is_causal else allowed
+        x = x.masked_fill(~allowed, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        x = x.masked_fill(~attention_mask[..., -lk:], float("-inf"))
+    else:
+        x = x + attention_mask[..., -lk:].float()
+    w = torch.softmax(x, dim=-1).nan_to_num(0.0)  # a row without keys: 0, as SDPA's masked rows
+    return torch.matmul(w, v).transpose(1, 2).to(query.dtype)
+
+
 def _teacher(module, query, key, value, attention_mask, scaling, is_causal, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)
+    softcap = kwargs.pop("softcap", None)
+    if softcap is not None:  # SDPA would drop it (its **kwargs): the teacher would be another model
+        with torch.no_grad():
+            return _capped_teacher(query, key, value, attention_mask, scaling, is_causal, softcap)
     with torch.no_grad():
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
@@ -147,7 +175,7 @@ def _weights_cross_entropy(poly, query, key, value, attention_mask, kpm, scaling
     groups = query.shape[1] // key.shape[1]
     k_rep = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     with torch.no_grad():
-        logits = torch.matmul(query.float(), k_rep.float().transpose(-1, -2)) * s
+        logits = soft_cap(torch.matmul(query.float(), k_rep.float().transpose(-1, -2)) * s, poly.softcap)
         lq, lk = logits.shape[-2:]
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=logits.device)
         if is_causal:

@@ -157,6 +157,12 @@ DECODERS = [
     # sliding-window layers kept exact (softmax over their window), full-attention layers converted
     Row("gemma3_text", "Gemma 3 (five sliding layers per global one)", {**_GQA, **MIXED},
         rope=((HALF, 16, 1e4), (HALF, 16, 1e6)), layout=SLIDING_FULL),
+    Row("gemma2", "Gemma 2, with `softcap_mode='exact_parts'` (attn_logit_softcapping=50 on every layer)",
+        {**_GQA, **MIXED}, polyattn={"softcap_mode": "exact_parts"}, rope=_rope(HALF), layout=SLIDING_FULL,
+        name="gemma2-exact-parts",
+        reason="the cap c tanh(s / c) is applied to every score a layer forms: the sliding layer's window, the "
+               "converted layer's window, sinks and softmax heads; its kernel part beyond the window forms none and "
+               "approximates the capped softmax (attention transfer trains it against the capped model)"),
     Row("ministral", "Ministral 8B", {**_GQA, **MIXED}, rope=_rope(HALF), layout=SLIDING_FULL),
     Row("olmo3", "OLMo 3 (q/k norm before RoPE)", {**_GQA, **MIXED}, rope=_rope(HALF), layout=SLIDING_FULL),
     Row("exaone4", "EXAONE 4 (global layers without RoPE)", {**_GQA, **MIXED}, rope=((HALF, 16), None),
@@ -198,14 +204,14 @@ DECODERS = [
                "with `sliding_layers='kind'` (the next row)",
         converts_with={"sliding_layers": "kind"}),
     Row("gemma2", "Gemma 2 (attention soft-capping, attn_logit_softcapping=50, on every layer)", {**_GQA, **MIXED},
-        refusal=r"passes softcap=self\.attn_logit_softcapping to its attention function.*a layer the kind converts "
-                r"has no score to cap",
+        refusal=r"passes softcap=self\.attn_logit_softcapping \(50\.0\).*cannot apply it.*kernel part "
+                r"phi\(q\)\.phi\(k\).*Pass softcap_mode='exact_parts'",
         reason="soft-capping tanh(s / 50) * 50 of every attention score, in every layer: the exact sliding layers "
-               "apply it, the global layers the recipe converts cannot (a linear kernel forms no score to cap), so "
-               "convert refuses; `sliding_layers='kind'` and `softmax_heads` on every kv head of the global layer "
-               "are refused alike: no setting converts a Gemma 2 checkpoint (a config with "
-               "`attn_logit_softcapping=None`, another model, converts)",
-        refused_also=({"sliding_layers": "kind"}, {"softmax_heads": ((1, 0), (1, 1))})),
+               "apply it, and so do a converted layer's window, sinks and softmax heads, but the recipe's kernel part "
+               "beyond the window forms no score to cap, so by default (`softcap_mode='refuse'`) convert refuses; "
+               "`sliding_layers='kind'` alike. Converts with `softcap_mode='exact_parts'` (its own row), or with "
+               "every kv head of the global layers softmax",
+        refused_also=({"sliding_layers": "kind"},), converts_with={"softcap_mode": "exact_parts"}),
     Row("bloom", "BLOOM", {}, refusal=NOT_ROUTED, reason="computes softmax (with ALiBi) itself"),
     Row("falcon", "Falcon", {}, refusal=NOT_ROUTED, reason="computes softmax itself"),
     Row("mpt", "MPT", dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2), refusal=NOT_ROUTED,
@@ -298,6 +304,8 @@ def _note(row: Row) -> str:
     if row.since is not None:
         notes.append(f"transformers >= {row.since[0]}.{row.since[1]}; refused before: it computed its attention "
                      "itself")
+    if row.reason:  # what the row's option does
+        notes.append(row.reason)
     return "; ".join(notes)
 
 

@@ -97,11 +97,18 @@ def _gemma2(**kw):
 
 
 def test_logit_softcapping_refused_and_a_none_argument_is_not():
-    # full-attention layers only: each would be converted, and none can cap its scores (sliding layers kept exact
-    # can: tests/integration/test_sliding_models.py)
-    with pytest.raises(ValueError, match=r"passes softcap=self\.attn_logit_softcapping.*a layer the kind converts "
-                                         r"has no score to cap"):
+    # full-attention layers only: each is converted, and caps its scores only in its exact parts (sliding layers kept
+    # exact cap theirs: tests/integration/test_sliding_models.py)
+    with pytest.raises(ValueError, match=r"passes softcap=self\.attn_logit_softcapping \(50\.0\).*layer 0 cannot "
+                                         r"apply it: kind='linear' has no exact part.*not even with "
+                                         r"softcap_mode='exact_parts'"):
         hf_polyattn.convert(_gemma2(attn_logit_softcapping=50.0), "linear")
+    with pytest.raises(ValueError, match=r"layer 0 cannot apply it: kind='linear': the kernel part.*forms no attention "
+                                         r"score.*Pass softcap_mode='exact_parts'"):
+        hf_polyattn.convert(_gemma2(attn_logit_softcapping=50.0), PolyAttnConfig(kind="linear", window=4))
+    capped = hf_polyattn.convert(_gemma2(attn_logit_softcapping=50.0),
+                                 PolyAttnConfig(kind="linear", window=4, softcap_mode="exact_parts"))
+    assert [layer.self_attn.polyattn.softcap for layer in capped.model.layers] == [50.0, 50.0]
     # The call-site check on its own: softcap=self.attn_logit_softcapping is evaluated on the module.
     attn = _gemma2(attn_logit_softcapping=50.0).model.layers[0].self_attn
     with pytest.raises(ValueError, match=r"Gemma2 \(Gemma2Attention\.forward\) passes "
@@ -142,9 +149,9 @@ def test_every_supported_model_passes_only_handled_arguments(monkeypatch):
     seen: dict[str, set] = {}
     real = compatibility.check_call_kwargs
 
-    def spy(module, kwargs):  # None-valued arguments (BERT's encoder_hidden_states=None) are harmless
+    def spy(module, kwargs, honoured=()):  # None-valued arguments (BERT's encoder_hidden_states=None) are harmless
         seen.setdefault(type(module).__name__, set()).update(k for k, v in kwargs.items() if v is not None)
-        real(module, kwargs)
+        real(module, kwargs, honoured)
 
     monkeypatch.setattr("hf_polyattn.integration.registry.check_call_kwargs", spy)
     for name, arch in ARCHS.items():

@@ -102,13 +102,13 @@ def test_sliding_layers_compute_the_models_own_attention(model_type):
     assert (other[real] - ref[real]).abs().max() > 1e-3
 
 
-def test_gemma2_softcap_applied_in_sliding_layers_and_refused_in_converted_ones():
+def test_gemma2_softcap_applied_in_sliding_layers_and_refused_in_converted_ones_by_default():
     from transformers.masking_utils import sliding_window_causal_mask_function
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     model = _decoder("gemma2", attn_logit_softcapping=3.0)  # small: most scores are capped
-    with pytest.raises(ValueError, match=r"softcap=self\.attn_logit_softcapping.*applied where hf_polyattn keeps a "
-                                         r"sliding-window layer exact"):
+    with pytest.raises(ValueError, match=r"softcap=self\.attn_logit_softcapping \(3\.0\).*layer 1 cannot apply it.*"
+                                         r"kernel part phi\(q\)\.phi\(k\).*Pass softcap_mode='exact_parts'"):
         hf_polyattn.convert(model, RECIPE)
     assert model.config._attn_implementation == "eager"  # refused before anything changed
     # the attention function of a layer kept exact, against Gemma 2's own eager attention with its sliding mask
@@ -136,6 +136,55 @@ def test_gemma2_softcap_applied_in_sliding_layers_and_refused_in_converted_ones(
     assert (uncapped[0] - ref[0]).abs().max() > 1e-2  # the cap matters at these scores
     with pytest.raises(ValueError, match="softcap=None"):  # not what the layer was kept with
         ATTENTION_FUNCTIONS["linear"](attn, q, k, v, pad, scaling=attn.scaling, sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("settings", [
+    # every kv head of the converted layers softmax: every score formed and capped (no option needed)
+    dict(kind="linear", softmax_heads=((1, 0), (1, 1), (3, 0), (3, 1))),
+    # the recipe with a window past the 12 tokens: every weight in the capped window and sinks, the kernel part empty
+    dict(kind="linear", window=16, sinks=2, decay="gate", softcap_mode="exact_parts"),
+    dict(kind="polynomial", degree=2),  # not Gemma 2's attention: only its cap is compared (below)
+], ids=["softmax-heads", "window-past-the-prompt", "polynomial"])
+def test_gemma2_converted_layers_apply_its_softcap(settings):
+    """Gemma 2 converted with settings under which its global layers' exact parts cover every key: the model's own
+    logits (its eager attention, soft-capped at 3.0), left-padded too, cache = no cache; the cap each layer applies
+    is the model's (an uncapped Gemma 2 gives other logits, and a call with another cap is refused)."""
+    model = _decoder("gemma2", attn_logit_softcapping=3.0)
+    with torch.no_grad():  # scores of several units (the tiny model's are below 1): the cap decides
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+    ids, mask = prompt_ids(2, 12, seed=3), torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    converted = hf_polyattn.convert(copy.deepcopy(model), PolyAttnConfig(**settings))
+    layout = layer_layout(converted)
+    assert [(e["role"], e["softcap"]) for e in layout] == [("sliding", 3.0), (layout[1]["role"], 3.0)] * 2
+    with torch.no_grad():
+        out = converted(ids, attention_mask=mask).logits
+    real = mask.bool()
+    if settings["kind"] == "linear":
+        torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+        uncapped = copy.deepcopy(model)
+        for layer in uncapped.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        with torch.no_grad():
+            assert (uncapped(ids, attention_mask=mask).logits[real] - ref[real]).abs().max() > 1e-3
+    check_greedy_steps(converted, prompt_ids(1, 12, seed=1), steps=8)
+    attn = converted.model.layers[1].self_attn
+    q = torch.randn(1, 4, 5, 16)
+    k = v = torch.randn(1, 2, 5, 16)
+    from hf_polyattn.integration.registry import ATTENTION_FUNCTIONS
+
+    with pytest.raises(ValueError, match=r"converted with softcap=3\.0.*called with softcap=None"):
+        ATTENTION_FUNCTIONS[settings["kind"]](attn, q, k, v, None, scaling=attn.scaling)
+
+
+def test_gemma2_layer_without_an_exact_part_is_refused_even_with_the_option():
+    model = _decoder("gemma2", attn_logit_softcapping=3.0)
+    with pytest.raises(ValueError, match=r"layer 1 cannot apply it: kind='linear' has no exact part in layer 1.*"
+                                         r"not even with softcap_mode='exact_parts'"):
+        hf_polyattn.convert(model, PolyAttnConfig(kind="linear", softcap_mode="exact_parts"))
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "olmo3", "qwen2"])
@@ -180,12 +229,15 @@ def test_chunked_forward_with_a_model_made_cache():
     torch.testing.assert_close(second.logits, full[:, 9:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["gemma3", "mistral"])
+@pytest.mark.parametrize("case", ["gemma3", "mistral", "gemma2"])
 def test_save_reload_keeps_the_layout_and_the_logits(case, tmp_path):
     from transformers import AutoModelForCausalLM
 
     if case == "mistral":
         model = hf_polyattn.convert(_decoder("mistral", layers=2), RECIPE.replace(sliding_layers="kind"))
+    elif case == "gemma2":  # the cap is read from the model again at the reload, the option from config.json
+        model = hf_polyattn.convert(_decoder("gemma2", attn_logit_softcapping=3.0),
+                                    RECIPE.replace(softcap_mode="exact_parts"))
     else:
         model = hf_polyattn.convert(_decoder("gemma3_text"), RECIPE)
     with torch.no_grad():
@@ -203,6 +255,11 @@ def test_save_reload_keeps_the_layout_and_the_logits(case, tmp_path):
     if case == "mistral":
         assert all(e["role"] == "kind" and e["window"] == WINDOW for e in layer_layout(loaded))
         assert "was a sliding-window layer, window 4" in card
+    elif case == "gemma2":
+        assert [e.get("softcap") for e in layer_layout(loaded)] == [3.0] * 4
+        assert "linear, soft-capped at 3.0 in its exact parts: layers [1, 3]" in card
+        assert "sliding (window 4, exact softmax, soft-capped at 3.0): layers [0, 2]" in card
+        assert "softcap_mode" in card and "exact_parts" in card
     else:
         assert "sliding (window 4, exact softmax): layers [0, 2]" in card
 
@@ -270,6 +327,31 @@ def test_attention_transfer_skips_the_sliding_layers():
         loss = transfer_loss(model.model, batch, coll)
         loss.backward()
     assert coll.exact_layers == 2 and len(coll.mse) == 2  # two sliding layers, two converted ones
+
+
+def test_attention_transfer_teacher_is_the_capped_model():
+    """Under attention transfer every layer returns its teacher: for Gemma 2 that is its soft-capped softmax (SDPA
+    would drop the cap), so the model gives the eager Gemma 2's logits, left-padded too; the converted layers' students
+    train against it."""
+    from hf_polyattn.training.transfer import distillation, transfer_loss
+
+    model = _decoder("gemma2", attn_logit_softcapping=3.0)
+    with torch.no_grad():  # scores of several units: the cap decides (test_gemma2_converted_layers_apply_its_softcap)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+    ids, mask = prompt_ids(2, 12, seed=3), torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    hf_polyattn.convert(model, RECIPE.replace(softcap_mode="exact_parts"))
+    with distillation(model) as coll, torch.no_grad():
+        out = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    with distillation(model) as coll:
+        loss = transfer_loss(model.model, {"input_ids": ids, "attention_mask": mask}, coll)
+        loss.backward()
+    assert coll.exact_layers == 2 and len(coll.mse) == 2 and torch.isfinite(loss)
 
 
 def test_score_heads_candidates_are_the_converted_layers():

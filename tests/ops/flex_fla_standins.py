@@ -22,7 +22,7 @@ def dense_flex(query, key, value, score_mod=None, block_mask=None, scale=None, e
                kernel_options=None, *, return_aux=None, calls=None):
     from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
-    assert score_mod is None and block_mask is not None and return_aux is not None and return_aux.lse
+    assert block_mask is not None and return_aux is not None and return_aux.lse
     b, hq, n, d = query.shape
     groups = hq // key.shape[1]
     assert groups == 1 or enable_gqa, "FlexAttention needs enable_gqa for grouped keys"
@@ -36,6 +36,10 @@ def dense_flex(query, key, value, score_mod=None, block_mask=None, scale=None, e
     listed = blocks[:, :, rows][..., cols]
     allowed = listed & create_mask(block_mask.mask_mod, b, 1, n, n, device=query.device)
     x = torch.matmul(q, k.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)
+    if score_mod is not None:  # FlexAttention's contract: the scaled score and its (batch, head, query, key) indices
+        idx = torch.arange(n)
+        x = score_mod(x, torch.arange(b)[:, None, None, None], torch.arange(hq)[None, :, None, None],
+                      idx[None, None, :, None], idx[None, None, None, :])
     x = x.masked_fill(~allowed, float("-inf"))
     any_key = allowed.any(-1, keepdim=True)
     top = torch.where(any_key, x.amax(-1, keepdim=True), 0.0).detach()

@@ -433,3 +433,28 @@ def test_real_flex_window_is_sparse_on_cuda():
     num, idx = flex_mod.window_blocks(32768, 128, True, flex_mod.FLEX_BLOCK, torch.device("cuda"))
     assert int(num.max()) == 2 and idx.shape[-1] == 256
     assert math.isclose(float(num.float().mean()), 2 - 1 / 256)
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["standin", "eager-flex"])
+@pytest.mark.parametrize("opts", [c[1] for c in CONFIGS[:4]], ids=[c[0] for c in CONFIGS[:4]])
+def test_soft_capped_window(opts, real, standins, monkeypatch):
+    """A soft-capped layer (Gemma 2's c tanh(s / c), c = 1 on scores of a few units) on 'fla': the window's scores
+    capped by FlexAttention's score_mod, the sinks' and slots' beside it, against the capped O(n^2) definition;
+    outputs and gradients through the stand-in, the forward through PyTorch's own FlexAttention."""
+    if real:
+        monkeypatch.setattr(flex_mod, "_flex_function", lambda device: _eager_flex())
+    mod, _ = _pair({**opts, "softcap_mode": "exact_parts"})
+    mod.softcap = 1.0
+    q, k, v = (3 * x.detach() for x in _qkv(2, 4, 2, 29, seed=7))
+    q, k, v = (x.requires_grad_(not real) for x in (q, k, v))
+    mask = _padding_mask(2, 29, "left")
+    with torch.set_grad_enabled(not real):
+        out = mod(q, k, v, causal=True, key_padding_mask=mask)
+    ref, ref_mod, ref_inputs = _reference(mod, q, k, v, True, mask)
+    assert (ref - out.double()).abs().max() > 0.05, "the uncapped reference already matches: the cap is not tested"
+    ref_mod.softcap = 1.0
+    ref = reference_attention(ref_mod, *ref_inputs, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out.detach().double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    if not real:
+        _assert_grads(mod, out, ref_mod, ref, (q, k, v), ref_inputs)
+    assert standins["flex"] or real, "the window did not run on FlexAttention"
