@@ -42,7 +42,8 @@ CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def _wrap(text: str) -> str:
-    return textwrap.fill(text, 100)
+    # never break within a hyphenated word ("soft-capping" must read as one, in help and in searches of it)
+    return textwrap.fill(text, 100, break_on_hyphens=False)
 
 
 class UsageError(Exception):
@@ -304,7 +305,8 @@ def cmd_kinds(args, argv) -> int:
     def show(opts: list[dict]) -> None:
         for o in opts:
             print(f"  {o['name']}: {o['type']} = {o['default']!r}")
-            print(textwrap.fill(o["help"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+            print(textwrap.fill(o["help"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                break_on_hyphens=False))
 
     for name, k in kinds.items():
         serves = " and ".join(d for d in ("causal", "bidirectional") if k[d])
