@@ -39,9 +39,14 @@ def state_bytes(row: str, argv: list[str], runs: Path) -> dict[str, int] | None:
 
     if row == "baselines":
         return None  # two models in one record: their memory is the softmax / StreamingLLM rows of the table
-    folder = runs / row / "model" if "-m" in argv and "hf_polyattn.retrofit" in argv else Path(argv[3])
-    if not folder.is_absolute():
-        folder = ROOT / folder
+    if "hf_polyattn.retrofit" in argv:
+        folder = runs / row / "model"
+    else:  # an evaluation of another row's model: runs/retrieval/<row>/model, read from --runs
+        folder = Path(argv[3])
+        if folder.parts[:2] == ("runs", "retrieval"):
+            folder = runs.joinpath(*folder.parts[2:])
+        elif not folder.is_absolute():
+            folder = ROOT / folder
     model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(str(folder)))
     settings = _settings(argv) if "hf_polyattn.cli" in argv else {}
     if settings:

@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "recipes" / "results"
 STUDY = RESULTS / "retrieval"
 HYBRID = RESULTS / "long_context" / "lin_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k.json"
+# the long-context study's softmax and StreamingLLM records (the same held-out tokens and contexts): the references
+# when this study's own 'baselines' row has not run
+SOFTMAX = RESULTS / "long_context" / "softmax.json"
+STREAMING = RESULTS / "long_context" / "streaming_cachepos.json"
 
 
 def _model_row(record: dict) -> dict:
@@ -43,8 +47,17 @@ def write_table(collected: dict[str, dict], out: Path, plot: Path) -> list[Path]
     contexts, lengths, templates = s["contexts"], s["passkey_lengths"], s.get("passkey_templates", ["classic"])
     base = collected.get("baselines")
     soft = next((r for r in base["rows"] if r.get("baseline") == "softmax"), None) if base else None
+    references = [("the hybrid recipe (22 of 90 kv heads softmax, the rest elu + window + sinks + gate, transfer and "
+                   "LoRA)", HYBRID)]
+    if base is None:
+        references = [("softmax (the checkpoint)", SOFTMAX), ("StreamingLLM (4 sinks + 128 window, no training)",
+                                                               STREAMING), *references]
+        same = [json.loads(f.read_text()) for f in (SOFTMAX,) if f.is_file()]
+        if same and same[0].get("tokens") == first["tokens"] and \
+                [p["context"] for p in same[0]["perplexity"]] == list(contexts):
+            soft = same[0]  # the ratios: softmax on the same tokens at the same contexts
     head = ["row", *[f"ppl {c:,}" for c in contexts],
-            *[f"passkey {t} {' / '.join(f'{n // 1024}k' for n in lengths)} (of {s['passkey_depths']})"
+            *[f"passkey {t} {' / '.join(f'{round(n / 1024)}k' for n in lengths)} (of {s['passkey_depths']})"
               for t in templates], "decode state at 8k (all layers)", "training CPU s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     entries = []
@@ -62,20 +75,23 @@ def write_table(collected: dict[str, dict], out: Path, plot: Path) -> list[Path]
         cells = [name, *_cells(row, contexts, lengths, templates, soft), mem_text,
                  str((rec or {}).get("train_cpu_s", "–"))]
         lines.append("| " + " | ".join(cells) + " |")
-    hybrid = json.loads(HYBRID.read_text()) if HYBRID.is_file() else None
     note = ""
-    if hybrid:
-        hrow = hybrid  # the study's records hold the row's curve and passkey grid at the top level
-        ppl = " / ".join(f"{p['perplexity']:.2f}" for p in hrow["perplexity"])
-        pk = hrow.get("passkey")
+    for label, path in references:
+        if not path.is_file():
+            continue
+        ref = json.loads(path.read_text())  # the study's records hold the row's curve and passkey grid at the top
+        ppl = " / ".join(f"{p['perplexity']:.2f}" for p in ref["perplexity"])
+        pk = ref.get("passkey")
         hits = " / ".join(str(sum(h)) for h in pk["hits"]) if pk else "–"
-        note = (f"\nThe hybrid recipe (22 of 90 kv heads softmax, the rest elu + window + sinks + gate, transfer and "
-                f"LoRA; the long-context study, {HYBRID.name}): perplexity {ppl} at "
-                f"{' / '.join(str(p['context']) for p in hrow['perplexity'])} tokens, classic passkey {hits} of 10 at "
-                f"{' / '.join(str(n) for n in pk['lengths']) if pk else '–'} tokens (not run at 8k or on 'vault').\n")
+        note += (f"\n{label[0].upper()}{label[1:]}, from the long-context study's record {path.name} (the same "
+                 f"held-out tokens): perplexity {ppl} at {' / '.join(str(p['context']) for p in ref['perplexity'])} "
+                 f"tokens, classic passkey {hits} of 10 at "
+                 f"{' / '.join(str(n) for n in pk['lengths']) if pk else '–'} tokens (not run at 8k or on 'vault').\n")
     text = ("\n".join(lines) + "\n" + note + f"\nPerplexity over the first {first['tokens']:,} held-out tokens of "
             "the bundled Tiny Shakespeare (ratios to softmax); passkey hits of 10 needle depths per length, greedy "
-            "decoding through the model's own cache; decode state = hf_polyattn.decode_memory of the row's model after "
+            f"decoding through the model's own cache (the longest prompt, {lengths[-1]:,} tokens, is what SmolLM2's "
+            "8,192 positions leave beside the longest answer); decode state = hf_polyattn.decode_memory of the row's "
+            "model after "
             f"8,192 tokens (one sequence, float32). Machine: {first.get('machine', '?')}. Commands: each row's JSON.\n")
     paths = [out]
     out.write_text("## Retrieval with a constant-size state (issue 32)\n\n" + text)
