@@ -3,7 +3,8 @@
 
     .venv/bin/python recipes/experiments/long_context/heldout_licenses.py ROW [ROW...]
 
-Each ROW names a run of ``run_rows.py`` that kept its folder (``runs/long_context/<row>/model``); the softmax
+Each ROW names a run of ``run_rows.py`` that kept its folder (``runs/long_context/<row>/model``; with ``--runs
+runs/retrieval`` a row of the retrieval study, and ``ROW+sparseN`` that row's model with N sparse keys); the softmax
 checkpoint and StreamingLLM (4 sinks + a 128 window) are evaluated beside them on the same tokens. Perplexity only
 (the passkey prompt does not depend on the data), at the study's contexts, over the first 12,288 tokens. Writes
 ``recipes/results/long_context/heldout/licenses.json`` and ``.md`` (the rows of every call so far, by name).
@@ -35,7 +36,7 @@ def licenses_text() -> str:
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hf_polyattn  # noqa: F401  (registers the kinds the folders were saved with)
+    import hf_polyattn  # registers the kinds the folders were saved with
     from hf_polyattn import machine
     from hf_polyattn.checkpoints import resolve_checkpoint
     from hf_polyattn.eval.long_context import LongContextSettings, evaluate_model
@@ -68,11 +69,17 @@ def main(argv: list[str] | None = None) -> int:
                   "tokens": settings.max_tokens, "rows": rows, "machine": machine.summary(),
                   "data": {"files": [str(LICENSES / f) for f in FILES], "tokens_in_text": int(ids.numel())}}
     for row in a.rows:
-        folder = Path(a.runs) / row / "model"
+        trained, _, sparse = row.partition("+sparse")  # the retrieval study's 'ROW+sparseN': ROW with N sparse keys
+        if sparse and not sparse.isdigit():
+            print(f"row {row!r}: after '+sparse' comes the cache's keys per kv head, e.g. hh+sparse64", file=sys.stderr)
+            return 2
+        folder = Path(a.runs) / trained / "model"
         if not folder.is_dir():
-            print(f"no folder {folder}: run run_rows.py {row} (with save_model) first", file=sys.stderr)
+            print(f"no folder {folder}: run the row {trained} (with its model saved) first", file=sys.stderr)
             return 2
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if sparse:
+            hf_polyattn.reconfigure(model, sparse_cache=int(sparse))
         r = evaluate_model(row, model, tok, ids, settings)
         result["rows"] = [x for x in result["rows"] if x["label"] != row] + [r | {"row": row}]
     record.write_text(json.dumps(result, indent=1) + "\n")
