@@ -138,6 +138,20 @@ def test_gemma2_softcap_applied_in_sliding_layers_and_refused_in_converted_ones_
         ATTENTION_FUNCTIONS["linear"](attn, q, k, v, pad, scaling=attn.scaling, sliding_window=WINDOW)
 
 
+def _capped_gemma2():
+    """A tiny Gemma 2 soft-capped at 3.0 with queries scaled 20x, so that its scores reach several units (the tiny
+    model's are below 1) and the cap decides the output; a left-padded batch of 2 x 12 tokens and the eager logits."""
+    model = _decoder("gemma2", attn_logit_softcapping=3.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+    ids, mask = prompt_ids(2, 12, seed=3), torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    return model, ids, mask, ref
+
+
 @pytest.mark.parametrize("settings", [
     # every kv head of the converted layers softmax: every score formed and capped (no option needed)
     dict(kind="linear", softmax_heads=((1, 0), (1, 1), (3, 0), (3, 1))),
@@ -149,14 +163,7 @@ def test_gemma2_converted_layers_apply_its_softcap(settings):
     """Gemma 2 converted with settings under which its global layers' exact parts cover every key: the model's own
     logits (its eager attention, soft-capped at 3.0), left-padded too, cache = no cache; the cap each layer applies
     is the model's (an uncapped Gemma 2 gives other logits, and a call with another cap is refused)."""
-    model = _decoder("gemma2", attn_logit_softcapping=3.0)
-    with torch.no_grad():  # scores of several units (the tiny model's are below 1): the cap decides
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20.0)
-    ids, mask = prompt_ids(2, 12, seed=3), torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
+    model, ids, mask, ref = _capped_gemma2()
     converted = hf_polyattn.convert(copy.deepcopy(model), PolyAttnConfig(**settings))
     layout = layer_layout(converted)
     assert [(e["role"], e["softcap"]) for e in layout] == [("sliding", 3.0), (layout[1]["role"], 3.0)] * 2
@@ -335,14 +342,7 @@ def test_attention_transfer_teacher_is_the_capped_model():
     train against it."""
     from hf_polyattn.training.transfer import distillation, transfer_loss
 
-    model = _decoder("gemma2", attn_logit_softcapping=3.0)
-    with torch.no_grad():  # scores of several units: the cap decides (test_gemma2_converted_layers_apply_its_softcap)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20.0)
-    ids, mask = prompt_ids(2, 12, seed=3), torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
+    model, ids, mask, ref = _capped_gemma2()
     hf_polyattn.convert(model, RECIPE.replace(softcap_mode="exact_parts"))
     with distillation(model) as coll, torch.no_grad():
         out = model(ids, attention_mask=mask).logits
