@@ -117,7 +117,7 @@ class LongContextSettings:
         if long:
             raise ValueError(f"contexts {long} are longer than the model's {limit} positions: drop them")
         if self.passkey_lengths:
-            answer = max(TEMPLATES[t].digits[1] + 3 for t in self.passkey_templates)
+            answer = max(_answer_tokens(t) for t in self.passkey_templates)
             if max(self.passkey_lengths) + answer > limit:
                 raise ValueError(f"passkey_lengths: {max(self.passkey_lengths)} (+{answer} answer tokens of the "
                                  f"templates {list(self.passkey_templates)}) is longer than the model's {limit} "
@@ -152,6 +152,11 @@ def perplexity_curve(model, ids: torch.Tensor, contexts: Sequence[int], *, token
     return out
 
 
+def _answer_tokens(template: str) -> int:
+    """Tokens generated for a passkey answer: the template's longest key + 3 (8 for the classic 5-digit keys)."""
+    return TEMPLATES[template].digits[1] + 3
+
+
 def _max_positions(model) -> int | None:
     """The positions of a model or of its config (None when it names none: no limit known)."""
     cfg = getattr(model, "config", model)
@@ -178,7 +183,7 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {list(TEMPLATES)}, got {template!r}")
     if max_new_tokens is None:
-        max_new_tokens = TEMPLATES[template].digits[1] + 3
+        max_new_tokens = _answer_tokens(template)
     limit = _max_positions(model)
     if limit and max(lengths) + max_new_tokens > limit:
         raise ValueError(f"passkey length {max(lengths)} (+{max_new_tokens} answer tokens) is longer than the "
