@@ -13,6 +13,7 @@
 #   bash recipes/gpu_checks.sh flex      # backend 'fla' (FlexAttention window + fla-core's gated state): its CUDA
 #                                        # tests, its rows beside SDPA's and fla-core's, the same rows on 'triton'
 #   bash recipes/gpu_checks.sh model     # the whole-model bench of a retrofit against its base (MODEL, BASE)
+#   bash recipes/gpu_checks.sh targets   # issue 33's GPU targets in one bounded run (CONFIGS: retrofits' configs)
 #
 # Every file a stage writes goes to $OUT (default recipes/results/gpu_run/), with the GPU's name and the torch /
 # triton / transformers versions in $OUT/machine.txt.
@@ -20,8 +21,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
-  tests|kernels|layers|bench|e2e|fla|flex|model) ;;
-  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model" >&2; exit 2 ;;
+  tests|kernels|layers|bench|e2e|fla|flex|model|targets) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets" >&2; exit 2 ;;
 esac
 OUT="${OUT:-recipes/results/gpu_run}"
 mkdir -p "$OUT"
@@ -84,4 +85,31 @@ case "${1:-}" in
     fi
     hf-polyattn bench --model "$MODEL" ${BASE:+--base "$BASE"} --device cuda --out "$OUT/bench_model" \
       2>&1 | tail -40 ;;
+
+  # issue 33's GPU targets, most important first, every step bounded by STEP_S seconds (default 240) so that one
+  # slow compile or autotune cannot take the others' time:
+  # 1. fwd+bwd at 32k, bf16, H = 16: SDPA, fla-core's chunk_linear_attn, linear-elu and the long-context
+  #    default (linear-elu-window128-gate) as 'auto' runs them (targets: the default >= 3x SDPA at 32k, linear-elu
+  #    at least as fast as fla-core's kernel);
+  # 2. whole models: each folder of CONFIGS (space-separated) holds a retrofit's config.json; the architecture is
+  #    rebuilt with random weights (recipes/model_from_config.py: speed does not depend on the values) and timed
+  #    against the same weights on SDPA + DynamicCache, prefill and decode at 4k / 32k (target: decode at 32k
+  #    faster than SDPA with DynamicCache);
+  # 3. the CUDA tests of the FlexAttention + fla-core composition (its numbers against the reference).
+  # The first run (2026-11-26, H200, results/SECTION_gpu_h200.md): each kernel cell took about 50 s (compiling
+  # FlexAttention, fla-core's autotuning), a retrofit's first prefill 65 s; hence 32k only and STEP_S >= 240.
+  targets)
+    STEP_S="${STEP_S:-240}"
+    python -c "import triton; print('triton', triton.__version__, '(fla-core runs gated backward on Hopper from 3.7.1)')"
+    timeout "$STEP_S" python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu-window128-gate \
+      fla-linear-elu linear-elu --lengths 32768 --repeats 5 --timeout 120 --out "$OUT/kernels" 2>&1 | tail -12
+    for cfg in ${CONFIGS:-}; do
+      name="$(basename "$cfg")"
+      python recipes/model_from_config.py "$cfg" "/tmp/random_$name" --dtype bf16 2>&1 | tail -1
+      timeout "$STEP_S" python -m hf_polyattn.cli bench --model "/tmp/random_$name" --device cuda \
+        --lengths 4096 32768 --batches 1 --decode-steps 16 --warmup 3 --repeats 2 --out "$OUT/model_$name" \
+        2>&1 | tail -16
+    done
+    timeout "$STEP_S" python -m pytest -q -p no:cacheprovider tests/ops/test_flex_fla.py tests/ops/test_fla_backend.py \
+      2>&1 | tee "$OUT/flex_tests.txt" | tail -8 ;;
 esac

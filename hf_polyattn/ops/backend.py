@@ -42,6 +42,7 @@ a whole layer, on CUDA with fla-core installed, where it covers the layer (``fle
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -51,7 +52,7 @@ from ..config import BACKENDS
 from .causal import check_decay, lt_multiply, lt_multiply_batched
 from .common import ACTIVATIONS, to_work
 
-__all__ = ["BACKENDS", "ENV_VAR", "FLA_VERSION", "fla_available", "lt_multiply_fla", "lt_product",
+__all__ = ["BACKENDS", "ENV_VAR", "FLA_VERSION", "fla_available", "fla_gated_refusal", "lt_multiply_fla", "lt_product",
            "product_backend", "resolve_backend", "triton_available"]
 
 ENV_VAR = "HF_POLYATTN_BACKEND"
@@ -86,6 +87,51 @@ def fla_available() -> bool:
     except Exception:  # a broken install counts as absent: 'fla' is then refused by name
         return False
     return True
+
+
+# fla-core 0.6.0's own guard (fla/ops/common/chunk_o.py): on Hopper GPUs, Triton from 3.4.0 up to 3.7.1 computes
+# the gated chunk backward (chunk_bwd_dqkwg) wrongly, so fla-core raises there unless tilelang serves it. Seen on an
+# H200 with torch 2.11's Triton 3.6.0: the long-context default's forward + backward failed in its backward pass.
+FLA_GATED_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def fla_gated_refusal(device: torch.device) -> str | None:
+    """Why fla-core cannot run a gated (decayed) layer's backward on ``device``, or None when it can: a Hopper GPU
+    (compute capability 9.x) with Triton in [3.4.0, 3.7.1) and no tilelang (``FLA_GATED_BAD_TRITON``)."""
+    if device.type != "cuda":
+        return None
+    return _fla_gated_refusal(device.index)
+
+
+@functools.lru_cache(maxsize=16)  # asked on every gated layer's forward under 'auto': find_spec scans sys.path
+def _fla_gated_refusal(index: int | None) -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        return None
+    try:
+        import triton
+    except ImportError:
+        return None
+    version = _version_tuple(triton.__version__)
+    low, high = FLA_GATED_BAD_TRITON
+    if not low <= version < high:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    return (f"fla-core's gated chunk backward is wrong on Hopper GPUs with Triton {triton.__version__} (>= 3.4.0 and "
+            "< 3.7.1; fla-core refuses it): install triton>=3.7.1 (pip install 'hf_polyattn[gpu]' pins 3.9.0) or "
+            "tilelang")
 
 
 def _triton_interpreted() -> bool:

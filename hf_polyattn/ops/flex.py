@@ -22,8 +22,9 @@ which PyTorch 2.13 allows on the CPU in forward only (tests).
 
 ``layer_backend``: 'auto' takes 'fla' on CUDA when fla-core imports, for the layers it covers: this class's kernel
 product path with identity features (linear, performer up to 256 features), no exact diagonal blocks, and a window,
-if any, with softmax weights; everything else keeps today's choice (``backend.resolve_backend``). Not measured on a
-GPU yet (recipes/gpu_checks.sh 'flex').
+if any, with softmax weights; everything else keeps today's choice (``backend.resolve_backend``), and so does a
+decayed layer where fla-core refuses its gated backward (``backend.fla_gated_refusal``: Hopper, Triton 3.4.0 - 3.7.0,
+no tilelang; seen on an H200 with Triton 3.6.0). First GPU figures: recipes/results/SECTION_gpu_h200.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import os
 import torch
 
 from ..config import BACKENDS
-from .backend import ENV_VAR, FLA_MAX_FEATURES, fla_available, resolve_backend
+from .backend import ENV_VAR, FLA_MAX_FEATURES, fla_available, fla_gated_refusal, resolve_backend
 from .common import soft_cap, to_work
 from .window import Sinks, slot_scores
 
@@ -64,8 +65,12 @@ def layer_backend(config, feature_map, device: torch.device, dtype: torch.dtype,
     env = os.environ.get(ENV_VAR, "").strip()
     if requested == "auto" and env in BACKENDS:  # an invalid value is refused by name in resolve_backend
         requested = env
+    gated = config.decay != "none"
     if requested == "fla":
         resolve_backend("fla", device, dtype)  # fla-core, CUDA, not float64: refused by name otherwise
+        why = fla_gated_refusal(device) if gated else None
+        if why:
+            raise ValueError(f"backend='fla' with decay={config.decay!r}: {why}; or use backend='triton'")
         return "fla"
     if requested != "auto" or device.type != "cuda" or dtype == torch.float64 or own_path:
         return requested
@@ -73,6 +78,9 @@ def layer_backend(config, feature_map, device: torch.device, dtype: torch.dtype,
                and config.causal_algorithm == "block"
                and (config.resolved_local_kernel == "softmax" if config.window
                     else config.resolved_local_kernel is None))
+    # a gated layer keeps today's path where fla-core would refuse its backward (a training step would stop there)
+    if gated and covered and fla_gated_refusal(device):
+        return requested
     return "fla" if covered and _auto_fla() else requested
 
 

@@ -44,9 +44,10 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     Causal rows are bottom-right aligned (query i at position Lk - Lq + i: a chunk after a past);
     ``key_padding_mask`` (B, Lk) bool, False = a padded key. A row that sees no key (a left-padded query) gives 0,
     as the kernel kinds' normaliser does: a NaN there would reach every later layer through 0 * NaN. Computed in
-    float32 (float64 stays float64), returned in q's dtype. SDPA's own causal path (``is_causal``, top-left aligned)
-    serves the case without padding or past; otherwise an explicit boolean mask, (B, 1, Lq, Lk) when causal (what
-    transformers' own SDPA path builds for a softmax model: the exact heads cost what softmax costs).
+    float32 (float64 stays float64), returned in q's dtype; bf16 / fp16 on CUDA run SDPA's fused kernels in their
+    own dtype, which accumulate in float32 inside (``_fused_half``). SDPA's own causal path (``is_causal``, top-left
+    aligned) serves the case without padding or past; otherwise an explicit boolean mask, (B, 1, Lq, Lk) when causal
+    (what transformers' own SDPA path builds for a softmax model: the exact heads cost what softmax costs).
 
     ``softcap`` c (Gemma 2's logit soft-capping): scores c tanh(s q.k / c), which SDPA cannot apply; computed as
     ``sliding.sliding_window_softmax`` with a window past every key (the same rows: causal bottom-right, key padding,
@@ -59,8 +60,18 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                              f"(self-attention), got {lq} and {lk}")
         return sliding_window_softmax(q, k, v, window=lk + 1, causal=causal, scale=scale, softcap=softcap,
                                       key_padding_mask=key_padding_mask)
-    qw, kw, vw = to_work(q, k, v)
-    gqa = q.shape[1] != k.shape[1]
+    if _fused_half(q):
+        # bf16 / fp16 on CUDA: SDPA's flash and memory-efficient kernels keep fp32 accumulators and softmax statistics
+        # and never form the Lq x Lk scores; with fp32 inputs and enable_gqa PyTorch 2.11 took its math path, which
+        # does (the demo's model, 22 softmax kv heads, 32k-token bf16 prefill on an H200: 86 GiB peak and 1.94 s
+        # against softmax SmolLM2's 1.13 GiB and 0.13 s, recipes/results/bench_model/cuda_h200). The kv heads are
+        # expanded to the query heads (Lk x d each, what transformers' own SDPA path does) so no kernel is ruled out.
+        groups = q.shape[1] // k.shape[1]
+        qw, kw, vw = q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        gqa = False
+    else:
+        qw, kw, vw = to_work(q, k, v)
+        gqa = q.shape[1] != k.shape[1]
     if key_padding_mask is None and (not causal or lq == lk or lq == 1):
         # one causal query after a past (a decoding step) sees every key: no mask to build
         if lq < lk and _explicit_small_query(qw):
@@ -89,6 +100,11 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
 # q @ k^T, softmax, @ v took 0.28 ms (0.46 ms); with 3 query heads SDPA was faster again (0.19 against 0.27 ms), at
 # 8 queries the two met (recipes/benchmark_decode.py's model has one query head per softmax kv head)
 _EXPLICIT_MAX_QUERIES = 8
+
+
+def _fused_half(q: torch.Tensor) -> bool:
+    """Whether the softmax heads run SDPA in q's own half precision (CUDA: ``softmax_attention``'s comment)."""
+    return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def _explicit_small_query(q: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ blocks at these lengths. CUDA-only tests (real kernels, compiled FlexAttention) 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -380,6 +381,48 @@ def test_refusals_name_the_problem(standins, monkeypatch):
     hide_fla(monkeypatch)
     with pytest.raises(ValueError, match=r"needs fla-core: pip install 'hf_polyattn\[fla\]'"):
         long(q, k, v, causal=True)
+
+
+def _hopper_with_triton(monkeypatch, version: str, tilelang: bool = False) -> None:
+    """Pretend device 0 is a Hopper GPU (capability 9.0) with Triton ``version`` (and tilelang or not)."""
+    import importlib.util
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if tilelang else None) if name == "tilelang" else real(name, *a))
+    backend_mod._fla_gated_refusal.cache_clear()
+    fresh = functools.lru_cache(backend_mod._fla_gated_refusal.__wrapped__)  # cached answers of the real machine
+    monkeypatch.setattr(backend_mod, "_fla_gated_refusal", fresh)
+
+
+@pytest.mark.parametrize("version,tilelang,refused", [
+    ("3.6.0", False, True), ("3.4.0", False, True), ("3.7.0+git1234", False, True),  # fla-core's bad range
+    ("3.7.1", False, False), ("3.9.0", False, False), ("3.3.1", False, False),  # outside it
+    ("3.6.0", True, False),  # tilelang serves the gated backward
+])
+def test_gated_layers_leave_fla_where_its_backward_is_refused(monkeypatch, version, tilelang, refused):
+    """fla-core 0.6.0 raises in the gated chunk backward on Hopper with Triton in [3.4.0, 3.7.1) (seen on an H200
+    with Triton 3.6.0): 'auto' keeps a gated layer on today's path there, an explicit backend='fla' is refused by
+    name before any kernel runs; a layer without decay still takes 'fla' (fla-core's guard is for gated kernels)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(flex_mod, "_auto_fla", lambda: True)
+    _hopper_with_triton(monkeypatch, version, tilelang)
+    gated = PolyAttention(PolyAttnConfig(**LONG), 4, D, 2)
+    plain = PolyAttention(PolyAttnConfig(**{**LONG, "decay": "none", "decay_horizon": 1024.0}), 4, D, 2)
+    assert gated._layer_backend(CUDA, torch.bfloat16) == ("auto" if refused else "fla")
+    assert plain._layer_backend(CUDA, torch.bfloat16) == "fla"
+    explicit = PolyAttention(PolyAttnConfig(backend="fla", **LONG), 4, D, 2)
+    monkeypatch.setattr(backend_mod, "fla_available", lambda: True)
+    monkeypatch.setattr(backend_mod, "_FLA_DEVICES", ("cuda",))
+    if refused:
+        with pytest.raises(ValueError, match=r"backend='fla' with decay='gate': .*Triton 3\.\d.*triton>=3\.7\.1"):
+            explicit._layer_backend(CUDA, torch.bfloat16)
+    else:
+        assert explicit._layer_backend(CUDA, torch.bfloat16) == "fla"
 
 
 def test_config_takes_decay_on_fla():

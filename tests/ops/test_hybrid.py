@@ -257,3 +257,36 @@ def test_state_is_checked():
         mod(q, k, v, causal=True, state=RecurrentState(None, None, None, None, 0))
     with pytest.raises(ValueError, match="causal attention only"):
         mod(q, k, v, causal=False, state=mod.init_state())
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padding"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_softmax_heads_reach_sdpa_in_their_dtype_with_expanded_kv(monkeypatch, dtype, padded):
+    """On CUDA a half-precision exact part goes to SDPA in its own dtype with the kv heads expanded (no fp32 upcast,
+    no enable_gqa: that pair sent a 32k bf16 prefill to SDPA's math path, 86 GiB on an H200). The route is taken
+    here on the CPU by patching the device test; SDPA's inputs are recorded, and the output is checked against the
+    float64 reference (causal bottom-right after a past, left padding with a row that sees no key) and is finite."""
+    from hf_polyattn.ops import hybrid
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def recorded(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(hybrid.F, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(hybrid, "_fused_half", lambda q: q.dtype in (torch.bfloat16, torch.float16))
+    lq, lk = 12, 20
+    q, k, v = _inputs(2, 6, 2, lq, lk, dtype=torch.float64)
+    mask = torch.ones(2, lk, dtype=torch.bool)
+    if padded:
+        mask[0, :9] = False  # the first sequence's first query (position 8) sees no key
+    kw = dict(causal=True, scale=0.25, key_padding_mask=mask if padded else None)
+    out = softmax_attention(q.to(dtype), k.to(dtype), v.to(dtype), **kw)
+    assert seen == [(dtype, dtype, 6, 6, False)]
+    ref = softmax_attention(q, k, v, **kw)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    if padded:
+        assert out[0, :, 0].abs().max() == 0
