@@ -29,18 +29,29 @@ Also printed (the roofline rows, in the table and the JSON): the achieved GFLOP/
 paths, plain, with exact local blocks and with a window (an analytic count of their matmul flops, forward +
 backward, divided by their time: ``causal_flops``) next to torch.mm's GFLOP/s on 2048^2 matrices measured in the
 same run.
+
+The files are written after every finished cell, each replaced atomically (a temporary file in the same folder,
+then ``os.replace``), so a run stopped from outside (``timeout``, a job's time limit, Ctrl-C, SIGTERM) keeps every
+cell it measured in a consistent .md and .json: while cells remain, the .md says "Partial: k of N cells done" and
+the JSON has ``"complete": false``, ``cells_done`` and ``cells_planned``; the last write says ``"complete": true``.
+The .png is drawn once, when the grid has finished (a partial run has none; a plot from an earlier run of the same
+name is removed with its table). A SIGTERM stops the run as Ctrl-C does: the running cell's worker is killed, the
+files keep the cells before it, and the process exits with status 143 (128 + SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -465,8 +476,11 @@ def run_cell(kind: str, n: int, args) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def run_grid(args, cell=run_cell, progress: bool = True) -> list[dict]:
-    """Every planned cell; after an OOM the larger n of that kind are recorded as not run."""
+def run_grid(args, cell=None, progress: bool = True, after_cell=None) -> list[dict]:
+    """Every planned cell (``cell(kind, n, args)``, default ``run_cell``); after an OOM the larger n of that kind are
+    recorded as not run. ``after_cell(rows, planned)``, when given, is called after every row with the rows so far
+    (ratios added) and the number of planned cells: the run writes its partial files there."""
+    cell = cell or run_cell
     jobs = plan(args)
     it = jobs
     if progress:
@@ -481,11 +495,14 @@ def run_grid(args, cell=run_cell, progress: bool = True) -> list[dict]:
         if kind in oom_at:
             rows.append({"kind": kind, "n": n, "oom": True, "skipped": True,
                          "error": f"not run: OOM at n={oom_at[kind]}"})
-            continue
-        row = cell(kind, n, args)
-        if row.get("oom"):
-            oom_at[kind] = n
-        rows.append(row)
+        else:
+            row = cell(kind, n, args)
+            if row.get("oom"):
+                oom_at[kind] = n
+            rows.append(row)
+        if after_cell is not None:
+            add_ratios(rows)
+            after_cell(rows, len(jobs))
     add_ratios(rows)
     return rows
 
@@ -557,24 +574,96 @@ def add_roofline(rows: list[dict], args, gflops_mm: float) -> None:
             r["mm_share"] = r["gflops"] / gflops_mm
 
 
-def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: float, command: str) -> Path:
-    """DEVICE-DTYPE.md (the table), .json (machine, rows) and .png (time and memory vs n) in ``args.out``."""
+def replace_atomically(path: Path, write) -> None:
+    """``path`` holds what ``write(temporary_path)`` wrote, or what it held before, never a part: the temporary file
+    sits in the same folder (same file system) and is ``os.replace``d onto ``path``; it is removed if ``write`` is
+    interrupted (a KeyboardInterrupt, SIGTERM's SystemExit: ``sigterm_exits``) or fails."""
+    # named by the process rather than by tempfile.mkstemp, whose file is private (0600) and would make the result
+    # files so: written by ``write``, it gets the permissions any new file gets here
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # noqa: BLE001 - re-raised: only the temporary file is cleaned up
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` at ``path``, replaced atomically (``replace_atomically``)."""
+    replace_atomically(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def save_figure(fig, path: Path) -> None:
+    """A matplotlib figure as a PNG at ``path``, replaced atomically (``replace_atomically``)."""
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+
+
+def completion(done: int, planned: int) -> tuple[dict, str | None]:
+    """The JSON fields that say how much of a run's grid its files hold (``complete``, ``cells_done``,
+    ``cells_planned``) and, while cells remain, the Markdown line that says so (None once complete)."""
+    fields = {"complete": done >= planned, "cells_done": done, "cells_planned": planned}
+    note = None if done >= planned else (
+        f"Partial: {done} of {planned} cells done; the run did not finish (stopped, or still running): the cells "
+        "below are all it measured, and the plot is drawn only when the run finishes.")
+    return fields, note
+
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """While the block runs, SIGTERM (what ``timeout`` and job schedulers send) raises SystemExit(143) in the main
+    thread instead of killing the process outright, so it unwinds as Ctrl-C does: ``subprocess.run`` kills the
+    running cell's worker (else it would run on, holding the GPU), an interrupted file write removes its temporary
+    file, and the process still exits non-zero (143 = 128 + SIGTERM, as a shell reports a killed process). The
+    previous handler is restored after; outside the main thread nothing changes (signals go to the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: float, command: str,
+                  planned: int | None = None) -> Path:
+    """DEVICE-DTYPE.md (the table), .json (machine, rows) and .png (time and memory vs n) in ``args.out``.
+
+    ``planned``: the cells the run plans (``len(plan(args))``, default: as many as ``rows``). With fewer rows the
+    write is a partial one, made after every cell: the .md and .json say so (``completion``), the table is not
+    printed, and no plot is drawn: matplotlib takes 1-2 s a figure on the 2-core CPU, as long as a short cell's
+    whole worker process, so it is drawn once at the end. Every file is replaced atomically (``write_atomic``).
+    """
+    planned = len(rows) if planned is None else planned
+    fields, note = completion(len(rows), planned)
     add_roofline(rows, args, gflops_mm)
     text = table(rows, args, where, gflops_mm)
-    print(text)
+    if note is None:
+        print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     tag = output_tag(args)
-    (args.out / f"{tag}.md").write_text(f"Run {stamp}: `{command}`\n\n{text}\n")
+    head = f"Run {stamp}: `{command}`\n\n" + (f"{note}\n\n" if note else "")
+    write_atomic(args.out / f"{tag}.md", f"{head}{text}\n")
     settings = {k: getattr(args, k) for k in ("device", "dtype", "heads", "head_dim", "repeats", "lengths", "kinds",
                                               "threads")}
     if args.bidirectional:
         settings["bidirectional"] = True
     rows_cfg = kind_rows(direction(args))
     settings["presets"] = {k: rows_cfg.get(k) for k in args.kinds if k in rows_cfg}  # PolyAttnConfig fields per row
-    (args.out / f"{tag}.json").write_text(json.dumps(
+    write_atomic(args.out / f"{tag}.json", json.dumps(
         {"machine": where, "machine_info": info, "date": stamp, "command": command, "settings": settings,
-         "batch": 1, "mm_gflops": gflops_mm, "rows": rows}, indent=1))
+         "batch": 1, "mm_gflops": gflops_mm, **fields, "rows": rows}, indent=1))
+    if note is not None:
+        # a plot of an earlier run of this name would sit beside this run's table as if it were its own
+        (args.out / f"{tag}.png").unlink(missing_ok=True)
+        return args.out / f"{tag}.md"
     try:
         import matplotlib
 
@@ -595,7 +684,7 @@ def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: 
         axes[0].legend(fontsize=7)
         fig.suptitle(where, fontsize=8)
         fig.tight_layout()
-        fig.savefig(args.out / f"{tag}.png", dpi=110)
+        save_figure(fig, args.out / f"{tag}.png")
         plt.close(fig)
     except ImportError:
         print("matplotlib not installed: no plot")
@@ -603,15 +692,35 @@ def write_outputs(rows: list[dict], args, *, where: str, info: dict, gflops_mm: 
     return args.out / f"{tag}.md"
 
 
+def kept(done: int, planned: int, path: Path) -> str:
+    """The line a stopped run prints: what its files hold."""
+    return f"stopped after {done} of {planned} cells: {path.with_suffix('')}.md and .json keep them"
+
+
 def run(args, *, command: str) -> int:
-    """The benchmark for parsed and resolved ``args``; ``command`` is recorded in the outputs."""
+    """The benchmark for parsed and resolved ``args``; ``command`` is recorded in the outputs, which are rewritten
+    after every cell (module docstring)."""
     if args.model:
         return bench_model.run(args, command=command)
     where_info = machine_info(args)
     where = machine(args, where_info)  # read the load average before the runs add to it
     gflops_mm = mm_gflops(args)
-    rows = run_grid(args)
-    write_outputs(rows, args, where=where, info=where_info, gflops_mm=gflops_mm, command=command)
+    planned, written = len(plan(args)), [0]
+    out = dict(where=where, info=where_info, gflops_mm=gflops_mm, command=command, planned=planned)
+
+    def save(rows, planned):
+        if len(rows) < planned:  # the last cell's write is the complete one below, with the plot
+            write_outputs(rows, args, **out)
+            written[0] = len(rows)
+
+    try:
+        with sigterm_exits():
+            rows = run_grid(args, after_cell=save)
+            write_outputs(rows, args, **out)
+    except BaseException:  # noqa: BLE001 - Ctrl-C, SIGTERM, a failure: say what was kept, then re-raise
+        if written[0]:
+            print(kept(written[0], planned, args.out / f"{output_tag(args)}.md"), file=sys.stderr)
+        raise
     return 0
 
 

@@ -29,6 +29,12 @@ included. Elsewhere it is not measured (said so in the output).
 
 Writes DEVICE-DTYPE.md (tables), .json (every number) and .png (the plot) under ``--out``. ``compare(model, base,
 ...)`` is the same measurement on models already loaded (``recipes/demo.py`` prints its row with it).
+
+The .md and .json are rewritten after every (batch, length) row, each replaced atomically (as the kernel benchmark
+does: ``bench.write_atomic``), so a run stopped from outside (``timeout``, a job's time limit, Ctrl-C, SIGTERM)
+keeps every row it measured: while rows remain the .md says "Partial: k of N cells done" and the JSON has
+``"complete": false``, ``cells_done``, ``cells_planned``; the last write says ``"complete": true``. The .png is
+drawn once, at the end (a partial run has none). A SIGTERM stops the run as Ctrl-C does and exits with status 143.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import inspect
 import json
 import os
 import statistics
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -272,7 +279,7 @@ def _warm_up(models: dict, vocab: int, tokens: int) -> None:
 
 
 def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: int = 16, warmup: int = 3,
-            repeats: int = 1, max_tokens: int | None = None, progress: bool = False) -> list[dict]:
+            repeats: int = 1, max_tokens: int | None = None, progress: bool = False, after_cell=None) -> list[dict]:
     """The whole-model benchmark on models already loaded: one row per (batch, length), batches outermost.
 
     ``model``: the retrofit (a polyattn kind), ``base``: its softmax checkpoint (sdpa), on one device, in eval mode.
@@ -280,7 +287,8 @@ def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: in
     cache bytes measured and by formula, decode ms of every step and the median) and the ratios (``add_ratios``).
     A row not measured has ``skipped`` (b x n over ``max_tokens``, a prompt and its decoded tokens past a learned
     position table, a larger n after an out-of-memory error) or ``error`` (the cell failed: its message). Torch's
-    thread count is the caller's.
+    thread count is the caller's. ``after_cell(rows, planned)``, when given, is called after every row with the rows
+    so far and the number of rows planned (``len(batches) x len(lengths)``).
     """
     check_pair(model, base)
     for name, values, low in (("lengths", lengths, 1), ("batches", batches, 1)):
@@ -297,36 +305,42 @@ def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: in
     limit = min(limits) if limits else None
     warm = min(WARMUP_TOKENS, min(lengths))
     _warm_up(models, vocab, warm if limit is None else min(warm, limit - WARMUP_STEPS))
-    rows = []
+    rows, planned = [], len(batches) * len(lengths)
+
+    def add(row: dict) -> None:
+        row["memory_method"] = meter.method
+        rows.append(row)
+        if after_cell is not None:
+            after_cell(rows, planned)
+
     for batch in batches:
         oom_at = None
         for length in sorted(lengths):
             if max_tokens is not None and batch * length > max_tokens:
-                rows.append({"batch": batch, "length": length,
-                             "skipped": f"{batch} x {length} = {batch * length} tokens > --max-tokens {max_tokens}"})
+                add({"batch": batch, "length": length,
+                     "skipped": f"{batch} x {length} = {batch * length} tokens > --max-tokens {max_tokens}"})
                 continue
             if limit is not None and length + warmup + decode_steps > limit:
-                rows.append({"batch": batch, "length": length, "skipped": f"{length} + {warmup + decode_steps} "
-                             f"decoded tokens > the model's {limit} positions"})
+                add({"batch": batch, "length": length, "skipped": f"{length} + {warmup + decode_steps} "
+                     f"decoded tokens > the model's {limit} positions"})
                 continue
             if oom_at is not None:
-                rows.append({"batch": batch, "length": length, "skipped": f"out of memory at length {oom_at}"})
+                add({"batch": batch, "length": length, "skipped": f"out of memory at length {oom_at}"})
                 continue
             if progress:
                 print(f"batch {batch}, length {length} ...", flush=True)
             try:
-                rows.append(_measure_cell(models, batch, length, repeats=repeats, decode_steps=decode_steps,
-                                          warmup=warmup, vocab=vocab, meter=meter))
+                row = _measure_cell(models, batch, length, repeats=repeats, decode_steps=decode_steps,
+                                    warmup=warmup, vocab=vocab, meter=meter)
             except Exception as err:  # noqa: BLE001 - a failed cell becomes a row, the grid goes on
                 first = (str(err).splitlines() or [type(err).__name__])[0][:200]
-                rows.append({"batch": batch, "length": length, "error": f"{type(err).__name__}: {first}"})
+                row = {"batch": batch, "length": length, "error": f"{type(err).__name__}: {first}"}
                 from .bench import is_oom  # bench imports this module: not at the top
 
                 if is_oom(err):
                     oom_at = length
             gc.collect()
-    for row in rows:
-        row["memory_method"] = meter.method
+            add(row)
     return rows
 
 
@@ -443,7 +457,9 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from .bench import save_figure  # bench imports this module: not at the top
+
+    save_figure(fig, path)
     plt.close(fig)
     return True
 
@@ -574,7 +590,8 @@ def describe_load() -> str:
 
 
 def run(args, *, command: str) -> int:
-    """The whole-model benchmark for ``resolve``d ``args``: load, measure, write the files."""
+    """The whole-model benchmark for ``resolve``d ``args``: load, measure, write the files (after every row: the
+    module docstring)."""
     import torch
 
     from . import bench
@@ -582,45 +599,69 @@ def run(args, *, command: str) -> int:
 
     torch.set_num_threads(args.threads)
     where = bench.machine(args)
+    info = bench.machine_info(args)
     model, base, base_label = load_pair(args)
     from .integration.state import get_polyattn_config
 
     cfg = get_polyattn_config(model)
     label = cfg.spec.table_label(cfg)  # names the softmax kv heads too
-    load_before, snap = describe_load(), cpu_snapshot()
-    rows = compare(model, base, args.lengths, batches=args.batches, decode_steps=args.decode_steps,
-                   warmup=args.warmup, repeats=args.repeats, max_tokens=args.max_tokens, progress=True)
-    others = others_between(snap, cpu_snapshot())
-    load_after, wall = describe_load(), others["wall_s"]
     mem_text, mem_data = memory_table(model, base)
-    busiest = [(n, s) for n, s in others["busiest"] if s >= 0.05 * wall]  # 5% of a core or more
-    others_text = (f"other processes used {others['cpu_s']:.0f} CPU s during the {wall:.0f} s run "
-                   f"({others['cores']:.2f} of {os.cpu_count()} cores on average, from {others['source']}); busiest "
-                   "visible here: " + (", ".join(f"{n} {s:.0f} s" for n, s in busiest) or "none above 5% of a core"))
-    header = [
-        f"Machine: {where}",
-        f"Load average before: {load_before}; after: {load_after}; {others_text}",
-        f"Retrofit: {args.model}: {label}. Base: {base_label}.",
-        f"{args.dtype}, {args.threads} threads; prefill best of {args.repeats} (repeats alternate the models); decode "
-        f"median of {args.decode_steps} steps after {args.warmup} untimed, steps alternating the models; warm-up: a "
-        f"{WARMUP_TOKENS}-token prefill and {WARMUP_STEPS} decode steps per model before the first cell; cells with "
-        f"batch x length > {args.max_tokens} skipped; peak memory: {rows[0]['memory_method'] if rows else '-'}.",
-    ]
-    text = "\n".join(header) + "\n\n" + markdown(rows) + "\n\n" + mem_text
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    (args.out / f"{tag}.md").write_text(f"Run {stamp}: `{command}`\n\n{text}\n")
     settings = {k: getattr(args, k) for k in ("device", "dtype", "threads", "lengths", "batches", "repeats",
                                               "decode_steps", "warmup", "max_tokens")}
     settings.update(model=str(args.model), base=str(args.base) if args.base else None, base_label=base_label,
                     polyattn=cfg.to_dict(), warmup_prefill_tokens=WARMUP_TOKENS, warmup_decode_steps=WARMUP_STEPS)
-    (args.out / f"{tag}.json").write_text(json.dumps(
-        {"date": stamp, "command": command, "machine": where, "machine_info": bench.machine_info(args),
-         "load_before": load_before, "load_after": load_after, "wall_s": wall, "other_processes": others,
-         "settings": settings, "rows": rows,
-         "decode_memory": mem_data}, indent=1, default=str))
-    drew = plot(rows, args.out / f"{tag}.png", f"{label}\n{where}")
-    print(f"wrote {args.out}/{tag}.md, .json" + (", .png" if drew else " (matplotlib not installed: no plot)"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    load_before, snap = describe_load(), cpu_snapshot()
+    written = [0]
+
+    def write(rows: list[dict], planned: int) -> None:
+        """The .md and .json of the rows so far (the load and the other processes up to now); the .png once
+        complete: drawing it takes 1-2 s of this process's CPU (and heap) between timed cells, so only at the end."""
+        fields, note = bench.completion(len(rows), planned)
+        others = others_between(snap, cpu_snapshot())
+        load_after, wall = describe_load(), others["wall_s"]
+        busiest = [(n, s) for n, s in others["busiest"] if s >= 0.05 * wall]  # 5% of a core or more
+        others_text = (f"other processes used {others['cpu_s']:.0f} CPU s during the {wall:.0f} s run "
+                       f"({others['cores']:.2f} of {os.cpu_count()} cores on average, from {others['source']}); "
+                       "busiest visible here: "
+                       + (", ".join(f"{n} {s:.0f} s" for n, s in busiest) or "none above 5% of a core"))
+        header = [
+            f"Machine: {where}",
+            f"Load average before: {load_before}; after: {load_after}; {others_text}",
+            f"Retrofit: {args.model}: {label}. Base: {base_label}.",
+            f"{args.dtype}, {args.threads} threads; prefill best of {args.repeats} (repeats alternate the models); "
+            f"decode median of {args.decode_steps} steps after {args.warmup} untimed, steps alternating the models; "
+            f"warm-up: a {WARMUP_TOKENS}-token prefill and {WARMUP_STEPS} decode steps per model before the first "
+            f"cell; cells with batch x length > {args.max_tokens} skipped; peak memory: "
+            f"{rows[0]['memory_method'] if rows else '-'}.",
+        ]
+        text = "\n".join(header) + "\n\n" + markdown(rows) + "\n\n" + mem_text
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        bench.write_atomic(args.out / f"{tag}.md", f"Run {stamp}: `{command}`\n\n"
+                           + (f"{note}\n\n" if note else "") + f"{text}\n")
+        bench.write_atomic(args.out / f"{tag}.json", json.dumps(
+            {"date": stamp, "command": command, "machine": where, "machine_info": info,
+             "load_before": load_before, "load_after": load_after, "wall_s": wall, "other_processes": others,
+             "settings": settings, **fields, "rows": rows,
+             "decode_memory": mem_data}, indent=1, default=str))
+        written[0] = len(rows)
+        if note is not None:
+            # a plot of an earlier run of this name would sit beside this run's table as if it were its own
+            (args.out / f"{tag}.png").unlink(missing_ok=True)
+            return
+        print(text)
+        drew = plot(rows, args.out / f"{tag}.png", f"{label}\n{where}")
+        print(f"wrote {args.out}/{tag}.md, .json" + (", .png" if drew else " (matplotlib not installed: no plot)"))
+
+    try:
+        with bench.sigterm_exits():
+            compare(model, base, args.lengths, batches=args.batches, decode_steps=args.decode_steps,
+                           warmup=args.warmup, repeats=args.repeats, max_tokens=args.max_tokens, progress=True,
+                           after_cell=write)
+    except BaseException:  # noqa: BLE001 - Ctrl-C, SIGTERM, a failure: say what was kept, then re-raise
+        if written[0]:
+            print(bench.kept(written[0], len(args.batches) * len(args.lengths), args.out / f"{tag}.md"),
+                  file=sys.stderr)
+        raise
     return 0

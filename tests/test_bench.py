@@ -19,6 +19,7 @@ def test_benchmark_small_grid(tmp_path, capsys):
     data = json.loads((tmp_path / "cpu-fp32.json").read_text())
     kinds = {r["kind"] for r in data["rows"]}
     assert kinds == {"sdpa", "polysketch-local", "linear-elu"}
+    assert (data["complete"], data["cells_done"], data["cells_planned"]) == (True, 3, 3)
     assert all(r["seconds"] > 0 for r in data["rows"])
     assert (tmp_path / "cpu-fp32.png").stat().st_size > 1000
     # the roofline rows: both paths counted, from this run's time and torch.mm's GFLOP/s
@@ -192,3 +193,126 @@ def test_bench_never_imports_the_cli():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------------------------- stopped runs
+
+# the keys of a complete run's JSON before the files were written after every cell; the new ones say how much of
+# the grid they hold
+JSON_KEYS = {"machine", "machine_info", "date", "command", "settings", "batch", "mm_gflops", "rows"}
+PROGRESS_KEYS = {"complete", "cells_done", "cells_planned"}
+
+
+def _stand_in(monkeypatch, stop_at=None):
+    """Cells from a stand-in (no worker processes): each (kind, n) gets n / 1e4 s; the ``stop_at``-th cell raises
+    KeyboardInterrupt, as Ctrl-C in the middle of a cell does."""
+    calls = []
+
+    def cell(kind, n, args):
+        calls.append((kind, n))
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return {"kind": kind, "n": n, "seconds": n / 1e4, "all_seconds": [n / 1e4], "peak_bytes": n * 1024}
+
+    monkeypatch.setattr(bench, "run_cell", cell)
+    monkeypatch.setattr(bench, "mm_gflops", lambda args: 1.0)
+    return calls
+
+
+def test_a_stopped_grid_keeps_every_cell_it_measured(tmp_path, monkeypatch, capsys):
+    argv = ["--lengths", "64", "128", "--kinds", "linear-elu", "--repeats", "1", "--out", str(tmp_path)]
+    (tmp_path / "cpu-fp32.png").write_bytes(b"an earlier run's plot")
+    _stand_in(monkeypatch, stop_at=4)  # of the 4 cells: sdpa and linear-elu at 64, then at 128
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert "stopped after 3 of 4 cells" in capsys.readouterr().err
+    data = json.loads((tmp_path / "cpu-fp32.json").read_text())
+    assert set(data) == JSON_KEYS | PROGRESS_KEYS
+    assert (data["complete"], data["cells_done"], data["cells_planned"]) == (False, 3, 4)
+    assert [(r["kind"], r["n"]) for r in data["rows"]] == [("sdpa", 64), ("linear-elu", 64), ("sdpa", 128)]
+    linear = data["rows"][1]
+    assert linear["sdpa_over_kind"] == 1.0 and linear["gflops"] > 0  # ratios and roofline of the partial rows too
+    md = (tmp_path / "cpu-fp32.md").read_text()
+    assert "Partial: 3 of 4 cells done; the run did not finish" in md
+    assert "| sdpa | 128 | 0.013 |" in md and "| linear-elu | 128 |" not in md
+    assert not (tmp_path / "cpu-fp32.png").exists()  # the earlier run's plot is not left beside this table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-fp32.json", "cpu-fp32.md"]  # no temporary files
+
+    _stand_in(monkeypatch)  # the same run, finished: the files say complete
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "cpu-fp32.json").read_text())
+    assert set(data) == JSON_KEYS | PROGRESS_KEYS
+    assert (data["complete"], data["cells_done"], data["cells_planned"]) == (True, 4, 4) and len(data["rows"]) == 4
+    assert "Partial" not in (tmp_path / "cpu-fp32.md").read_text()
+    assert (tmp_path / "cpu-fp32.png").stat().st_size > 1000
+
+
+def test_files_are_written_after_every_cell(tmp_path, monkeypatch):
+    """What is on disk when each cell starts: the cells before it, never more, never fewer."""
+    args = _resolved(["--lengths", "64", "128", "--kinds", "linear-elu", "--out", str(tmp_path)])
+    seen = []
+
+    def cell(kind, n, a):
+        path = tmp_path / "cpu-fp32.json"
+        seen.append(json.loads(path.read_text())["cells_done"] if path.exists() else 0)
+        return {"kind": kind, "n": n, "seconds": 1.0, "peak_bytes": 1}
+
+    monkeypatch.setattr(bench, "run_cell", cell)
+    monkeypatch.setattr(bench, "mm_gflops", lambda args: 1.0)
+    assert bench.run(args, command="test") == 0
+    assert seen == [0, 1, 2, 3]
+    assert json.loads((tmp_path / "cpu-fp32.json").read_text())["complete"] is True
+
+
+def test_an_interrupted_write_leaves_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    bench.write_atomic(path, "old")
+
+    def stop(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.os, "replace", stop)
+    with pytest.raises(KeyboardInterrupt):
+        bench.write_atomic(path, "new, never complete")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:  # no /proc children list here
+        return []
+
+
+def test_sigterm_leaves_a_parseable_partial_json_and_exits_non_zero(tmp_path):
+    """`timeout` sends SIGTERM: the real benchmark on the CPU, stopped once its first cell is on disk."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "cpu-fp32.json"
+    proc = subprocess.Popen([sys.executable, "-m", "hf_polyattn.bench", "--lengths", "16", "32", "64", "--kinds",
+                             "linear-elu", "--repeats", "1", "--heads", "1", "--head-dim", "8", "--threads", "1",
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert path.exists(), proc.communicate(timeout=60)
+        workers = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]  # not swallowed: the exit status of a SIGTERM
+    data = json.loads(path.read_text())
+    assert data["complete"] is False and data["cells_planned"] == 6
+    assert 1 <= data["cells_done"] == len(data["rows"]) < 6 and all(r["seconds"] > 0 for r in data["rows"])
+    assert "Partial:" in (tmp_path / "cpu-fp32.md").read_text() and "stopped after" in err
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    for pid in workers:  # the running cell's worker went with it
+        assert not os.path.exists(f"/proc/{pid}") or b"--worker" not in open(f"/proc/{pid}/cmdline", "rb").read()

@@ -49,6 +49,7 @@ def test_cli_writes_the_files_and_ratios_come_from_its_own_numbers(dirs, tmp_pat
         assert (tmp_path / f"cpu-fp32.{ext}").stat().st_size > 500
     data = json.loads((tmp_path / "cpu-fp32.json").read_text())
     assert data["settings"]["batches"] == [1, 2] and data["settings"]["repeats"] == 2
+    assert (data["complete"], data["cells_done"], data["cells_planned"]) == (True, 4, 4)
     assert data["load_before"] and data["load_after"] and data["other_processes"]["cpu_s"] >= 0
     cells = {(r["batch"], r["length"]): r for r in data["rows"]}
     assert set(cells) == {(1, 12), (1, 20), (2, 12), (2, 20)} and "skipped" in cells[(2, 20)]
@@ -182,6 +183,31 @@ def test_a_failed_cell_is_a_row_and_the_grid_goes_on(dirs, monkeypatch):
     assert "base" in got[(1, 4)] and got[(1, 8)]["error"].startswith("OutOfMemoryError")
     assert got[(1, 12)]["skipped"] == "out of memory at length 8"  # larger lengths of that batch
     assert "base" in got[(2, 4)]  # the next batch starts again
+
+
+def test_a_stopped_run_keeps_the_rows_it_measured(dirs, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the second (batch, length) cell: the files hold the first row and say the run did not finish."""
+    real, calls = bench_model._measure_cell, []
+
+    def stopped(models, batch, length, **kw):
+        calls.append((batch, length))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(models, batch, length, **kw)
+
+    monkeypatch.setattr(bench_model, "_measure_cell", stopped)
+    (tmp_path / "cpu-fp32.png").write_bytes(b"an earlier run's plot")
+    # the CLI's status for Ctrl-C: the interrupt is not swallowed
+    assert _bench(dirs, tmp_path, "--repeats", "1", "--batches", "1") == 130
+    assert "stopped after 1 of 2 cells" in capsys.readouterr().err
+    data = json.loads((tmp_path / "cpu-fp32.json").read_text())
+    assert (data["complete"], data["cells_done"], data["cells_planned"]) == (False, 1, 2)
+    (row,) = data["rows"]
+    assert (row["batch"], row["length"]) == (1, 12) and row["decode_speedup"] > 0 and row["memory_method"]
+    assert data["load_after"] and data["other_processes"]["wall_s"] > 0 and data["decode_memory"]
+    md = (tmp_path / "cpu-fp32.md").read_text()
+    assert "Partial: 1 of 2 cells done; the run did not finish" in md and "| 1 | 12 |" in md and "| 1 | 20 |" not in md
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-fp32.json", "cpu-fp32.md"]  # no plot, no temp file
 
 
 def test_peak_memory_sees_an_allocation():
