@@ -95,7 +95,8 @@ case "${1:-}" in
   #    rebuilt with random weights (recipes/model_from_config.py: speed does not depend on the values) and timed
   #    against the same weights on SDPA + DynamicCache, prefill and decode at 4k / 32k (target: decode at 32k
   #    faster than SDPA with DynamicCache);
-  # 3. the CUDA tests of the FlexAttention + fla-core composition (its numbers against the reference).
+  # 3. profiles of a decoding step and a prefill of each model (recipes/profile_model.py);
+  # 4. the CUDA tests of the FlexAttention + fla-core composition (its numbers against the reference).
   # The first run (2026-11-26, H200, results/SECTION_gpu_h200.md): each kernel cell took about 50 s (compiling
   # FlexAttention, fla-core's autotuning), a retrofit's first prefill 65 s; hence 32k only and STEP_S >= 240.
   targets)
@@ -109,6 +110,15 @@ case "${1:-}" in
       timeout "$STEP_S" python -m hf_polyattn.cli bench --model "/tmp/random_$name" --device cuda \
         --lengths 4096 32768 --batches 1 --decode-steps 16 --warmup 3 --repeats 2 --out "$OUT/model_$name" \
         2>&1 | tail -16
+    done
+    # where the time goes: host time against GPU kernel time per decoding step and per prefill (the first run's
+    # decode took 63-67 ms a token for both models at every length: launch-bound, SECTION_gpu_h200.md)
+    for cfg in ${CONFIGS:-}; do
+      name="$(basename "$cfg")"
+      for phase in decode prefill; do
+        timeout "$STEP_S" python recipes/profile_model.py "/tmp/random_$name" --phase "$phase" --length 32768 \
+          --steps 2 --device cuda --out "$OUT/profile_$name" 2>&1 | grep -v UNEXPECTED | tail -40
+      done
     done
     timeout "$STEP_S" python -m pytest -q -p no:cacheprovider tests/ops/test_flex_fla.py tests/ops/test_fla_backend.py \
       2>&1 | tee "$OUT/flex_tests.txt" | tail -8 ;;

@@ -45,6 +45,8 @@ ROWS = {
     "baselines": evaluate("smollm2", "window=128", "sinks=4", kind="sliding_window", baselines="softmax"),
     "hh_retr+sparse128": evaluate(TRAINED.format("hh_retr"), "sparse_cache=128"),
     "hh+sparse128": evaluate(TRAINED.format("hh"), "sparse_cache=128"),
+    # how large a bounded cache retrieval needs: 512 keys per kv head (+ 63 waiting), a sixteenth of 8k
+    "hh+sparse512": evaluate(TRAINED.format("hh"), "sparse_cache=512"),
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", "--set", "feature_map=elu", "--retrieval_mix", "0.25",
                  *EVAL_STAGE],

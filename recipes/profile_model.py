@@ -1,0 +1,122 @@
+"""Where a decoding step (or a prefill) goes: a retrofit against its own weights on softmax (SDPA + DynamicCache).
+
+    python recipes/profile_model.py MODEL_DIR [--phase decode|prefill] [--length 1024] [--steps 3] [--threads 1]
+                                    [--device cpu|cuda] [--dtype fp32|bf16] [--out DIR]
+
+Both models run the whole-model bench's own step (``hf-polyattn bench --model``: ``bench_model._step`` into the
+cache ``generate()`` gives each). ``decode``: prefill the same ``--length`` prompt, 3 untimed decoding steps, then
+``--steps`` steps under ``torch.profiler``; ``prefill``: one untimed prefill, then ``--steps`` prefills of the prompt
+into a fresh cache under the profiler. Printed and written (``--out``/profile_PHASE-DEVICE.{md,json}``): per step,
+the aten calls (a count: it does not depend on the machine's load), the self time of the weights' matmuls
+(``aten::mm`` / ``addmm``) and of everything on the host, on CUDA the GPU's own time (kernels) beside it: a step
+whose host time far exceeds its GPU time is bound by launching work, not by doing it. Times depend on the load
+(the output gives the load average). Then the ops whose calls per step differ most between the two and, on CUDA,
+each model's heaviest GPU kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+MATMULS = ("aten::mm", "aten::addmm")
+
+
+def profile(model, which: str, phase: str, length: int, steps: int, device) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from hf_polyattn.bench_model import _new_cache, _step, _sync, prompt
+
+    ids = prompt(1, length, model.get_input_embeddings().num_embeddings, device)
+    cache = _new_cache(which, model)
+    token = _step(model, ids, cache)
+    if phase == "decode":
+        for _ in range(3):
+            token = _step(model, token, cache)
+    _sync(device)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            if phase == "decode":
+                token = _step(model, token, cache)
+            else:
+                _step(model, ids, _new_cache(which, model))
+        _sync(device)
+    events = prof.key_averages()
+    aten = {e.key: e.count / steps for e in events if e.key.startswith("aten::")}
+    row = {"aten_calls": sum(aten.values()), "calls": aten,
+           "matmul_ms": sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / steps / 1e3,
+           "self_ms": sum(e.self_cpu_time_total for e in events) / steps / 1e3}
+    if cuda:
+        gpu = {e.key: e.self_device_time_total / steps / 1e3 for e in events if e.self_device_time_total > 0}
+        row["gpu_ms"] = sum(gpu.values())
+        row["gpu_top"] = dict(sorted(gpu.items(), key=lambda kv: -kv[1])[:12])
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", type=Path, help="a retrofitted checkpoint folder")
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--length", type=int, default=1024, help="prompt tokens (before the decoding steps)")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "profile_model")
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_polyattn  # noqa: F401 - registers the retrofit's attention
+    from hf_polyattn import machine
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    load_before = os.getloadavg()
+    rows = {}
+    for which, kw in (("retrofit", {}), ("base", {"attn_implementation": "sdpa"})):
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, **kw).to(device).eval()
+        rows[which] = profile(model, which, args.phase, args.length, args.steps, device)
+        del model
+    r, b = rows["retrofit"], rows["base"]
+    diff = sorted(set(r["calls"]) | set(b["calls"]), key=lambda k: b["calls"].get(k, 0) - r["calls"].get(k, 0))
+    where = (f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}" if device.type == "cuda"
+             else machine.summary())
+    lines = [f"`python recipes/profile_model.py {args.model} --phase {args.phase} --length {args.length} --steps "
+             f"{args.steps} --threads {args.threads} --device {args.device} --dtype {dtype}`", "",
+             f"Machine: {where}; load average before {load_before[0]:.2f}, after "
+             f"{os.getloadavg()[0]:.2f} (times depend on it, call counts do not)", "",
+             f"| per {args.phase} step ({args.length} tokens) | retrofit | base (SDPA + DynamicCache) |",
+             "|---|---:|---:|",
+             f"| aten calls | {r['aten_calls']:,.0f} | {b['aten_calls']:,.0f} |",
+             f"| weights' matmuls (ms, host self time) | {r['matmul_ms']:.1f} | {b['matmul_ms']:.1f} |",
+             f"| everything (ms, host self time) | {r['self_ms']:.1f} | {b['self_ms']:.1f} |"]
+    if "gpu_ms" in r:
+        lines.append(f"| GPU kernels (ms) | {r['gpu_ms']:.2f} | {b['gpu_ms']:.2f} |")
+    lines += ["", "| op | retrofit calls / step | base calls / step |", "|---|---:|---:|"]
+    lines += [f"| {k} | {r['calls'].get(k, 0):.0f} | {b['calls'].get(k, 0):.0f} |" for k in diff[:15]]
+    for which in ("retrofit", "base") if "gpu_ms" in r else ():
+        lines += ["", f"{which}'s heaviest GPU kernels (ms per step):", ""]
+        lines += [f"- {ms:.3f} {name[:100]}" for name, ms in rows[which]["gpu_top"].items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"profile_{args.phase}-{device.type}"
+    (args.out / f"{tag}.md").write_text(text)
+    (args.out / f"{tag}.json").write_text(json.dumps(
+        {"model": str(args.model), "phase": args.phase, "length": args.length, "steps": args.steps,
+         "threads": args.threads, "device": where, "dtype": dtype, "torch": torch.__version__,
+         "load_before": load_before, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

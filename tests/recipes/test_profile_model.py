@@ -1,0 +1,37 @@
+"""recipes/profile_model.py: the op counts of a retrofit's decoding step and prefill against its softmax base."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_polyattn
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "profile_model.py")
+
+
+def test_decode_and_prefill_profiles_name_both_models(tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    hf_polyattn.convert(model, hf_polyattn.PolyAttnConfig(kind="linear", feature_map="elu", window=8, sinks=2,
+                                                          decay="gate", softmax_heads=[(1, 0)]))
+    model.save_pretrained(tmp_path / "retrofit")
+    for phase in ("decode", "prefill"):
+        done = subprocess.run([sys.executable, RECIPE, str(tmp_path / "retrofit"), "--phase", phase, "--length", "40",
+                               "--steps", "2", "--out", str(tmp_path / "out")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        record = json.loads((tmp_path / "out" / f"profile_{phase}-cpu.json").read_text())
+        assert record["phase"] == phase and set(record["rows"]) == {"retrofit", "base"}
+        for row in record["rows"].values():
+            # a step of a 2-layer model: its matmuls (q, k, v, o, 3 MLP per layer, the head) and far more calls
+            assert row["calls"]["aten::mm"] >= 2 * 7 + 1 and row["aten_calls"] > row["calls"]["aten::mm"]
+        # the retrofit's layers run the kernel kind: ops the softmax model never calls
+        assert record["rows"]["retrofit"]["calls"].get("aten::elu", 0) > 0
+        assert "aten::elu" not in record["rows"]["base"]["calls"]
+        assert f"per {phase} step (40 tokens)" in (tmp_path / "out" / f"profile_{phase}-cpu.md").read_text()
