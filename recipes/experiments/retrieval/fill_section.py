@@ -39,9 +39,27 @@ def _cells(row: dict, contexts: list[int], lengths: list[int], templates: list[s
     return cells
 
 
-def write_table(collected: dict[str, dict], out: Path, plot: Path) -> list[Path]:
+def diagnostic_lines(diagnostics: dict[str, dict]) -> str:
+    """One paragraph per diagnostic row (``rows.DIAGNOSTICS``: another grid than the table's): its passkey hits per
+    template and length, its settings and its command."""
+    text = ""
+    for name, rec in diagnostics.items():
+        row = _model_row(rec)
+        hits = []
+        for key, template in (("passkey", "classic"), ("passkey_vault", "vault")):
+            pk = row.get(key)
+            if pk:
+                hits += [f"{template} {n:,} tokens: {sum(h)} of {len(h)}" for n, h in zip(pk["lengths"], pk["hits"])]
+        text += (f"\nDiagnostic row {name} (not in the table: another grid): {row.get('label', '?')}; passkey "
+                 f"{', '.join(hits) or '–'}. Command: `{rec.get('command', '?')}`.\n")
+    return text
+
+
+def write_table(collected: dict[str, dict], out: Path, plot: Path,
+                diagnostics: dict[str, dict] | None = None) -> list[Path]:
     """table.md (every row beside softmax and StreamingLLM, the hybrid recipe's figures from the long-context study)
-    and retrieval.png (perplexity against context, passkey hits against length)."""
+    and retrieval.png (perplexity against context, passkey hits against length); ``diagnostics`` (rows of another
+    grid) as paragraphs under the table."""
     first = next(iter(collected.values()))
     s = first["settings"]
     contexts, lengths, templates = s["contexts"], s["passkey_lengths"], s.get("passkey_templates", ["classic"])
@@ -87,6 +105,7 @@ def write_table(collected: dict[str, dict], out: Path, plot: Path) -> list[Path]
                  f"held-out tokens): perplexity {ppl} at {' / '.join(str(p['context']) for p in ref['perplexity'])} "
                  f"tokens, classic passkey {hits} of 10 at "
                  f"{' / '.join(str(n) for n in pk['lengths']) if pk else '–'} tokens (not run at 8k or on 'vault').\n")
+    note += diagnostic_lines(diagnostics or {})
     text = ("\n".join(lines) + "\n" + note + f"\nPerplexity over the first {first['tokens']:,} held-out tokens of "
             "the bundled Tiny Shakespeare (ratios to softmax); passkey hits of 10 needle depths per length, greedy "
             f"decoding through the model's own cache (the longest prompt, {lengths[-1]:,} tokens, is what SmolLM2's "
@@ -133,10 +152,11 @@ def main(argv=None) -> int:
     spec.loader.exec_module(rows)
     collected = {name: json.loads((STUDY / f"{name}.json").read_text()) for name in rows.ROWS
                  if (STUDY / f"{name}.json").is_file()}
+    diagnostics = {name: collected.pop(name) for name in getattr(rows, "DIAGNOSTICS", ()) if name in collected}
     if not collected:
         print(f"no record in {STUDY}: run the study first")
         return 1
-    for path in write_table(collected, Path(args.out), Path(args.plot)):
+    for path in write_table(collected, Path(args.out), Path(args.plot), diagnostics):
         print(f"wrote {path}")
     return 0
 

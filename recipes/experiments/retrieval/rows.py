@@ -47,6 +47,12 @@ ROWS = {
     "hh+sparse128": evaluate(TRAINED.format("hh"), "sparse_cache=128"),
     # how large a bounded cache retrieval needs: 512 keys per kv head (+ 63 waiting), a sixteenth of 8k
     "hh+sparse512": evaluate(TRAINED.format("hh"), "sparse_cache=512"),
+    # diagnostic, not constant memory: a cache that holds every key of a 4k prompt (nothing is ever evicted), 'classic'
+    # passkey at 4k only: whether the failures of the bounded caches are the keys they drop or the model's use of them
+    "hh+all_keys_4k": ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh"), "--data", "demo", "--contexts", "256",
+                       "--max-eval-tokens", "1024", "--passkey", "4096", "--passkey-templates", "classic",
+                       "--passkey-depths", "10", "--baselines", "none", "--threads", "1", "--set", "sparse_cache=4096",
+                       "--out", "{out}"],
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", "--set", "feature_map=elu", "--retrieval_mix", "0.25",
                  *EVAL_STAGE],
@@ -59,6 +65,9 @@ ROWS = {
                         "decay=gate", "--set", "short_conv=4", "--transfer_steps", "60", "--transfer_schedule",
                         "1024:60:2", "--retrieval_mix", "0.25", *EVAL_STAGE],
 }
+
+# rows outside the table (another grid of lengths): fill_section states them under it
+DIAGNOSTICS = ("hh+all_keys_4k",)
 
 # the rows run in this order: every '+sparse' row after the row whose model it reads
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
