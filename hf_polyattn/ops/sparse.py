@@ -58,8 +58,8 @@ from .sketches import symmetric_square
 from .state import RecurrentState
 from .window import OUTSIDE, Sinks, first_true, gather_keys, keep_sinks, slot_scores
 
-__all__ = ["SparseMixin", "pending_log", "recall_error", "ring_leave", "select_and_fold", "sparse_from_recurrent",
-           "sparse_to_recurrent"]
+__all__ = ["SparseMixin", "fold_evicted", "pending_log", "recall_error", "ring_leave", "select_and_fold",
+           "sparse_from_recurrent", "sparse_to_recurrent"]
 
 
 def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor) -> torch.Tensor:
@@ -90,6 +90,13 @@ def select_and_fold(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, v
         # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
         # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
         keep = keep.gather(-1, (keep + n * (~valid.gather(-1, keep))).argsort(dim=-1))
+    return fold_evicted(kv, feats, vext, valid, keep, to_ref, decay)
+
+
+def fold_evicted(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,
+                 to_ref: torch.Tensor | None = None, decay: torch.Tensor | None = None):
+    """``select_and_fold``'s second half once ``keep`` is chosen: every valid candidate not kept added to the state
+    (decayed to the new reference), the state decayed by its own ``decay``; (state, keep, kept validity)."""
     kept = torch.zeros_like(valid).scatter_(-1, keep, True)
     weight = (valid & ~kept).to(vext.dtype)
     if to_ref is not None:

@@ -53,6 +53,13 @@ ROWS = {
                        "--max-eval-tokens", "1024", "--passkey", "4096", "--passkey-templates", "classic",
                        "--passkey-depths", "10", "--baselines", "none", "--threads", "1", "--set", "sparse_cache=4096",
                        "--out", "{out}"],
+    # diagnostics: two other selection rules for the 128-key cache, 'classic' passkey at 4k only (probe_selection.py)
+    **{f"hh+sparse128_{variant}_4k": ["-m", "recipes.experiments.retrieval.probe_selection", variant,
+                                      TRAINED.format("hh"), "--data", "demo", "--contexts", "256", "--max-eval-tokens",
+                                      "512", "--passkey", "4096", "--passkey-templates", "classic", "--passkey-depths",
+                                      "10", "--baselines", "none", "--threads", "1", "--set", "sparse_cache=128",
+                                      "--out", "{out}"]
+       for variant in ("frozen", "relative")},
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", "--set", "feature_map=elu", "--retrieval_mix", "0.25",
                  *EVAL_STAGE],
@@ -67,7 +74,7 @@ ROWS = {
 }
 
 # rows outside the table (another grid of lengths): fill_section states them under it
-DIAGNOSTICS = ("hh+all_keys_4k",)
+DIAGNOSTICS = ("hh+all_keys_4k", "hh+sparse128_frozen_4k", "hh+sparse128_relative_4k")
 
 # the rows run in this order: every '+sparse' row after the row whose model it reads
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -1,0 +1,46 @@
+"""recipes/experiments/retrieval/probe_selection.py: the selection variants replace the library's rule only while
+installed, keep its contract (budget kept, valid first, the state folded), and a wrong variant is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_polyattn.ops import decode, sparse
+from recipes.experiments.retrieval import probe_selection
+
+
+@pytest.fixture
+def restored(monkeypatch):
+    for obj, name in ((sparse.SparseMixin, "_sparse_call"), (sparse, "ring_leave"), (decode, "ring_leave"),
+                      (sparse, "select_and_fold")):
+        monkeypatch.setattr(obj, name, getattr(obj, name))
+    probe_selection.STORED.clear()
+    yield
+    probe_selection.STORED.clear()
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(SystemExit, match="VARIANT must be one of"):
+        probe_selection.install("biggest")
+
+
+@pytest.mark.parametrize("variant", ["frozen", "relative"])
+def test_variants_keep_the_selection_contract(restored, variant):
+    original = sparse.select_and_fold
+    probe_selection.install(variant)
+    assert sparse.select_and_fold is not original
+    g = torch.Generator().manual_seed(0)
+    kv = torch.rand(1, 2, 8, 5, generator=g)
+    feats, vext = torch.rand(1, 2, 12, 8, generator=g), torch.rand(1, 2, 12, 5, generator=g)
+    vext[..., -1] = 1.0
+    valid = torch.ones(1, 2, 12, dtype=torch.bool)
+    valid[..., :2] = False  # two empty cache slots
+    new_kv, keep, keep_valid = sparse.select_and_fold(kv, feats, vext, valid, 4)
+    _, keep_ref, _ = original(kv, feats, vext, valid, 4)
+    assert keep.shape == keep_ref.shape == (1, 2, 4) and keep_valid.all()
+    kept = torch.zeros_like(valid).scatter_(-1, keep, True)
+    folded = ((valid & ~kept).float().unsqueeze(-1) * feats).transpose(-1, -2) @ vext
+    torch.testing.assert_close(new_kv, kv + folded)  # every valid key not kept is added to the state
+    # the frozen rule keeps the scores of the kept keys for the next step of the same module
+    assert probe_selection.STORED[None].shape == (1, 2, 4)
