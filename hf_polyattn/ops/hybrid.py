@@ -64,7 +64,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         # bf16 / fp16 on CUDA: SDPA's flash and memory-efficient kernels keep fp32 accumulators and softmax statistics
         # and never form the Lq x Lk scores; with fp32 inputs and enable_gqa PyTorch 2.11 took its math path, which
         # does (the demo's model, 22 softmax kv heads, 32k-token bf16 prefill on an H200: 86 GiB peak and 1.94 s
-        # against softmax SmolLM2's 1.13 GiB and 0.13 s, recipes/results/bench_model/cuda_h200). The kv heads are
+        # against softmax SmolLM2's 1.13 GiB and 0.13 s, recipes/results/gpu_h200/model_demo). The kv heads are
         # expanded to the query heads (Lk x d each, what transformers' own SDPA path does) so no kernel is ruled out.
         groups = q.shape[1] // k.shape[1]
         qw, kw, vw = q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

@@ -58,7 +58,7 @@ from .sketches import symmetric_square
 from .state import RecurrentState
 from .window import OUTSIDE, Sinks, first_true, gather_keys, keep_sinks, slot_scores
 
-__all__ = ["SparseMixin", "fold_evicted", "pending_log", "recall_error", "ring_leave", "select_and_fold",
+__all__ = ["SparseMixin", "choose_kept", "fold_evicted", "pending_log", "recall_error", "ring_leave", "select_and_fold",
            "sparse_from_recurrent", "sparse_to_recurrent"]
 
 
@@ -80,17 +80,22 @@ def select_and_fold(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, v
     cache, then the block); ``to_ref`` (..., N) each candidate's log-decay to the state's new reference (the block's
     last key) and ``decay`` (...) the state's own, or None without decay. The errors are read under no_grad (the
     choice is not differentiable); the fold is (gradients flow into the state through the evicted keys)."""
-    n = valid.shape[-1]
     with torch.no_grad():
-        err = recall_error(kv.detach(), feats.detach(), vext.detach())
-        # invalid candidates rank below every valid one (errors are >= 0), the older first: a deterministic choice
-        age = torch.arange(n, device=err.device, dtype=err.dtype) / n
-        score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0 - age)
-        keep = score.topk(budget, dim=-1).indices
-        # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
-        # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
-        keep = keep.gather(-1, (keep + n * (~valid.gather(-1, keep))).argsort(dim=-1))
+        keep = choose_kept(recall_error(kv.detach(), feats.detach(), vext.detach()), valid, budget)
     return fold_evicted(kv, feats, vext, valid, keep, to_ref, decay)
+
+
+def choose_kept(err: torch.Tensor, valid: torch.Tensor, budget: int) -> torch.Tensor:
+    """``select_and_fold``'s choice: (..., budget) indices of the ``budget`` valid candidates of largest ``err``
+    (..., N) (NaN counts as 0), the valid ones first, each part in candidate order."""
+    n = valid.shape[-1]
+    # invalid candidates rank below every valid one (errors are >= 0), the older first: a deterministic choice
+    age = torch.arange(n, device=err.device, dtype=err.dtype) / n
+    score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0 - age)
+    keep = score.topk(budget, dim=-1).indices
+    # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
+    # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
+    return keep.gather(-1, (keep + n * (~valid.gather(-1, keep))).argsort(dim=-1))
 
 
 def fold_evicted(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,

@@ -43,7 +43,6 @@ def install(variant: str) -> None:
         return original_leave(module, *args, **kwargs)
 
     def select_and_fold(kv, feats, vext, valid, budget, to_ref=None, decay=None):
-        n = valid.shape[-1]
         with torch.no_grad():
             err = torch.nan_to_num(sparse.recall_error(kv.detach(), feats.detach(), vext.detach()), nan=0.0)
             if variant == "relative":
@@ -53,11 +52,8 @@ def install(variant: str) -> None:
             if variant == "frozen" and stored is not None and stored.shape == cache_valid.shape \
                     and bool(cache_valid.any()):  # an empty cache starts a sequence: nothing stored applies
                 err = torch.cat([torch.where(cache_valid, stored, err[..., :budget]), err[..., budget:]], dim=-1)
-            age = torch.arange(n, device=err.device, dtype=err.dtype) / n
-            score = torch.where(valid, err, -1.0 - age)
-            keep = score.topk(budget, dim=-1).indices
-            keep = keep.gather(-1, (keep + n * (~valid.gather(-1, keep))).argsort(dim=-1))
-            STORED[CURRENT["module"]] = score.gather(-1, keep)
+            keep = sparse.choose_kept(err, valid, budget)
+            STORED[CURRENT["module"]] = err.gather(-1, keep)  # read only where the slot holds a valid key
         return sparse.fold_evicted(kv, feats, vext, valid, keep, to_ref, decay)
 
     sparse.SparseMixin._sparse_call = sparse_call
