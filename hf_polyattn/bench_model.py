@@ -28,8 +28,8 @@ kernel's peak resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs, 
 included. Elsewhere it is not measured (said so in the output).
 
 Writes DEVICE-DTYPE.md (tables), .json (every number) and .png (the plot) under ``--out``. ``compare(model, base,
-...)`` is the same measurement on models already loaded (``make demo`` does not call it yet: run
-``hf-polyattn bench --model runs/demo/linear/model --base smollm2`` after it).
+...)`` is the same measurement on models already loaded: the retrofit recipe's ``--speed_lengths`` calls it at the
+end of a run (``make demo`` prints its row at 4,096 tokens, into runs/demo/linear/speed.md).
 
 The .md and .json are rewritten after every (batch, length) row, each replaced atomically (as the kernel benchmark
 does: ``bench.write_atomic``), so a run stopped from outside (``timeout``, a job's time limit, Ctrl-C, SIGTERM)

@@ -133,7 +133,7 @@ _PRESETS = [
         train={"transfer_steps": 30, "transfer_lr": 1e-2, "transfer_schedule": "1024:30:1"},
         eval={"eval_before": False, "max_eval_tokens": 2048, "eval_contexts": "256,1024,2048,4096",
               "passkey_lengths": "1024,2048", "passkey_depths": 5, "long_eval_tokens": 4096,
-              "long_eval_baselines": "softmax,streaming"},
+              "long_eval_baselines": "softmax,streaming", "speed_lengths": "4096"},
         data={"data": "demo"},
         figures={"perplexity": {256: 44.41, 1024: 33.49, 2048: 31.45, 4096: 30.12},
                  "passkey": {1024: "5/5", 2048: "5/5"},

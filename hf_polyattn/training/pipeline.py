@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,6 +197,10 @@ class EvalArgs:
     long_eval_baselines: str = field(default="softmax,streaming", metadata={
         "help": "baseline rows of the long-context evaluation: a comma-separated subset of softmax,streaming, or "
                 "none"})
+    speed_lengths: str | None = field(default=None, metadata={
+        "help": "causal_lm: after the last stage, the whole-model bench (hf-polyattn bench --model) of the retrofit "
+                "against its base checkpoint at these comma-separated prompt lengths, batch 1: prefill seconds and "
+                "decode ms per token, both models in this process; writes output_dir/speed.{json,md}"})
     lm_eval_tasks: str | None = field(default=None, metadata={
         "help": "causal_lm: comma-separated lm-eval tasks scored at every evaluation, besides perplexity (pip "
                 "install 'hf_polyattn[eval]'), e.g. polyattn_tinyshakespeare (shipped, reads the bundled text), "
@@ -311,6 +316,7 @@ class RetrofitArgs:
         if (e.eval_contexts or e.passkey_lengths) and not causal:
             raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
         self.long_context_settings()  # bad lists fail here, before anything loads
+        self.speed_lengths()
         heads = None if kind == SOFTMAX else m.attention.get("softmax_heads")
         if isinstance(heads, str) and auto_heads(heads) is not None and not causal:
             raise ValueError("softmax_heads 'auto' scores heads on passkey prompts: causal_lm only; pass pairs")
@@ -342,6 +348,23 @@ class RetrofitArgs:
             raise ValueError(f"{stage}_schedule {text!r} has {sum(p[1] for p in phases)} steps, {stage}_steps is "
                              f"{steps}: they must agree")
         return phases
+
+    def speed_lengths(self) -> tuple[int, ...] | None:
+        """--speed_lengths as ints (None without it); a ValueError naming the option for anything else."""
+        e = self.eval
+        if e.speed_lengths is None:
+            return None
+        if self.model.task != "causal_lm" or self.model.kind == SOFTMAX:
+            raise ValueError("--speed_lengths times a retrofitted causal LM against its base: task must be "
+                             f"'causal_lm' and the attention a polyattn kind (got {self.model.task!r}, "
+                             f"{self.model.kind!r})")
+        try:
+            lengths = tuple(int(v) for v in e.speed_lengths.split(","))
+        except ValueError:
+            lengths = ()
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"--speed_lengths must be comma-separated prompt lengths >= 1, got {e.speed_lengths!r}")
+        return lengths
 
     def long_context_settings(self):
         """The ``LongContextSettings`` of the long-context evaluation, or None when it is off."""
@@ -761,6 +784,32 @@ class Retrofit:
         self.results["long_context"] = result
         return result
 
+    def evaluate_speed(self) -> list[dict]:
+        """--speed_lengths: the whole-model bench (``bench_model.compare``) of the final model against its base
+        checkpoint (SDPA + DynamicCache), batch 1, in this process; written to output_dir/speed.{json,md}, logged and
+        kept in results.json (``speed``)."""
+        from .. import bench_model
+        from ..machine import summary
+
+        lengths = self.args.speed_lengths()
+        model = self.acc.unwrap_model(self.model)
+        base = load_model(self.model_path, task="causal-lm", dtype=next(model.parameters()).dtype,
+                          attn_implementation="sdpa").to(self.acc.device).eval()
+        was_training = model.training
+        rows = bench_model.compare(model, base, lengths, batches=(1,), decode_steps=16, warmup=3, repeats=1)
+        model.train(was_training)
+        del base
+        text = (f"Speed against the base checkpoint ({self.model_path}, SDPA + DynamicCache), batch 1, "
+                f"{torch.get_num_threads()} threads, on {summary()} (hf-polyattn bench --model; load average "
+                f"{os.getloadavg()[0]:.2f}):\n\n{bench_model.markdown(rows)}")
+        if self.acc.is_main_process:
+            (self.out / "speed.md").write_text(text + "\n")
+            (self.out / "speed.json").write_text(json.dumps({"base": str(self.model_path), "rows": rows}, indent=1,
+                                                            default=str))
+            self.log(text)
+        self.results["speed"] = rows
+        return rows
+
     def _lm_eval(self, model, tag: str) -> dict[str, dict[str, float]] | None:
         """--lm_eval_tasks on the current model, in the main process (the others wait), windows of eval_context."""
         from ..eval import harness
@@ -937,10 +986,23 @@ def run(args: RetrofitArgs) -> dict[str, Any]:
         r.evaluate("after_finetune")
     if args.long_context_settings() is not None:
         r.evaluate_long_context()
+    if args.speed_lengths() is not None:
+        r.evaluate_speed()
     target = r.save()
     r.log(run_summary(r.results, target))
     r.close()
     return r.results
+
+
+def speed_line(row: dict) -> str:
+    """One row of --speed_lengths as the run's summary prints it."""
+    where = f"speed at {row['length']:,} tokens against the base checkpoint"
+    if "base" not in row:
+        return f"{where}: not measured ({row.get('skipped') or row.get('error')})"
+    b, r = row["base"], row["retrofit"]
+    return (f"{where}: prefill {r['prefill_best_s']:.2f} s vs {b['prefill_best_s']:.2f} s "
+            f"({row['prefill_speedup']:.2f}x), decode {r['decode_median_ms']:.1f} vs {b['decode_median_ms']:.1f} "
+            f"ms/token ({row['decode_speedup']:.2f}x), cache {row['cache_ratio']:.2f}x the base's")
 
 
 def run_summary(results: dict[str, Any], target: Path | None) -> str:
@@ -972,6 +1034,8 @@ def run_summary(results: dict[str, Any], target: Path | None) -> str:
     if target is not None:
         lines.append(f"Hub-ready folder: {target} (README.md = model card); reload it with `import hf_polyattn` and "
                      "from_pretrained, score it with `hf-polyattn eval`")
+    for row in results.get("speed") or ():
+        lines.append(speed_line(row))
     if results.get("long_context"):
         lines.append(f"long-context table and plot: {out / 'long_context.md'}, {out / 'long_context.png'}")
     lines.append(f"record: {out / 'results.json'}")

@@ -345,6 +345,9 @@ CUDA = torch.device("cuda")  # only its type is read: no GPU is touched
 def test_auto_takes_fla_for_the_layers_it_covers(opts, picked, monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(flex_mod, "_auto_fla", lambda: True)
+    # which layers fla covers, whatever this machine's Triton: the refusal of gated layers on Hopper with Triton
+    # < 3.7.1 has its own test (on an H200 with Triton 3.6.0 the gated rows here failed, 2026-11-26)
+    monkeypatch.setattr(flex_mod, "fla_gated_refusal", lambda device: None)
     mod = PolyAttnConfig(**opts).spec.module_class()(PolyAttnConfig(**opts), 4, D, 2)
     assert mod._layer_backend(CUDA, torch.bfloat16) == picked
     assert mod._layer_backend(CUDA, torch.float64) == "auto"  # float64: the PyTorch paths
@@ -438,14 +441,20 @@ cuda_only = pytest.mark.skipif(not _real_fla(), reason="CUDA only: needs a GPU a
 
 
 @cuda_only
+@pytest.mark.parametrize("gated", [True, False], ids=["gate", "no-decay"])
 @pytest.mark.parametrize("n", [700, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_real_kernels_on_cuda(dtype, n, monkeypatch):
-    """fla-core's chunk_simple_gla and compiled FlexAttention (blocks of 128, windows of 128 + 4 sinks) against the
-    batched PyTorch layer in float32: outputs and gradients within 2^-7 (fp32: tf32 dots) / 2^-5 (bf16) normwise;
-    'auto' takes 'fla' for the layer."""
+def test_real_kernels_on_cuda(dtype, n, gated, monkeypatch):
+    """fla-core's chunk kernels (chunk_simple_gla gated, the plain product without decay) and compiled
+    FlexAttention (blocks of 128, windows of 128 + 4 sinks) against the batched PyTorch layer in float32: outputs and
+    gradients within 2^-7 (fp32: tf32 dots) / 2^-5 (bf16) normwise; 'auto' takes 'fla' for the layer."""
     monkeypatch.delenv(ENV_VAR, raising=False)
+    why = backend_mod.fla_gated_refusal(torch.device("cuda")) if gated else None
+    if why:  # fla-core's own guard stops a gated layer's backward here (an H200 with Triton 3.6.0, 2026-11-26)
+        pytest.skip(f"the gated layer is kept off fla-core on this GPU: {why}")
     opts = {**LONG, "window": 128, "sinks": 4, "decay_horizon": 256.0, "feature_proj": 64}
+    if not gated:
+        opts = {k: v for k, v in opts.items() if k not in ("decay", "decay_horizon")}
     cfg = PolyAttnConfig(**opts)
     mod = PolyAttention(cfg, 8, 64, 4, layer_idx=1).cuda()
     with torch.no_grad():
