@@ -64,7 +64,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # options of the kernel benchmark only (their defaults are None / False)
 KERNEL_ONLY = ("kinds", "bidirectional", "heads", "head_dim", "timeout")
 # options of the model benchmark only
-MODEL_ONLY = ("base", "batches", "decode_steps", "warmup", "max_tokens")
+MODEL_ONLY = ("base", "batches", "decode_steps", "warmup", "max_tokens", "compile_decode")
 # tokens of the prompt each model prefills once (and decode steps it takes) before the first timed cell
 WARMUP_TOKENS, WARMUP_STEPS = 64, 2
 NAMES = ("base", "retrofit")
@@ -493,6 +493,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int_at_least(0),
                    help=f"untimed decode steps before the timed ones (default: {cpu['warmup']} on CPU, "
                         f"{cuda['warmup']} on CUDA)")
+    for flag in ("--compile-decode", "--compile_decode"):
+        g.add_argument(flag, dest="compile_decode", action="store_true", default=None,
+                       help=argparse.SUPPRESS if "_" in flag else
+                       "decode the retrofit's windowed kernel heads with torch.compile (hf_polyattn.compile_decode); "
+                       "the warm-up steps absorb the compiling")
     for flag in ("--max-tokens", "--max_tokens"):
         g.add_argument(flag, dest="max_tokens", type=int_at_least(1),
                        help=argparse.SUPPRESS if "_" in flag else
@@ -545,6 +550,7 @@ def resolve(parser, args) -> argparse.Namespace:
         parser.error(f"{', '.join(given)}: options of the attention-kernel benchmark (without --model); the "
                      "whole-model benchmark runs the models' own attention")
     args.lengths = flat(args.lengths)
+    args.compile_decode = bool(args.compile_decode)
     args.model = _checkpoint_dir(parser, "--model", args.model)
     if args.base is not None:
         args.base = _checkpoint_dir(parser, "--base", args.base)
@@ -577,6 +583,10 @@ def load_pair(args):
                                f"causal LM: {(str(err).splitlines() or [type(err).__name__])[0]}")
 
     model = load(args.model)
+    if args.compile_decode:
+        from .integration import compile_decode
+
+        compile_decode(model)
     if args.base is None:
         base, label = load(args.model, attn_implementation="sdpa"), (
             f"{args.model} with softmax attention (sdpa; its polyattn settings ignored)")
@@ -607,9 +617,10 @@ def run(args, *, command: str) -> int:
     cfg = get_polyattn_config(model)
     label = cfg.spec.table_label(cfg)  # names the softmax kv heads too
     mem_text, mem_data = memory_table(model, base)
-    tag = f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
+    tag = (f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
+           + ("-compiled" if args.compile_decode else ""))
     settings = {k: getattr(args, k) for k in ("device", "dtype", "threads", "lengths", "batches", "repeats",
-                                              "decode_steps", "warmup", "max_tokens")}
+                                              "decode_steps", "warmup", "max_tokens", "compile_decode")}
     settings.update(model=str(args.model), base=str(args.base) if args.base else None, base_label=base_label,
                     polyattn=cfg.to_dict(), warmup_prefill_tokens=WARMUP_TOKENS, warmup_decode_steps=WARMUP_STEPS)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -632,7 +643,8 @@ def run(args, *, command: str) -> int:
             f"Load average before: {load_before}; after: {load_after}; {others_text}",
             f"Retrofit: {args.model}: {label}. Base: {base_label}.",
             f"{args.dtype}, {args.threads} threads; prefill best of {args.repeats} (repeats alternate the models); "
-            f"decode median of {args.decode_steps} steps after {args.warmup} untimed, steps alternating the models; "
+            f"decode median of {args.decode_steps} steps after {args.warmup} untimed, steps alternating the models"
+            f"{' (the retrofit compiled: --compile-decode)' if args.compile_decode else ''}; "
             f"warm-up: a {WARMUP_TOKENS}-token prefill and {WARMUP_STEPS} decode steps per model before the first "
             f"cell; cells with batch x length > {args.max_tokens} skipped; peak memory: "
             f"{rows[0]['memory_method'] if rows else '-'}.",

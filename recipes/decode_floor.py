@@ -2,7 +2,7 @@
 step with no attention at all.
 
     python recipes/decode_floor.py MODEL_DIR --base BASE [--lengths 4096 16384] [--steps 16] [--threads 2]
-                                   [--compile-ring] [--out DIR]
+                                   [--compile-decode] [--out DIR]
 
 Per prompt length, interleaved decoding steps (median of ``--steps`` after 3 untimed, fp32, batch 1) of:
 
@@ -12,8 +12,8 @@ Per prompt length, interleaved decoding steps (median of ``--steps`` after 3 unt
   is not touched): what the step costs outside attention (the weights' matmuls, norms, MLP, RoPE, transformers'
   glue). No attention change can make the retrofit's step faster than this, so base / floor is the most any
   attention can give on this machine, and retrofit - floor is what the retrofit's attention costs now;
-* with ``--compile-ring``, ``compiled``: the retrofit with the windowed kernel heads' step (``ops.decode.ring_step``)
-  under ``torch.compile(dynamic=True)`` (its first steps compile: they are timed apart, as ``warm-up``).
+* with ``--compile-decode``, ``compiled``: the retrofit with the windowed kernel heads' step under ``torch.compile``
+  (``hf_polyattn.compile_decode``; its first steps compile: they are timed apart, as ``warm-up``).
 
 Printed and written to ``--out``/decode_floor.{md,json}`` with the machine and its load.
 """
@@ -54,21 +54,18 @@ def attention_off(model):
 
 
 @contextlib.contextmanager
-def ring_compiled():
-    """``ops.decode.ring_step``, as the kernel layers call it, under ``torch.compile(dynamic=True)``."""
-    import torch
+def decode_compiled(model):
+    """``model``'s windowed kernel heads decode compiled (``hf_polyattn.compile_decode``) inside the block."""
+    import hf_polyattn
 
-    import hf_polyattn.ops.attention as attention
-
-    eager = attention.ring_step
-    attention.ring_step = torch.compile(eager, dynamic=True)
+    hf_polyattn.compile_decode(model, True)
     try:
         yield
     finally:
-        attention.ring_step = eager
+        hf_polyattn.compile_decode(model, False)
 
 
-def measure(models: dict, length: int, steps: int, compile_ring: bool) -> dict:
+def measure(models: dict, length: int, steps: int, compile_decode: bool) -> dict:
     """Median ms per decoding step of each variant after a ``length``-token prompt, steps interleaved."""
     import torch
 
@@ -78,8 +75,8 @@ def measure(models: dict, length: int, steps: int, compile_ring: bool) -> dict:
     ids = prompt(1, length, retrofit.get_input_embeddings().num_embeddings, torch.device("cpu"))
     variants = {"base": (base, contextlib.nullcontext), "retrofit": (retrofit, contextlib.nullcontext),
                 "floor": (retrofit, lambda: attention_off(retrofit))}
-    if compile_ring:
-        variants["compiled"] = (retrofit, ring_compiled)
+    if compile_decode:
+        variants["compiled"] = (retrofit, lambda: decode_compiled(retrofit))
     state, times, warm = {}, {name: [] for name in variants}, {}
     with torch.no_grad():
         for name, (model, ctx) in variants.items():
@@ -100,7 +97,7 @@ def measure(models: dict, length: int, steps: int, compile_ring: bool) -> dict:
                     times[name].append((time.perf_counter() - t) * 1e3)
                 state[name] = (token, cache)
     row = {"length": length, **{f"{k}_ms": statistics.median(v) for k, v in times.items()}}
-    if compile_ring:
+    if compile_decode:
         row["compiled_warmup_s"] = warm["compiled"]
     return row
 
@@ -112,7 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compile-ring", action="store_true")
+    p.add_argument("--compile-decode", action="store_true")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "decode_floor")
     args = p.parse_args(argv)
 
@@ -129,12 +126,12 @@ def main(argv=None) -> int:
               "base": AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
                                                            attn_implementation="sdpa").eval()}
     load_before = os.getloadavg()
-    rows = [measure(models, n, args.steps, args.compile_ring) for n in args.lengths]
+    rows = [measure(models, n, args.steps, args.compile_decode) for n in args.lengths]
     load_after = os.getloadavg()
-    cols = ["base", "retrofit", "floor"] + (["compiled"] if args.compile_ring else [])
+    cols = ["base", "retrofit", "floor"] + (["compiled"] if args.compile_decode else [])
     cmd = (f"python recipes/decode_floor.py {args.model} --base {args.base} --lengths "
            f"{' '.join(map(str, args.lengths))} --steps {args.steps} --threads {args.threads}"
-           + (" --compile-ring" if args.compile_ring else ""))
+           + (" --compile-decode" if args.compile_decode else ""))
     lines = [f"`{cmd}`", "",
              f"Machine: {machine.summary()}, fp32, batch 1; load average before "
              f"{load_before[0]:.2f}, after {load_after[0]:.2f}; median of {args.steps} interleaved steps after 3 "
@@ -146,7 +143,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['length']} | " + " | ".join(f"{r[c + '_ms']:.1f}" for c in cols)
                      + f" | {r['base_ms'] / r['retrofit_ms']:.2f}x | {r['base_ms'] / r['floor_ms']:.2f}x"
                      f" | {r['retrofit_ms'] - r['floor_ms']:.1f} |")
-    if args.compile_ring:
+    if args.compile_decode:
         lines += ["", "compiled: first 3 steps (compiling) "
                   + ", ".join(f"{r['compiled_warmup_s']:.1f} s at {r['length']}" for r in rows)]
     text = "\n".join(lines) + "\n"

@@ -82,6 +82,19 @@ def test_without_base_the_same_weights_run_softmax(dirs, tmp_path, capsys):
     assert row["base"]["cache_bytes"] == 2 * LAYERS * KV_HEADS * HEAD_DIM * 4 * 16
 
 
+def test_compile_decode_runs_the_retrofit_compiled_and_says_so(dirs, tmp_path, capsys):
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    assert _bench(dirs, tmp_path, "--quick", "--lengths", "16", "--compile-decode") == 0
+    assert counters["stats"]["unique_graphs"] > before  # the ring's step was captured and compiled
+    assert "(the retrofit compiled: --compile-decode)" in capsys.readouterr().out
+    data = json.loads((tmp_path / "cpu-fp32-quick-compiled.json").read_text())
+    assert data["settings"]["compile_decode"] is True and data["rows"][0]["retrofit"]["decode_median_ms"] > 0
+    assert cli_main(["bench", "--compile-decode", "--out", str(tmp_path / "never")]) == 2  # whole model only
+    assert "--compile-decode: options of the whole-model benchmark" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, names", [
     (["--lengths", "0"], "--lengths"),
     (["--lengths", "12,-3"], "--lengths"),

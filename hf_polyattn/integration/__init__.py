@@ -7,7 +7,7 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 
 from .cache import PolyAttnCache, PolyAttnCacheLayer, decode_memory
 from .compatibility import cache_kwargs, returned_cache
-from .convert import convert, get_polyattn_config, reconfigure
+from .convert import compile_decode, convert, get_polyattn_config, reconfigure
 from .hub import write_model_card
 from .layout import layer_layout
 from .registry import register_all
@@ -20,6 +20,7 @@ __all__ = [
     "PolyAttnCache",
     "PolyAttnCacheLayer",
     "cache_kwargs",
+    "compile_decode",
     "convert",
     "decode_memory",
     "get_polyattn_config",

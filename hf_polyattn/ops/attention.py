@@ -49,7 +49,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     work_dtype,
 )
 from .conv import ShortConv
-from .decode import WindowRing, from_recurrent, ring_step, ring_supported
+from .decode import WindowRing, compiled_ring_step, from_recurrent, ring_step, ring_supported
 from .feature_maps import FeatureMap
 from .flex import layer_backend
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
@@ -147,6 +147,10 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
 
     # the exact kernel on every pair, no feature product (ExactPolynomialAttention)
     exact_everywhere = False
+
+    # a decoding step on a WindowRing runs ops.decode.compiled_ring_step instead of ring_step
+    # (hf_polyattn.compile_decode; a runtime choice, not a setting: never saved)
+    compile_decode: bool = False
 
     def __new__(cls, config=None, *args, **kwargs):
         if cls is PolyAttention and isinstance(config, PolyAttnConfig):
@@ -428,7 +432,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
             sink_q, seen = self.rope.rotate_by(q5, min(0, cfg.window + cfg.sinks - 1 - ring.length)), None
         else:
             sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
-        out = ring_step(self, q5, key, value, key_padding_mask, scale, ring, sink_q)
+        step = compiled_ring_step() if self.compile_decode else ring_step
+        out = step(self, q5, key, value, key_padding_mask, scale, ring, sink_q)
         if seen is not None:
             ring.seen = seen
         return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(query.dtype), ring

@@ -222,3 +222,29 @@ def test_rotate_by_one_delta_is_rotate(layout):
         x = torch.randn(2, 3, 4, 1, 16).to(dtype)
         for delta in (0, -5, -700, 3, -5):
             assert torch.equal(rot.rotate_by(x, delta), rot.rotate(x, torch.tensor(delta))), (dtype, delta)
+
+
+@pytest.mark.parametrize("name", ["linear-sinks-window-position", "hybrid"])
+def test_compiled_ring_step_equals_the_eager_one(name):
+    """``compile_decode``: the ring's step under torch.compile gives the eager step's outputs token by token (left
+    padding in row 0, a sink still filling there), and it did run compiled (dynamo captured graphs)."""
+    from torch._dynamo.utils import counters
+
+    pa = _module(CONFIGS[name])
+    q, k, v = _inputs(b=2)
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[0, :5] = False
+    eager, _ = _decode(pa, q, k, v, mask)
+    for m in pa.modules():
+        if hasattr(m, "compile_decode"):
+            m.compile_decode = True
+    before = counters["stats"]["unique_graphs"]
+    try:
+        compiled, state = _decode(pa, q, k, v, mask)
+    finally:
+        for m in pa.modules():
+            if hasattr(m, "compile_decode"):
+                m.compile_decode = False
+    assert counters["stats"]["unique_graphs"] > before
+    assert isinstance(_kernel_state(state), WindowRing)
+    torch.testing.assert_close(compiled, eager, rtol=1e-9, atol=1e-10)
