@@ -30,9 +30,11 @@ def main() -> int:
                          "Attention kernels at 32k on an Intel Xeon (2 cores; SDPA 2x faster than on the AMD EPYC)"),
                         ("benchmark_attention_window", "Attention kernels with the sliding window (window=128)"),
                         ("benchmark_backends", "Causal-product backends: the block loop vs the batched form"),
-                        ("benchmark_decode", "Generation: decode step against SDPA + DynamicCache")):
+                        ("benchmark_decode", "Generation: decode step against SDPA + DynamicCache"),
+                        ("decode_floor", "Whole-model decoding against its base and against the same step with no "
+                                         "attention (recipes/decode_floor.py; one folder per model)")):
         folder = RESULTS / name
-        tables = sorted(p for p in folder.glob("*.md") if "quick" not in p.name) if folder.exists() else []
+        tables = sorted(p for p in folder.rglob("*.md") if "quick" not in p.name) if folder.exists() else []
         if tables:
             parts.append(f"## {title}\n")
             parts += [p.read_text().strip() + "\n" for p in tables]

@@ -800,7 +800,7 @@ class Retrofit:
         model.train(was_training)
         del base
         text = (f"Speed against the base checkpoint ({self.model_path}, SDPA + DynamicCache), batch 1, "
-                f"{torch.get_num_threads()} threads, on {summary()} (hf-polyattn bench --model; load average "
+                f"on {summary()} (hf-polyattn bench --model; load average "
                 f"{os.getloadavg()[0]:.2f}):\n\n{bench_model.markdown(rows)}")
         if self.acc.is_main_process:
             (self.out / "speed.md").write_text(text + "\n")
