@@ -113,6 +113,11 @@ case "${1:-}" in
       timeout "$STEP_S" python -m hf_polyattn.cli bench --model "/tmp/random_$name" --device cuda \
         --lengths 4096 32768 --batches 1 --decode-steps 16 --warmup 3 --repeats 2 --out "$OUT/model_$name" \
         2>&1 | tail -16
+      # the same with the windowed heads' decoding step compiled (hf_polyattn.compile_decode; the second run's
+      # decode was 0.33x the base, bound by launching about 8,000 more small operations a step)
+      timeout "$STEP_S" python -m hf_polyattn.cli bench --model "/tmp/random_$name" --device cuda --compile-decode \
+        --lengths 4096 32768 --batches 1 --decode-steps 16 --warmup 3 --repeats 1 --out "$OUT/model_$name" \
+        2>&1 | tail -8
     done
     # where the time goes: host time against GPU kernel time per decoding step and per prefill (the first run's
     # decode took 63-67 ms a token for both models at every length: launch-bound, SECTION_gpu_h200.md)

@@ -183,7 +183,7 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
 def compile_decode(model: nn.Module, enabled: bool = True) -> int:
     """Decode ``model``'s windowed kernel heads with ``torch.compile`` (``enabled``) or eagerly (the default): every
     kernel layer's one-token step on its ring buffers (``ops.decode.ring_step``) runs compiled, which fuses its
-    hundred small operations a layer; the first decoding steps compile (about 9 s for the demo's model on a 2-core
+    small operations; the first decoding steps compile (about 9 s for the demo's model on a 2-core
     CPU) and a later shape or branch compiles again. Same arithmetic: tested token by token against the eager step.
     Measured on the demo's model, 2-core CPU: 2-5 % off a decoding step at 4k / 16k tokens
     (recipes/results/decode_floor/demo). In place; returns how many layers changed. ``ValueError`` for a model

@@ -354,6 +354,10 @@ class RetrofitArgs:
         e = self.eval
         if e.speed_lengths is None:
             return None
+        if self.train.fsdp:
+            raise ValueError("--speed_lengths with --fsdp: the bench times one whole model in one process, and a "
+                             "sharded model is in pieces; time the saved folder instead: hf-polyattn bench --model "
+                             "OUTPUT_DIR/model --base MODEL")
         if self.model.task != "causal_lm" or self.model.kind == SOFTMAX:
             raise ValueError("--speed_lengths times a retrofitted causal LM against its base: task must be "
                              f"'causal_lm' and the attention a polyattn kind (got {self.model.task!r}, "
@@ -792,21 +796,23 @@ class Retrofit:
         from ..machine import summary
 
         lengths = self.args.speed_lengths()
-        model = self.acc.unwrap_model(self.model)
-        base = load_model(self.model_path, task="causal-lm", dtype=next(model.parameters()).dtype,
-                          attn_implementation="sdpa").to(self.acc.device).eval()
-        was_training = model.training
-        rows = bench_model.compare(model, base, lengths, batches=(1,), decode_steps=16, warmup=3, repeats=1)
-        model.train(was_training)
-        del base
-        text = (f"Speed against the base checkpoint ({self.model_path}, SDPA + DynamicCache), batch 1, "
-                f"on {summary()} (hf-polyattn bench --model; load average "
-                f"{os.getloadavg()[0]:.2f}):\n\n{bench_model.markdown(rows)}")
-        if self.acc.is_main_process:
+        rows = []
+        if self.acc.is_main_process:  # one process times the models (others would share its cores); the rest wait
+            model = self.acc.unwrap_model(self.model)
+            base = load_model(self.model_path, task="causal-lm", dtype=next(model.parameters()).dtype,
+                              attn_implementation="sdpa").to(self.acc.device).eval()
+            was_training = model.training
+            rows = bench_model.compare(model, base, lengths, batches=(1,), decode_steps=16, warmup=3, repeats=1)
+            model.train(was_training)
+            del base
+            text = (f"Speed against the base checkpoint ({self.model_path}, SDPA + DynamicCache), batch 1, "
+                    f"on {summary()} (hf-polyattn bench --model; load average "
+                    f"{os.getloadavg()[0]:.2f}):\n\n{bench_model.markdown(rows)}")
             (self.out / "speed.md").write_text(text + "\n")
             (self.out / "speed.json").write_text(json.dumps({"base": str(self.model_path), "rows": rows}, indent=1,
                                                             default=str))
             self.log(text)
+        self.acc.wait_for_everyone()
         self.results["speed"] = rows
         return rows
 

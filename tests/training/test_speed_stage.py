@@ -44,3 +44,9 @@ def test_speed_lengths_needs_a_retrofitted_causal_lm(tiny_dirs, text_file):
     with pytest.raises(ValueError, match="--speed_lengths times a retrofitted causal LM"):
         RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file, attention="softmax", transfer_steps=0,
                            speed_lengths="64")
+
+
+def test_speed_lengths_refuses_a_sharded_run(tiny_dirs, text_file):
+    with pytest.raises(ValueError, match="--speed_lengths with --fsdp"):
+        RetrofitArgs.build(model=tiny_dirs["llama"], data=text_file, attention="linear", speed_lengths="64",
+                           fsdp=True)
