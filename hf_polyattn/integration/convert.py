@@ -171,6 +171,8 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
         fresh.load_state_dict(have)
         fresh.rope = rope
         fresh.softcap = current.softcap
+        if any(getattr(m, "compile_decode", False) for m in current.modules()):  # compile_decode's choice stays
+            compile_decode(fresh)
         built.append((mod, fresh))
     for mod, fresh in built:
         mod.polyattn = fresh

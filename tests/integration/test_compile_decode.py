@@ -34,6 +34,8 @@ def test_generate_compiled_equals_eager(heads):
     assert torch.equal(compiled.sequences, eager.sequences)
     for a, b in zip(compiled.scores, eager.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    hf_polyattn.reconfigure(model, sinks=3)  # new modules: the choice carries over
+    assert all(m.compile_decode for m in model.modules() if isinstance(m, PolyAttention))
     hf_polyattn.compile_decode(model, False)
     assert not any(m.compile_decode for m in model.modules() if isinstance(m, PolyAttention))
 
