@@ -34,6 +34,7 @@ Pure PyTorch: never imports transformers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -197,13 +198,13 @@ def _log_gate(module, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return lg if mask is None else torch.where(mask[:, None, :], lg, 0.0)
 
 
-_COMPILED: dict = {}
 # the shapes and branches one model's layers take (kv heads per layer's kernel part, the ring slot 0 that inductor
 # specialises, a sink still filling, a padded row) gave 6 compiled variants on the demo's model; the default limit
 # of 8 would send a model with more of them back to eager without a word
 _RECOMPILE_LIMIT = 64
 
 
+@functools.cache
 def compiled_ring_step():
     """``ring_step`` under ``torch.compile(dynamic=True)`` (made once per process): the ring's slot, count and length
     are symbolic, so a decoding step does not recompile as they move. Used by a layer whose ``compile_decode`` is
@@ -211,15 +212,13 @@ def compiled_ring_step():
     project's 2-core CPU it made the demo's decoding step 2-5 % faster at 4k / 16k tokens after about 9 s of
     compiling (recipes/results/decode_floor/demo): guard checks and the compiled graph's own dispatch cost about as
     much as the eager step's small operations."""
-    if "ring_step" not in _COMPILED:
-        import torch._dynamo
+    import torch._dynamo
 
-        for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch releases
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
-                break
-        _COMPILED["ring_step"] = torch.compile(ring_step, dynamic=True)
-    return _COMPILED["ring_step"]
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch releases
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
+            break
+    return torch.compile(ring_step, dynamic=True)
 
 
 def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
