@@ -9,7 +9,8 @@ not its arithmetic (a 2-core CPU spent about half of a decoding step outside the
 ``WindowRing`` keeps the same information in fixed-size buffers written in place:
 
 * ``keys`` / ``vext`` (B, Hkv, S + W, d) and (.., d + 1): S sink slots, then a ring of W window slots (the model's
-  own keys and their [v, 1]; zero rows at empty or padded slots), ``valid`` (B, S + W) which slots hold a real key;
+  own keys and their [v, 1]; zero keys and zero [v, 1] rows at empty or padded slots, so a step reads every slot
+  without a mask), ``valid`` (B, S + W) which slots hold a real key;
 * ``logg`` (B, Hkv, W): the log-gates of the ring's keys (``decay``), stored once when the key arrives instead of
   recomputed from the values every token;
 * ``kv`` (B, Hkv, F, d + 1): the kernel state, referenced at the last folded key exactly as ``RecurrentState.kv``,
@@ -35,12 +36,13 @@ Pure PyTorch: never imports transformers.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .common import _safe_divide, soft_cap
-from .local import far_scale
+from .common import soft_cap
+from .sketches import project
 from .sparse import pending_log, ring_leave, sparse_from_recurrent, sparse_to_recurrent
 from .state import RecurrentState
 
@@ -157,10 +159,12 @@ def from_recurrent(module, state: RecurrentState, batch: int, device, work: torc
         kv = state.kv.to(work).squeeze(2).expand(batch, -1, -1, -1).clone()
 
     def put(at: slice, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor) -> None:
-        keys[:, :, at] = k.to(work)
+        # a padded key as an empty slot: a zero key and a zero [v, 1] (``ring_step``)
+        keep = real[:, None, :, None].to(work)
+        keys[:, :, at] = k.to(work) * keep
         vext[:, :, at, :d] = v.to(work)
         vext[:, :, at, d] = 1.0
-        vext[:, :, at] *= real[:, None, :, None].to(work)
+        vext[:, :, at] *= keep
         valid[:, at] = real
 
     filled = None
@@ -188,14 +192,138 @@ def from_recurrent(module, state: RecurrentState, batch: int, device, work: torc
     return ring
 
 
-def _log_gate(module, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """log g of the new token's values v (B, Hkv, 1, d): ``PolyAttention.log_gates`` for one key, as a product and a
-    sum over d instead of a batched matmul (12 dispatched operations down to 4)."""
-    if module.config.decay != "gate":
+@dataclass
+class _Side:
+    """What maps one side (queries or keys) of a layer to its kernel inputs in a decoding step: the projection as
+    (Hkv, d, d') for one batched matmul over the kv heads (``proj``) or the module's weight for ``project``
+    (``proj_weight``: a batch of sequences, or a weight in another dtype), the q/k LayerNorm's affine as (Hkv, R, d')
+    and its eps."""
+
+    proj: torch.Tensor | None
+    proj_weight: torch.Tensor | None
+    norm_weight: torch.Tensor | None
+    norm_bias: torch.Tensor | None
+    eps: float
+
+
+@dataclass
+class _StepPlan:
+    """A layer's learned tensors and settings as ``ring_step`` reads them, made once per layer, working dtype,
+    device and scale (``_plan``): views of the parameters in the shapes the step multiplies them in, so a step
+    dispatches no reshaping of them, and its settings as plain attributes (a module attribute goes through
+    ``nn.Module.__getattr__``, a parameter's reshaping is a dispatched operation). Views alias the parameters, so
+    an in-place update is read; ``owners`` / ``ptrs`` detect a parameter replaced or moved (``_plan`` then makes a
+    new plan)."""
+
+    key: tuple
+    config: object
+    owners: tuple
+    ptrs: tuple
+    q: _Side
+    k: _Side
+    feature_scale: float | None
+    feature_map: object
+    log_scaled: bool
+    gate_weight: torch.Tensor | None
+    gate_bias: torch.Tensor | None
+    softmax: bool
+    softcap: float | None
+    offset: float
+    window_mix: torch.Tensor | None
+    smallest: float
+
+
+# the smallest positive float32 (float64): a denominator clamped to it is itself wherever it is > 0, and a row whose
+# denominator is 0 (every weight 0, hence every numerator 0: the weights and features are >= 0) reads 0 / it = 0,
+# as ``_safe_divide`` returns, in one operation instead of five
+_SMALLEST = {torch.float32: 2.0 ** -149, torch.float64: 2.0 ** -1074}
+
+
+def _plan(module, work: torch.dtype, device: torch.device, scale: float) -> _StepPlan:
+    """The layer's ``_StepPlan`` for this working dtype, device and scale: the cached one while its parameters are
+    the same tensors, else a new one (cached only when every parameter is in the working dtype: a converted copy
+    would not see an in-place update)."""
+    key = (work, device, scale, module.softcap)
+    cfg = module.config
+    plan = module.__dict__.get("_ring_plan")
+    if (plan is not None and plan.key == key and plan.config is cfg and plan.feature_map is module.feature_map
+            and all(owner[name] is t and t.data_ptr() == ptr
+                    for (owner, name, t), ptr in zip(plan.owners, plan.ptrs))):
+        return plan
+    hkv = module.num_kv_heads
+    owners = []
+
+    def param(owner_module, name: str) -> torch.Tensor:
+        t = owner_module._parameters[name]
+        owners.append((owner_module._parameters, name, t))
+        return t.detach().to(device=device, dtype=work)
+
+    def side(is_query: bool) -> _Side:
+        proj = proj_weight = norm_w = norm_b = None
+        eps = 0.0
+        if cfg.feature_proj:
+            proj_weight = module.feature_proj.weight
+            w = param(module.feature_proj, "weight")  # (Hkv, 1, d, d')
+            if proj_weight.dtype == work or device.type != "cuda":  # else ``project``'s tensor-core rule
+                proj = w.view(hkv, w.shape[-2], w.shape[-1])
+        if cfg.qk_norm:
+            norm = module.q_norm if is_query else module.k_norm
+            rows = norm.weight.shape[1]  # G for the queries, 1 for the keys
+            norm_w = param(norm, "weight").view(hkv, rows, -1)
+            norm_b = param(norm, "bias").view(hkv, rows, -1)
+            eps = norm.eps
+        return _Side(proj, proj_weight, norm_w, norm_b, eps)
+
+    gate_w = gate_b = mix = None
+    if cfg.decay == "gate":
+        gate_w = param(module, "gate_weight").view(hkv, -1, 1)
+        gate_b = param(module, "gate_bias").view(hkv, 1, 1)
+    if cfg.window_mix:
+        mix = param(module, "window_mix").view(hkv, module.groups, 1)
+    fmap = module.feature_map
+    plan = _StepPlan(key, cfg, tuple(owners), tuple(t.data_ptr() for _, _, t in owners), side(True), side(False),
+                     math.sqrt(scale) if fmap.scaled_inputs else None, fmap, fmap.log_scaled, gate_w, gate_b,
+                     cfg.resolved_local_kernel == "softmax", module.softcap, float(cfg.denominator_offset), mix,
+                     _SMALLEST[work])
+    if all(t.dtype == work and t.device == device for _, _, t in owners):
+        module.__dict__["_ring_plan"] = plan
+    return plan
+
+
+def _log_gate(module, plan: _StepPlan, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """log g of the new token's values v (B, Hkv, 1, d) as (B, Hkv, 1): ``PolyAttention.log_gates`` for one key; for
+    one sequence the gate's dot product and bias as one batched multiply-add over the kv heads (12 dispatched
+    operations down to 2)."""
+    if plan.gate_weight is None:
         return module.log_gates(v.unsqueeze(2), mask).squeeze(2)
-    z = (v * module.gate_weight.to(v.dtype).unsqueeze(1)).sum(-1) + module.gate_bias.to(v.dtype).unsqueeze(-1)
-    lg = torch.nn.functional.logsigmoid(z)  # (B, Hkv, 1)
+    b, hkv, _, d = v.shape
+    if b == 1:
+        z = torch.baddbmm(plan.gate_bias, v.view(hkv, 1, d), plan.gate_weight).view(1, hkv, 1)
+    else:
+        z = (v * plan.gate_weight.view(1, hkv, 1, d)).sum(-1) + plan.gate_bias.view(1, hkv, 1)
+    lg = torch.nn.functional.logsigmoid(z)
     return lg if mask is None else torch.where(mask[:, None, :], lg, 0.0)
+
+
+def _features(plan: _StepPlan, side: _Side, x: torch.Tensor, is_query: bool):
+    """(features (B, Hkv, R, F), FAVOR+'s query log scale (B, Hkv, R, 1) or None) of R rows x (B, Hkv, R, d) of one
+    side in the working dtype: ``kernel_input`` (projection, then the q/k LayerNorm), ``_feature_inputs`` and the
+    feature map, with the projection of one sequence as one batched matmul over the kv heads (a broadcast 5-D
+    matmul dispatched five operations for it) and the LayerNorm's affine as one multiply-add."""
+    b, hkv, rows, _ = x.shape
+    if side.proj is not None and b == 1:
+        x = torch.bmm(x.view(hkv, rows, -1), side.proj).view(1, hkv, rows, -1)
+    elif side.proj_weight is not None:
+        x = project(x.unsqueeze(3), side.proj_weight).squeeze(3)
+    if side.norm_weight is not None:
+        x = torch.addcmul(side.norm_bias, torch.layer_norm(x, x.shape[-1:], None, None, side.eps), side.norm_weight)
+    if plan.feature_scale is not None:
+        x = x * plan.feature_scale
+    x = x.unsqueeze(3)  # the maps take the 5-D layout (B, Hkv, R, L, d)
+    if is_query and plan.log_scaled:
+        f, log_scale = plan.feature_map.forward_with_log_scale(x, True)
+        return f.squeeze(3), log_scale.view(b, hkv, rows, 1)
+    return plan.feature_map(x, is_query).squeeze(3), None
 
 
 # the shapes and branches one model's layers take (kv heads per layer's kernel part, the ring slot 0 that inductor
@@ -227,14 +355,17 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     q5 (B, Hkv, G, 1, d) the model's own query in the working dtype, key/value (B, Hkv, 1, d) the new token's as the
     model gave them, ``mask`` (B, 1) bool or None, ``sink_q`` the query re-rotated for the sinks (``Sinks.q``) or
-    None. The module's maps (features, q/k maps, gates) take the 5-D layout (B, Hkv, G, L, d) they are written for;
-    the products run on 4-D views, a kv head's G queries as the rows of one matmul (a 5-D broadcast over G copied the
-    keys G times).
+    None. The products run on 3-D views (B Hkv, rows, cols), a kv head's G queries as the rows of one matmul (a 5-D
+    broadcast over G copied the keys G times). A slot that holds no real key (never written, a padded key, a sink
+    not yet filled) holds a zero key and a zero [v, 1] row: it adds nothing to a numerator or a denominator, and its
+    score 0 leaves the softmax stabiliser (the row max clamped at 0) as it is, so the plain ring reads every slot
+    without a mask (a masked fill and its index per layer and token); the sparse cache's slots keep their mask.
     """
-    cfg = module.config
-    s, w, d = ring.sinks, ring.window, module.head_dim
-    b, hkv, g = q5.shape[:3]
+    b, hkv, g, _, d = q5.shape
+    s, w = ring.sinks, ring.window
     work = q5.dtype
+    plan = _plan(module, work, q5.device, scale)
+    bh, e = b * hkv, ring.vext.shape[-1]
     k_new, v_new = key.to(work), value.to(work)  # (B, Hkv, 1, d)
     slot = s + ring.extra + ring.head
     n_slots = ring.keys.shape[2]
@@ -256,64 +387,71 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if ring.extra:  # into the block waiting for the sparse cache's selection instead (a sink too, for its gate)
             ring_leave(module, ring, slot, is_sink, scale)
         else:
-            feats = module.feature_map(module._feature_inputs(module.kernel_input(k_old.unsqueeze(2), False),
-                                                              scale), False)  # (B, Hkv, 1, 1, F)
-            add = feats.view(b, hkv, -1, 1) * vx_old  # the outer product phi(k)^T [v 1]: (B, Hkv, F, d + 1)
+            feats, _ = _features(plan, plan.k, k_old, False)  # (B, Hkv, 1, F)
+            kv = ring.kv.view(bh, -1, e)
             if ring.logg is not None:  # the reference moves to the folded key: the state decays by its gate
-                ring.kv.mul_(torch.exp(ring.logg.narrow(2, ring.head, 1)).unsqueeze(-1)).add_(add)
-            else:
-                ring.kv.add_(add)
-    # the new key takes the slot
-    ring.keys.narrow(2, slot, 1).copy_(k_new)
+                ring.kv.mul_(ring.logg.narrow(2, ring.head, 1).exp().unsqueeze(-1))
+            # the outer product phi(k)^T [v 1] added in place: (B Hkv, F, 1) x (B Hkv, 1, d + 1)
+            kv.baddbmm_(feats.reshape(bh, 1, -1).transpose(1, 2), vx_old.reshape(bh, 1, e))
+    # the new key takes the slot (a padded key as a zero key: the docstring's empty slot)
     vx = ring.vext.select(2, slot)
     if mask is None:
+        ring.keys.narrow(2, slot, 1).copy_(k_new)
         vx.narrow(-1, 0, d).copy_(v_new.squeeze(2))
         vx.select(-1, d).fill_(1.0)
         ring.valid.select(1, slot).fill_(True)
     else:
         real = mask.to(work)  # (B, 1)
+        ring.keys.narrow(2, slot, 1).copy_(k_new * real[:, :, None, None])
         vx.narrow(-1, 0, d).copy_(v_new.squeeze(2) * real[:, :, None])
         vx.select(-1, d).copy_(real)
         ring.valid.select(1, slot).copy_(mask.squeeze(1))
     if ring.logg is not None:
-        ring.logg.narrow(2, ring.head, 1).copy_(_log_gate(module, v_new, mask))
+        ring.logg.narrow(2, ring.head, 1).copy_(_log_gate(module, plan, v_new, mask))
     ring.head = (ring.head + 1) % w
     ring.count = min(ring.count + 1, w)
     ring.length += 1
-    # exact part: the sinks (scored by the re-rotated query when given) and the window's keys, one normaliser; the
-    # products as batched matmuls over (B Hkv) on 3-D views (a 4-D matmul dispatched twice the operations)
-    bh, e = b * hkv, ring.vext.shape[-1]
+    # exact part: the sinks (scored by the re-rotated query when given) and the window's keys, one normaliser
     kt = ring.keys.view(bh, n_slots, d).transpose(1, 2)  # (B Hkv, d, S + W)
     x = torch.bmm(q5.reshape(bh, g, d), kt)  # (B Hkv, G, S + W)
     if s and sink_q is not None:
         x.narrow(2, 0, s).copy_(torch.bmm(sink_q.reshape(bh, g, d), kt.narrow(2, 0, s)))
-    x = x.view(b, hkv, g, n_slots) * scale
-    if cfg.resolved_local_kernel == "softmax":  # exact_weights' softmax: exp(x - m), m = the row max clamped at 0
-        x = torch.where(ring.valid[:, None, None, :], soft_cap(x, module.softcap), float("-inf"))  # and its cap
+    x = x.view(b, hkv, g, n_slots).mul_(scale)
+    allowed = ring.valid[:, None, None, :] if ring.extra else None
+    if plan.softmax:  # exact_weights' softmax: exp(x - m), m = the row max clamped at 0
+        x = soft_cap(x, plan.softcap)  # and its cap
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
         m = x.amax(dim=-1, keepdim=True).clamp_min_(0.0)
-        weights, log_far = torch.exp(x - m), -m
+        weights, log_far = x.sub_(m).exp_(), None  # the far part's factor exp(-m) joins the others below
     else:
-        weights, log_far = module.exact_weights(x, ring.valid[:, None, None, :], cfg.resolved_local_kernel)
-    num = torch.bmm(weights.view(bh, g, n_slots), ring.vext.view(bh, n_slots, e))  # (B Hkv, G, d + 1)
-    # kernel part: the state, decayed by the gates of every key after the folded one (the ring's keys)
-    fq = module._feature_inputs(module.kernel_input(q5, True), scale)
-    q_log_scale = None
-    if module.feature_map.log_scaled:
-        fq, q_log_scale = module.feature_map.forward_with_log_scale(fq, True)
-        q_log_scale = q_log_scale.view(b, hkv, g, 1)
-    else:
-        fq = module.feature_map(fq, True)
+        weights, log_far = module.exact_weights(x, allowed, module.config.resolved_local_kernel)
+        m = None
+    num = torch.bmm(weights.view(bh, g, n_slots), ring.vext.view(bh, n_slots, e)).view(b, hkv, g, e)
+    # kernel part: the state, decayed by the gates of every key after the folded one (the ring's keys), on the
+    # exact part's scale (exp(-m)), FAVOR+'s query scale and window_mix: one factor, one exp
+    fq, q_log_scale = _features(plan, plan.q, q5.squeeze(3), True)
     far = torch.bmm(fq.reshape(bh, g, -1), ring.kv.view(bh, -1, e)).view(b, hkv, g, e)
-    num = num.view(b, hkv, g, e)
-    factor = far_scale(log_far, q_log_scale)
+    logs = [t for t in (log_far, q_log_scale) if t is not None]
     if ring.logg is not None:
         total = ring.logg.sum(-1)
         if ring.extra:  # and the gates of the block waiting for selection
             total = total + pending_log(ring)
-        decay = torch.exp(total)[..., None, None]  # (B, Hkv, 1, 1)
-        factor = decay if factor is None else factor * decay
-    if cfg.window_mix:
-        mix = module.window_mix.abs().to(work).view(hkv, g, 1)
+        logs.append(total.view(b, hkv, 1, 1))
+    log_factor = None
+    for t in logs:
+        log_factor = t if log_factor is None else log_factor + t
+    if m is not None:
+        log_factor = -m if log_factor is None else log_factor - m
+    factor = None if log_factor is None else log_factor.exp()
+    if plan.window_mix is not None:
+        mix = plan.window_mix.abs()
         factor = mix if factor is None else factor * mix
-    num = num + (far if factor is None else far * factor)
-    return _safe_divide(num[..., :d], num[..., d:] + cfg.denominator_offset)
+    if factor is None:
+        num.add_(far)
+    else:
+        num.addcmul_(far, factor)
+    den = num[..., d:]
+    if plan.offset:
+        den = den + plan.offset
+    return num[..., :d] / den.clamp_min(plan.smallest)

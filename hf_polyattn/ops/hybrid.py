@@ -245,6 +245,13 @@ class HybridAttention(AttentionBase):
                        "kernel_q": self.kernel_query_heads, "kernel_kv": self.kernel_kv_heads,
                        "merge": tuple(order.index(h) for h in range(num_heads))}
         self._indices: dict[tuple[str, torch.device], torch.Tensor] = {}
+        # softmax heads at one end of the layer's kv heads (13 of the demo's 14 hybrid layers): a decoding step
+        # splits the heads as views and merges them with one cat, 8 dispatched operations fewer than the index
+        # selects and the merge's reordering (``split`` / ``merge``); None: the heads interleave
+        self._softmax_first = None
+        if self.kernel_kv_heads and (soft[0] == 0 or soft[-1] == self.num_kv_heads - 1) \
+                and soft == tuple(range(soft[0], soft[0] + len(soft))):
+            self._softmax_first = soft[0] == 0
 
     @property
     def num_features(self) -> int:
@@ -310,6 +317,14 @@ class HybridAttention(AttentionBase):
         """((q, k, v) of the softmax heads, (q, k, v) of the kernel heads or None without a kernel module)."""
         if self.kernel is None:
             return (query, key, value), None
+        if self._softmax_first is not None and query.shape[2] == 1:
+            g, ns, nk = self.groups, len(self.softmax_kv_heads), len(self.kernel_kv_heads)
+            at_s, at_k = (0, ns) if self._softmax_first else (nk, 0)
+
+            def views(at: int, n: int):
+                return query.narrow(1, at * g, n * g), key.narrow(1, at, n), value.narrow(1, at, n)
+
+            return views(at_s, ns), views(at_k, nk)
         dev = query.device
 
         def heads(part: str):
@@ -322,7 +337,10 @@ class HybridAttention(AttentionBase):
         """The layer's (B, H, Lq, D) output in head order from the softmax heads' and the kernel heads' outputs."""
         if kernel is None:
             return exact
-        return torch.cat([exact, kernel.to(exact.dtype)], dim=1).index_select(1, self.index("merge", exact.device))
+        kernel = kernel.to(exact.dtype)
+        if self._softmax_first is not None and exact.shape[2] == 1:  # ``split``'s views
+            return torch.cat([exact, kernel] if self._softmax_first else [kernel, exact], dim=1)
+        return torch.cat([exact, kernel], dim=1).index_select(1, self.index("merge", exact.device))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
                 scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,

@@ -35,6 +35,9 @@ CONFIGS = {
     "polysketch-polynomial-window": dict(kind="polysketch", sketch_size=4, window=6, local_kernel="polynomial"),
     "performer": dict(kind="performer", num_features=16, window=6, sinks=2),
     "hybrid": dict(kind="linear", window=6, sinks=2, decay="gate", window_mix=True, softmax_heads=[(0, 1)]),
+    # the long-context recipe's kernel heads
+    "linear-recipe": dict(kind="linear", window=6, sinks=2, decay="gate", window_mix=True, feature_proj=D,
+                          qk_norm=True),
 }
 
 
@@ -70,10 +73,11 @@ def _kernel_state(state):
     return state.kernel if isinstance(state, HybridState) else state
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # one sequence takes the step's batched matmuls over the kv heads
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_ring_decoding_equals_the_whole_sequence_and_the_generic_step(name):
+def test_ring_decoding_equals_the_whole_sequence_and_the_generic_step(name, batch):
     pa = _module(CONFIGS[name])
-    q, k, v = _inputs()
+    q, k, v = _inputs(b=batch)
     with torch.no_grad():
         full = pa(q, k, v, causal=True)
     ring_out, state = _decode(pa, q, k, v)
@@ -144,6 +148,76 @@ def test_ring_half_precision_is_finite_and_close(dtype):
     with torch.no_grad():
         full = pa(q, k, v, causal=True)
     torch.testing.assert_close(out.float(), full.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("softmax, first", [((0,), True), ((2,), False), ((1,), None), ((0, 1), True),
+                                            ((1, 2), False)])
+def test_hybrid_decoding_splits_any_softmax_heads_layout(softmax, first):
+    """Softmax kv heads at the start or the end of a layer's (a decoding step splits them as views and merges with
+    one cat) or between kernel heads (index selects): the steps equal the whole sequence, row by row, with a
+    left-padded row."""
+    opts = dict(CONFIGS["hybrid"], softmax_heads=[(0, h) for h in softmax])
+    pa = _module(opts, heads=6, kv_heads=3)
+    assert pa._softmax_first is first
+    q, k, v = _inputs(b=2, heads=6, kv_heads=3)
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[0, :5] = False
+    out, _ = _decode(pa, q, k, v, mask)
+    with torch.no_grad():
+        alone = pa(q[:1, :, 5:], k[:1, :, 5:], v[:1, :, 5:], causal=True)
+        other = pa(q[1:], k[1:], v[1:], causal=True)
+    torch.testing.assert_close(out[:1, :, 5:], alone, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(out[1:], other, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("change", ["in_place", "replaced"])
+def test_ring_steps_read_parameters_changed_between_steps(change):
+    """The step keeps views of the layer's parameters (``decode._plan``): a parameter updated in place or replaced
+    by a new one between two steps is what the next step reads, as the generic step (run beside it on a copy of the
+    module with the same change) reads it. The maps of q and k and the window mix change; the gate does not (the
+    ring keeps each window key's log-gate from its arrival, the generic step recomputes them from the values)."""
+    import copy
+
+    opts = dict(kind="linear", window=6, sinks=2, decay="gate", window_mix=True, feature_proj=D, qk_norm=True)
+    ring_pa = _module(opts)
+    generic_pa = copy.deepcopy(ring_pa)
+    q, k, v = _inputs()
+    outs = {}
+    for pa, grad in ((ring_pa, False), (generic_pa, True)):
+        state, out = pa.init_state(), []
+        for s, t in [(0, PREFILL), *((i, i + 1) for i in range(PREFILL, N))]:
+            if s == PREFILL + 9:  # after 8 ring steps
+                with torch.no_grad():
+                    if change == "in_place":
+                        for p in (pa.feature_proj.weight, pa.q_norm.weight, pa.k_norm.bias, pa.window_mix):
+                            p.mul_(1.5)
+                    else:
+                        pa.window_mix = torch.nn.Parameter(pa.window_mix.detach() + 1.0)
+                        pa.q_norm.weight = torch.nn.Parameter(pa.q_norm.weight.detach() * 2.0)
+                        pa.feature_proj.weight = torch.nn.Parameter(pa.feature_proj.weight.detach().flip(-1))
+            with torch.set_grad_enabled(grad):
+                o, state = pa(q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], causal=True, state=state)
+            assert isinstance(state, WindowRing) != grad or s == 0
+            out.append(o.detach())
+        outs[grad] = torch.cat(out, dim=2)
+    torch.testing.assert_close(outs[False], outs[True], rtol=1e-9, atol=1e-10)
+
+
+def test_step_plan_is_cached_only_over_parameters_in_the_working_dtype():
+    from hf_polyattn.ops import decode
+
+    opts = dict(kind="linear", window=6, sinks=2, decay="gate", window_mix=True, feature_proj=D, qk_norm=True)
+    pa = _module(opts, dtype=torch.float32)
+    plan = decode._plan(pa, torch.float32, torch.device("cpu"), 0.5)
+    assert decode._plan(pa, torch.float32, torch.device("cpu"), 0.5) is plan  # cached
+    assert decode._plan(pa, torch.float32, torch.device("cpu"), 0.25) is not plan  # another scale
+    pa.to(torch.float64)  # the parameters moved: a new plan
+    plan64 = decode._plan(pa, torch.float64, torch.device("cpu"), 0.5)
+    assert plan64 is not plan and plan64.gate_weight.dtype == torch.float64
+    assert plan64.gate_weight.data_ptr() == pa.gate_weight.data_ptr()  # a view of the parameter itself
+    half = _module(opts, dtype=torch.bfloat16)  # a converted copy would miss an in-place update: never kept
+    assert decode._plan(half, torch.float32, torch.device("cpu"), 0.5) is not \
+        decode._plan(half, torch.float32, torch.device("cpu"), 0.5)
 
 
 def test_softmax_heads_buffers_grow_with_room_and_stay_exact():
