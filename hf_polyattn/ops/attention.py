@@ -49,7 +49,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     work_dtype,
 )
 from .conv import ShortConv
-from .decode import WindowRing, compiled_ring_step, from_recurrent, ring_step, ring_supported
+from .decode import WindowRing, _plan, compiled_ring_step, from_recurrent, ring_step, ring_supported
 from .feature_maps import FeatureMap
 from .flex import layer_backend
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
@@ -433,7 +433,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         else:
             sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
         step = compiled_ring_step() if self.compile_decode else ring_step
-        out = step(self, q5, key, value, key_padding_mask, scale, ring, sink_q)
+        # the plan is made here, outside a compiled step: its checks read data pointers, which torch.compile
+        # cannot trace
+        out = step(self, q5, key, value, key_padding_mask, scale, ring, sink_q, _plan(self, work, q5.device, scale))
         if seen is not None:
             ring.seen = seen
         return out.reshape(bsz, self.num_heads, 1, self.head_dim).to(query.dtype), ring

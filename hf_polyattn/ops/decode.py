@@ -350,7 +350,8 @@ def compiled_ring_step():
 
 
 def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-              scale: float, ring: WindowRing, sink_q: torch.Tensor | None) -> torch.Tensor:
+              scale: float, ring: WindowRing, sink_q: torch.Tensor | None,
+              plan: _StepPlan | None = None) -> torch.Tensor:
     """One token: the layer's (B, Hkv, G, d) output and ``ring`` updated in place.
 
     q5 (B, Hkv, G, 1, d) the model's own query in the working dtype, key/value (B, Hkv, 1, d) the new token's as the
@@ -364,7 +365,8 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     b, hkv, g, _, d = q5.shape
     s, w = ring.sinks, ring.window
     work = q5.dtype
-    plan = _plan(module, work, q5.device, scale)
+    if plan is None:
+        plan = _plan(module, work, q5.device, scale)
     bh, e = b * hkv, ring.vext.shape[-1]
     k_new, v_new = key.to(work), value.to(work)  # (B, Hkv, 1, d)
     slot = s + ring.extra + ring.head
