@@ -1,7 +1,7 @@
 """Where a decoding step (or a prefill) goes: a retrofit against its own weights on softmax (SDPA + DynamicCache).
 
-    python recipes/profile_model.py MODEL_DIR [--phase decode|prefill] [--length 1024] [--steps 3] [--threads 1]
-                                    [--device cpu|cuda] [--dtype fp32|bf16] [--out DIR]
+    python recipes/profile_model.py MODEL_DIR [--phase decode|prefill] [--length 1024] [--batch 1] [--steps 3]
+                                    [--threads 1] [--device cpu|cuda] [--dtype fp32|bf16] [--out DIR]
 
 Both models run the whole-model bench's own step (``hf-polyattn bench --model``: ``bench_model._step`` into the
 cache ``generate()`` gives each). ``decode``: prefill the same ``--length`` prompt, 3 untimed decoding steps, then
@@ -24,13 +24,13 @@ from pathlib import Path
 MATMULS = ("aten::mm", "aten::addmm")
 
 
-def profile(model, which: str, phase: str, length: int, steps: int, device) -> dict:
+def profile(model, which: str, phase: str, length: int, steps: int, device, batch: int = 1) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from hf_polyattn.bench_model import _new_cache, _step, _sync, prompt
 
-    ids = prompt(1, length, model.get_input_embeddings().num_embeddings, device)
+    ids = prompt(batch, length, model.get_input_embeddings().num_embeddings, device)
     cache = _new_cache(which, model)
     token = _step(model, ids, cache)
     if phase == "decode":
@@ -63,12 +63,16 @@ def main(argv=None) -> int:
     p.add_argument("model", type=Path, help="a retrofitted checkpoint folder")
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     p.add_argument("--length", type=int, default=1024, help="prompt tokens (before the decoding steps)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (the whole-model bench times batch 1 and 8)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "profile_model")
     args = p.parse_args(argv)
+    for name in ("length", "batch", "steps", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -84,17 +88,18 @@ def main(argv=None) -> int:
     for which, kw in (("retrofit", {}), ("base", {"attn_implementation": "sdpa"})):
         model = AutoModelForCausalLM.from_pretrained(
             args.model, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, **kw).to(device).eval()
-        rows[which] = profile(model, which, args.phase, args.length, args.steps, device)
+        rows[which] = profile(model, which, args.phase, args.length, args.steps, device, args.batch)
         del model
     r, b = rows["retrofit"], rows["base"]
     diff = sorted(set(r["calls"]) | set(b["calls"]), key=lambda k: b["calls"].get(k, 0) - r["calls"].get(k, 0))
     where = (f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}" if device.type == "cuda"
              else machine.summary())
-    lines = [f"`python recipes/profile_model.py {args.model} --phase {args.phase} --length {args.length} --steps "
+    lines = [f"`python recipes/profile_model.py {args.model} --phase {args.phase} --length {args.length} --batch "
+             f"{args.batch} --steps "
              f"{args.steps} --threads {args.threads} --device {args.device} --dtype {dtype}`", "",
              f"Machine: {where}; load average before {load_before[0]:.2f}, after "
              f"{os.getloadavg()[0]:.2f} (times depend on it, call counts do not)", "",
-             f"| per {args.phase} step ({args.length} tokens) | retrofit | base (SDPA + DynamicCache) |",
+             f"| per {args.phase} step ({args.batch} x {args.length} tokens) | retrofit | base (SDPA + DynamicCache) |",
              "|---|---:|---:|",
              f"| aten calls | {r['aten_calls']:,.0f} | {b['aten_calls']:,.0f} |",
              f"| weights' matmuls (ms, host self time) | {r['matmul_ms']:.1f} | {b['matmul_ms']:.1f} |",
@@ -109,10 +114,10 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"profile_{args.phase}-{device.type}"
+    tag = f"profile_{args.phase}-{device.type}" + (f"-batch{args.batch}" if args.batch > 1 else "")
     (args.out / f"{tag}.md").write_text(text)
     (args.out / f"{tag}.json").write_text(json.dumps(
-        {"model": str(args.model), "phase": args.phase, "length": args.length, "steps": args.steps,
+        {"model": str(args.model), "phase": args.phase, "length": args.length, "batch": args.batch, "steps": args.steps,
          "threads": args.threads, "device": where, "dtype": dtype, "torch": torch.__version__,
          "load_before": load_before, "rows": rows}, indent=1))
     return 0

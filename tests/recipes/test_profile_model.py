@@ -34,4 +34,15 @@ def test_decode_and_prefill_profiles_name_both_models(tmp_path):
         # the retrofit's layers run the kernel kind: ops the softmax model never calls
         assert record["rows"]["retrofit"]["calls"].get("aten::elu", 0) > 0
         assert "aten::elu" not in record["rows"]["base"]["calls"]
-        assert f"per {phase} step (40 tokens)" in (tmp_path / "out" / f"profile_{phase}-cpu.md").read_text()
+        assert f"per {phase} step (1 x 40 tokens)" in (tmp_path / "out" / f"profile_{phase}-cpu.md").read_text()
+    # a batch of sequences: its own files, the batch recorded; a batch of 0 refused by name
+    done = subprocess.run([sys.executable, RECIPE, str(tmp_path / "retrofit"), "--phase", "prefill", "--length", "24",
+                           "--batch", "3", "--steps", "1", "--out", str(tmp_path / "out")], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "out" / "profile_prefill-cpu-batch3.json").read_text())
+    assert record["batch"] == 3
+    assert "per prefill step (3 x 24 tokens)" in (tmp_path / "out" / "profile_prefill-cpu-batch3.md").read_text()
+    bad = subprocess.run([sys.executable, RECIPE, str(tmp_path / "retrofit"), "--batch", "0"], capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "--batch must be a positive integer, got 0" in bad.stderr
