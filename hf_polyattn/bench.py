@@ -295,7 +295,17 @@ def machine(args, info: dict | None = None) -> str:
     from .machine import cpu_name
 
     return (f"CPU {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads ({args.dtype}); load average at start "
-            f"{os.getloadavg()[0]:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+            f"{os.getloadavg()[0]:.1f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+            f"{allocator_settings()}")
+
+
+def allocator_settings() -> str:
+    """The process's memory allocator settings as a run states them: glibc's ``MALLOC_*`` variables and an
+    ``LD_PRELOAD``-ed allocator (jemalloc, tcmalloc), or 'allocator: default'. They change CPU times: glibc maps
+    every allocation above its mmap threshold (at most 32 MiB) fresh from the kernel and unmaps it when freed, so
+    each large temporary pays its page faults again (docs/numerics_and_backends.md: the batch-8 prefill)."""
+    found = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"]
+    return "allocator: " + (", ".join(found) if found else "default")
 
 
 # ----------------------------------------------------------------------------------------------- arguments

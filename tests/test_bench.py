@@ -316,3 +316,19 @@ def test_sigterm_leaves_a_parseable_partial_json_and_exits_non_zero(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
     for pid in workers:  # the running cell's worker went with it
         assert not os.path.exists(f"/proc/{pid}") or b"--worker" not in open(f"/proc/{pid}/cmdline", "rb").read()
+
+
+def test_the_machine_line_states_the_allocator(monkeypatch):
+    """glibc's MALLOC_* settings and a preloaded allocator change CPU times (large temporaries' page faults): a run
+    states them, or that it ran on the default."""
+    import argparse
+
+    from hf_polyattn import bench
+
+    for key in [k for k in __import__("os").environ if k.startswith("MALLOC_") or k == "LD_PRELOAD"]:
+        monkeypatch.delenv(key)
+    args = argparse.Namespace(device="cpu", threads=2, dtype="fp32")
+    assert bench.machine(args).endswith("; allocator: default")
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "68719476736")
+    assert bench.machine(args).endswith("; allocator: MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=68719476736")

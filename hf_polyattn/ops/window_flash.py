@@ -44,6 +44,21 @@ def _band(window: int, rows: int, device) -> torch.Tensor:
     return (c > i) & (c <= i + window)
 
 
+def _range(idx: torch.Tensor) -> tuple[int, int] | None:
+    """(start, count) when the sorted indices ``idx`` are consecutive (the clean tiles of a call without padding:
+    every tile but the first), else None."""
+    n = idx.numel()
+    start = int(idx[0])
+    return (start, n) if int(idx[-1]) - start + 1 == n else None
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor, at: tuple[int, int] | None) -> torch.Tensor:
+    """x's tiles ``idx`` along dim 1: a view for a consecutive range (an index_select copies them: at batch 8 x 4k
+    tokens each copy of a layer's tiles is tens of MiB, which glibc maps fresh from the kernel, page faults
+    included, every call)."""
+    return x.narrow(1, *at) if at is not None else x.index_select(1, idx)
+
+
 def window_flash(qs: torch.Tensor, ks: torch.Tensor, vext: torch.Tensor, mask: torch.Tensor | None, window: int,
                  scale: float, sinks: Sinks | None = None, sink_q: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +92,15 @@ def window_flash(qs: torch.Tensor, ks: torch.Tensor, vext: torch.Tensor, mask: t
     idx_clean = clean.nonzero().squeeze(1)
     if idx_clean.numel():
         m_band = torch.where(band, zero, neg)
-        o, lse_part = _FLASH(q.index_select(1, idx_clean), kt.index_select(1, idx_clean), vt.index_select(1, idx_clean),
-                      0.0, False, attn_mask=m_band, scale=scale)
-        out.index_copy_(1, idx_clean, o)
-        lse.index_copy_(1, idx_clean, lse_part)
+        at = _range(idx_clean)
+        o, lse_part = _FLASH(_take(q, idx_clean, at), _take(kt, idx_clean, at), _take(vt, idx_clean, at),
+                             0.0, False, attn_mask=m_band, scale=scale)
+        if at is not None:
+            out.narrow(1, *at).copy_(o)
+            lse.narrow(1, *at).copy_(lse_part)
+        else:
+            out.index_copy_(1, idx_clean, o)
+            lse.index_copy_(1, idx_clean, lse_part)
     idx_dirty = (~clean).nonzero().squeeze(1)
     if idx_dirty.numel():
         allowed = band[None, None] & cand.index_select(1, idx_dirty)[:, :, None, :]  # (B or 1, Td, rows, 2w)

@@ -83,3 +83,22 @@ def test_other_dtypes_and_gradients_keep_the_rematerialised_tiles(monkeypatch):
     with torch.no_grad():
         m(q, k, v, causal=True)  # float64: not served by the fused kernel
     assert not wf.flash_window_available(q.float())
+
+
+def test_clean_tiles_as_views_or_selected(monkeypatch):
+    """The tiles without a left-out key run as one view when consecutive (left padding: every tile after the
+    padding) and are selected when a padded key sits between them: both equal the rematerialised tiles."""
+    m = _module(dict(window=4, sinks=0))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 33, D, generator=gen) for h in (6, 2, 2))
+    ranges = []
+    real_range = wf._range
+    monkeypatch.setattr(wf, "_range", lambda idx: ranges.append(real_range(idx)) or ranges[-1])
+    for hole in (slice(0, 6), slice(14, 17)):
+        mask = torch.ones(2, 33, dtype=torch.bool)
+        mask[0, hole] = False
+        with torch.no_grad():
+            fast = m(q, k, v, causal=True, key_padding_mask=mask)
+        slow = m(q, k, v, causal=True, key_padding_mask=mask).detach()
+        torch.testing.assert_close(fast, slow, rtol=2e-5, atol=2e-6)
+    assert ranges[0] is not None and ranges[-1] is None  # a view, then index selects around the hole
