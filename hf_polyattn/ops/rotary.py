@@ -101,7 +101,10 @@ class RopeRotation:
             hit = self._rotation_by(key, x, d, work)
         _, c, s, perm = hit
         xw = x.to(work)
-        return (xw * c + xw.index_select(-1, perm) * s).to(x.dtype)
+        # each dim's partner: the rotate_half pairs over every dim swap the two halves, a roll (the index select of
+        # the last dim it replaces cost about as much as the rest of the rotation)
+        partner = xw.roll(d // 2, -1) if self.pairs is None and self.rotary_dim == d else xw.index_select(-1, perm)
+        return (xw * c + partner * s).to(x.dtype)
 
     @torch.inference_mode(False)  # kept for later calls, which may record gradients
     def _rotation_by(self, key: tuple, x: torch.Tensor, d: int, work: torch.dtype) -> tuple:

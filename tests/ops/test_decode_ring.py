@@ -284,12 +284,14 @@ def test_one_causal_query_after_a_past_reads_every_key_without_a_mask(monkeypatc
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("layout", ["rotate_half", "interleaved", "pairs", "partial"])
+@pytest.mark.parametrize("layout", ["rotate_half", "rotate_half_every_dim", "interleaved", "pairs", "partial"])
 def test_rotate_by_one_delta_is_rotate(layout):
     """The decoding step's rotation of its sinks' queries (one delta for the batch, cached) equals the general one,
     for every pairing the RoPE reading gives."""
     inv = 1.0 / (10000 ** (torch.arange(0, 12, 2, dtype=torch.float64) / 16))
     rot = {"rotate_half": RopeRotation(inv, 12), "interleaved": RopeRotation.interleaved(inv),
+           "rotate_half_every_dim": RopeRotation(1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)),
+                                                 16),  # the halves swapped by a roll
            "pairs": RopeRotation(inv, 12, torch.tensor([[0, 2, 4, 6, 8, 10], [15, 13, 11, 9, 7, 5]])),
            "partial": RopeRotation(inv[:3], 6)}[layout]
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
