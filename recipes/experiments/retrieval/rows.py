@@ -34,6 +34,10 @@ def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str
 
 TRAINED = "runs/retrieval/{}/model"
 
+# probe_selection.py's variants run on the 4k prompts (the kernel part off: _nofar)
+PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key", "oracle_needle", "plumbing",
+          "h2o_nofar", "h2o_window_nofar", "h2o_max_nofar", "oracle_needle_nofar", "plumbing_nofar")
+
 ROWS = {
     # every head linear-time: the linear-only preset (hedgehog features + 128 window + 4 sinks + gated decay)
     "hh": [*RETROFIT, "--preset", "linear-only", *EVAL_STAGE],
@@ -60,6 +64,25 @@ ROWS = {
                                       "10", "--baselines", "none", "--threads", "1", "--set", "sparse_cache=128",
                                       "--out", "{out}"]
        for variant in ("frozen", "relative")},
+    # diagnostics: attention-informed selection (H2O-style masses), recall error mixed with them, oracles that keep
+    # the needle, and the kernel part switched off (_nofar), on the same 4k prompts (probe_selection.py's docstring)
+    **{f"hh+sparse{budget}_{variant}_4k": ["-m", "recipes.experiments.retrieval.probe_selection", variant,
+                                           TRAINED.format("hh"), "--data", "demo", "--contexts", "256",
+                                           "--max-eval-tokens", "512", "--baselines", "none", "--threads", "1",
+                                           "--passkey", "4096", "--passkey-templates", "classic", "--passkey-depths",
+                                           "10", "--set", f"sparse_cache={budget}", "--out", "{out}"]
+       for budget, variant in [*((128, v) for v in PROBED), (512, "oracle_needle")]},
+    # the library's own rule on those prompts (the table's hh+sparse128 row read other prompts at 4k), and the h2o
+    # probe with every key kept (its bookkeeping's check: the library's all-keys answers)
+    **{f"hh+sparse{budget}_library_4k": ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh"), "--data", "demo",
+                                         "--contexts", "256", "--max-eval-tokens", "512", "--baselines", "none",
+                                         "--threads", "1", "--passkey", "4096", "--passkey-templates", "classic",
+                                         "--passkey-depths", "10", "--set", f"sparse_cache={budget}", "--out", "{out}"]
+       for budget in (128, 512)},
+    "hh+all_keys_h2o_4k": ["-m", "recipes.experiments.retrieval.probe_selection", "h2o", TRAINED.format("hh"),
+                           "--data", "demo", "--contexts", "256", "--max-eval-tokens", "512", "--baselines", "none",
+                           "--threads", "1", "--passkey", "4096", "--passkey-templates", "classic", "--passkey-depths",
+                           "10", "--set", "sparse_cache=4096", "--out", "{out}"],
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", "--set", "feature_map=elu", "--retrieval_mix", "0.25",
                  *EVAL_STAGE],
@@ -74,7 +97,9 @@ ROWS = {
 }
 
 # rows outside the table (another grid of lengths): fill_section states them under it
-DIAGNOSTICS = ("hh+all_keys_4k", "hh+sparse128_frozen_4k", "hh+sparse128_relative_4k")
+DIAGNOSTICS = ("hh+all_keys_4k", "hh+sparse128_frozen_4k", "hh+sparse128_relative_4k",
+               *(f"hh+sparse128_{v}_4k" for v in PROBED), "hh+sparse512_oracle_needle_4k", "hh+sparse128_library_4k",
+               "hh+sparse512_library_4k", "hh+all_keys_h2o_4k")
 
 # the rows run in this order: every '+sparse' row after the row whose model it reads
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
