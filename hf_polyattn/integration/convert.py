@@ -186,10 +186,10 @@ def compile_decode(model: nn.Module, enabled: bool = True) -> int:
     """Decode ``model``'s windowed kernel heads with ``torch.compile`` (``enabled``) or eagerly (the default): every
     kernel layer's one-token step on its ring buffers (``ops.decode.ring_step``) runs compiled, which fuses its
     small operations; the first decoding steps compile (9 s in one run, 90 s in a later one after the step changed,
-    for the demo's model on a 2-core CPU) and a later shape or branch compiles again. Same arithmetic: tested token by token
-    against the eager step. Measured on the demo's model, 2-core CPU: 5-7 % slower than the eager step at 4k / 16k
-    tokens since the eager step got leaner (recipes/results/decode_floor/demo_compile; 2-5 % faster against the
-    earlier eager step), so it stays off unless a machine measures it faster. In place; returns how many layers
+    for the demo's model on a 2-core CPU) and a later shape or branch compiles again. Same arithmetic: tested token
+    by token against the eager step. Measured on the demo's model, 2-core CPU: 5-7 % slower than the eager step at
+    4k / 16k tokens since the eager step got leaner (recipes/results/decode_floor/demo_compile; 2-5 % faster against
+    the earlier eager step), so it stays off unless a machine measures it faster. In place; returns how many layers
     changed. ``ValueError`` for a model without polyattn kernel layers."""
     if not isinstance(enabled, bool):
         raise TypeError(f"compile_decode: enabled must be True or False, got {enabled!r}")
