@@ -414,6 +414,28 @@ def install(variant: str, check_ring: bool = False) -> None:
         decode.ring_step = attention.ring_step = ring_step
 
 
+def passkey_setup(model_dir: str, sparse_cache: int, length: int, depth: float, draw: int = 0):
+    """(tokenizer, model with ``sparse_cache`` keys, the classic passkey prompt, its drawn key) for the check and
+    diagnostic scripts: the eval's ``draw``-th key of seed 0, one thread."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_polyattn
+    from hf_polyattn.checkpoints import load_model, load_tokenizer
+    from hf_polyattn.eval.passkey import draw_passkey, passkey_prompt
+
+    torch.set_num_threads(1)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, AutoModelForCausalLM)
+    hf_polyattn.reconfigure(model, sparse_cache=sparse_cache)
+    model.eval()
+    rng = random.Random(0)
+    for _ in range(draw + 1):
+        drawn = draw_passkey(rng, "classic")
+    return tok, model, passkey_prompt(tok, length=length, depth=depth, template="classic", **drawn), drawn
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:

@@ -12,7 +12,6 @@ than its whole row (the masses a prefill's query spreads over the keys sum to at
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
@@ -27,22 +26,12 @@ def main() -> int:
     ap.add_argument("--depth", type=float, default=0.35)
     ap.add_argument("--new-tokens", type=int, default=8)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
     import hf_polyattn
-    from hf_polyattn.checkpoints import load_model, load_tokenizer
-    from hf_polyattn.eval.passkey import draw_passkey, passkey_prompt
 
     from . import probe_selection as probe
 
-    tok = load_tokenizer(args.model)
-    model = load_model(args.model, AutoModelForCausalLM)
-    hf_polyattn.reconfigure(model, sparse_cache=args.sparse_cache)
-    model.eval()
-    drawn = draw_passkey(random.Random(0), "classic")
-    ids = torch.tensor([passkey_prompt(tok, length=args.length, depth=args.depth, template="classic",
-                                       **drawn).prompt])
+    tok, model, pp, drawn = probe.passkey_setup(args.model, args.sparse_cache, args.length, args.depth)
+    ids = torch.tensor([pp.prompt])
 
     def run():
         t0 = time.time()

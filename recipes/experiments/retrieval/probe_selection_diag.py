@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 
 import torch
 
@@ -26,23 +25,10 @@ def main() -> int:
     ap.add_argument("--seed-index", type=int, default=4, help="which of the eval's draws (seed 0) gives the key")
     ap.add_argument("--json")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
-    import hf_polyattn
-    from hf_polyattn.checkpoints import load_model, load_tokenizer
-    from hf_polyattn.eval.passkey import draw_passkey, passkey_prompt
-
     from . import probe_selection as probe
 
-    tok = load_tokenizer(args.model)
-    model = load_model(args.model, AutoModelForCausalLM)
-    hf_polyattn.reconfigure(model, sparse_cache=args.sparse_cache)
-    model.eval()
-    rng = random.Random(0)
-    for _ in range(args.seed_index + 1):
-        drawn = draw_passkey(rng, "classic")
-    pp = passkey_prompt(tok, length=args.length, depth=args.depth, template="classic", **drawn)
+    tok, model, pp, drawn = probe.passkey_setup(args.model, args.sparse_cache, args.length, args.depth,
+                                                args.seed_index)
     ids = torch.tensor([pp.prompt])
     needle = sorted(pp.needle_positions)
     probe.install(args.variant)
