@@ -64,7 +64,10 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # options of the kernel benchmark only (their defaults are None / False)
 KERNEL_ONLY = ("kinds", "bidirectional", "heads", "head_dim", "timeout")
 # options of the model benchmark only
-MODEL_ONLY = ("base", "batches", "decode_steps", "warmup", "max_tokens", "compile_decode")
+MODEL_ONLY = ("base", "batches", "decode_steps", "warmup", "max_tokens", "compile_decode", "capture_decode")
+# untimed decoding steps --capture-decode needs before the timed ones replay a graph: the first step turns the
+# prefill's states into rings, the second makes them static (run eagerly), the third records the graph
+GRAPH_WARMUP = 3
 # tokens of the prompt each model prefills once (and decode steps it takes) before the first timed cell
 WARMUP_TOKENS, WARMUP_STEPS = 64, 2
 NAMES = ("base", "retrofit")
@@ -222,8 +225,11 @@ def _measure_cell(models: dict, batch: int, length: int, *, repeats: int, decode
         r = row[name]
         r["decode_median_ms"] = statistics.median(r["decode_ms"])
         r["cache_bytes_decoding"] = cache_nbytes(state[name][0])  # after the decoded tokens
+        # decoding from graphs (capture_decode) keeps the softmax heads' buffers at its max_length positions
+        graphs = models[name].__dict__.get("forward")
         r["cache_bytes_decoding_formula"] = decode_memory(models[name], (length,), batch=batch,
-                                                          decoded=warmup + decode_steps).total[0]
+                                                          decoded=warmup + decode_steps,
+                                                          capacity=getattr(graphs, "max_length", None)).total[0]
     add_ratios(row)
     return row
 
@@ -498,6 +504,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS if "_" in flag else
                        "decode the retrofit's windowed kernel heads with torch.compile (hf_polyattn.compile_decode); "
                        "the warm-up steps absorb the compiling")
+    for flag in ("--capture-decode", "--capture_decode"):
+        g.add_argument(flag, dest="capture_decode", action="store_true", default=None,
+                       help=argparse.SUPPRESS if "_" in flag else
+                       "decode the retrofit from CUDA graphs (hf_polyattn.capture_decode; --device cuda, --warmup "
+                       f">= {GRAPH_WARMUP}): the timed steps replay a recorded step; the table states how many did")
     for flag in ("--max-tokens", "--max_tokens"):
         g.add_argument(flag, dest="max_tokens", type=int_at_least(1),
                        help=argparse.SUPPRESS if "_" in flag else
@@ -551,6 +562,9 @@ def resolve(parser, args) -> argparse.Namespace:
                      "whole-model benchmark runs the models' own attention")
     args.lengths = flat(args.lengths)
     args.compile_decode = bool(args.compile_decode)
+    args.capture_decode = bool(args.capture_decode)
+    if args.capture_decode and args.device != "cuda":
+        parser.error(f"--capture-decode records CUDA graphs: it needs --device cuda, got --device {args.device}")
     args.model = _checkpoint_dir(parser, "--model", args.model)
     if args.base is not None:
         args.base = _checkpoint_dir(parser, "--base", args.base)
@@ -562,6 +576,9 @@ def resolve(parser, args) -> argparse.Namespace:
     args.dtype = args.dtype or d["dtype"]
     args.max_tokens = args.max_tokens or d["max_tokens"]
     args.out = DEFAULT_OUT if args.out is None else args.out
+    if args.capture_decode and args.warmup < GRAPH_WARMUP:
+        parser.error(f"--capture-decode needs --warmup >= {GRAPH_WARMUP} (got {args.warmup}): the first decoding "
+                     "steps of a cache run eagerly before a recorded one replays")
     return args
 
 
@@ -587,12 +604,29 @@ def load_pair(args):
         from .integration import compile_decode
 
         compile_decode(model)
+    args.graphs = None
+    if args.capture_decode:
+        from .integration import capture_decode
+
+        # room in the softmax heads' buffers for the longest prompt and every step after it (warm-up ones too)
+        longest = max(max(args.lengths), WARMUP_TOKENS)
+        args.graphs = capture_decode(model, max_length=longest + max(args.warmup, WARMUP_STEPS) + args.decode_steps + 1)
     if args.base is None:
         base, label = load(args.model, attn_implementation="sdpa"), (
             f"{args.model} with softmax attention (sdpa; its polyattn settings ignored)")
     else:
         base, label = load(args.base, attn_implementation="sdpa"), f"{args.base} (sdpa)"
     return model, base, label
+
+
+def _graph_note(graphs) -> str:
+    """How the retrofit's decoding calls ran under --capture-decode (every call so far, warm-up ones included)."""
+    if graphs is None:
+        return ""
+    c = graphs.counts
+    return (f" (the retrofit from CUDA graphs, --capture-decode: {c['replayed']} calls replayed, {c['recorded']} "
+            f"graphs recorded, {c['static']} static steps run eagerly, {c['eager']} eager calls, prefills included; "
+            f"while decoding from graphs the softmax heads' buffers hold max_length = {graphs.max_length} positions)")
 
 
 def describe_load() -> str:
@@ -618,9 +652,10 @@ def run(args, *, command: str) -> int:
     label = cfg.spec.table_label(cfg)  # names the softmax kv heads too
     mem_text, mem_data = memory_table(model, base)
     tag = (f"{args.device}-{args.dtype}" + ("-quick" if args.quick else "")
-           + ("-compiled" if args.compile_decode else ""))
+           + ("-compiled" if args.compile_decode else "") + ("-graphs" if args.capture_decode else ""))
     settings = {k: getattr(args, k) for k in ("device", "dtype", "threads", "lengths", "batches", "repeats",
-                                              "decode_steps", "warmup", "max_tokens", "compile_decode")}
+                                              "decode_steps", "warmup", "max_tokens", "compile_decode",
+                                              "capture_decode")}
     settings.update(model=str(args.model), base=str(args.base) if args.base else None, base_label=base_label,
                     polyattn=cfg.to_dict(), warmup_prefill_tokens=WARMUP_TOKENS, warmup_decode_steps=WARMUP_STEPS)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -644,7 +679,8 @@ def run(args, *, command: str) -> int:
             f"Retrofit: {args.model}: {label}. Base: {base_label}.",
             f"{args.dtype}, {args.threads} threads; prefill best of {args.repeats} (repeats alternate the models); "
             f"decode median of {args.decode_steps} steps after {args.warmup} untimed, steps alternating the models"
-            f"{' (the retrofit compiled: --compile-decode)' if args.compile_decode else ''}; "
+            f"{' (the retrofit compiled: --compile-decode)' if args.compile_decode else ''}"
+            f"{_graph_note(args.graphs)}; "
             f"warm-up: a {WARMUP_TOKENS}-token prefill and {WARMUP_STEPS} decode steps per model before the first "
             f"cell; cells with batch x length > {args.max_tokens} skipped; peak memory: "
             f"{rows[0]['memory_method'] if rows else '-'}.",
@@ -655,6 +691,7 @@ def run(args, *, command: str) -> int:
                            + (f"{note}\n\n" if note else "") + f"{text}\n")
         bench.write_atomic(args.out / f"{tag}.json", json.dumps(
             {"date": stamp, "command": command, "machine": where, "machine_info": info,
+             "decode_graphs": None if args.graphs is None else dict(args.graphs.counts),
              "load_before": load_before, "load_after": load_after, "wall_s": wall, "other_processes": others,
              "settings": settings, **fields, "rows": rows,
              "decode_memory": mem_data}, indent=1, default=str))

@@ -16,6 +16,9 @@
 #   bash recipes/gpu_checks.sh targets   # issue 33's GPU targets in one bounded run (CONFIGS: retrofits' configs)
 #   bash recipes/gpu_checks.sh verify    # what the second targets run left open: the composition's CUDA tests, then
 #                                        # linear-elu beside fla-core's chunk_linear_attn at 32k
+#   bash recipes/gpu_checks.sh graphs    # decoding from CUDA graphs (hf_polyattn.capture_decode): its CUDA tests, the
+#                                        # whole-model bench of each CONFIGS model with and without it, then the
+#                                        # 32k kernel rows against fla-core's chunk_linear_attn
 #
 # Every file a stage writes goes to $OUT (default recipes/results/gpu_run/), with the GPU's name and the torch /
 # triton / transformers versions in $OUT/machine.txt.
@@ -23,8 +26,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
-  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify) ;;
-  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify" >&2
+  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs" >&2
      exit 2 ;;
 esac
 OUT="${OUT:-recipes/results/gpu_run}"
@@ -141,4 +144,29 @@ case "${1:-}" in
       tests/ops/test_fla_backend.py -k "cuda or auto_takes" 2>&1 | tee "$OUT/flex_tests.txt" | tail -15
     timeout "$STEP_S" python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu fla-linear-elu \
       --lengths 32768 --repeats 5 --timeout 140 --out "$OUT/kernels" 2>&1 | tail -12 ;;
+
+  # issue 33's decode target (faster than SDPA + DynamicCache at 32k): the runs before were launch-bound (0.33x, about
+  # 12,400 aten calls a step at 13.5 us of host time each), so the retrofit's step is replayed from a CUDA graph
+  # (hf_polyattn.capture_decode, integration/graphs.py). Most important first, each step bounded by STEP_S:
+  # 1. the CUDA tests of the graphs (replays against eager generate(), fp32 and bf16; static steps against rings);
+  # 2. each CONFIGS model (random weights from its config.json, bf16) against the same weights on SDPA +
+  #    DynamicCache, decoding from graphs, then eagerly (the same machine, for the ratio the graphs change);
+  # 3. the 32k kernel rows: linear-elu beside fla-core's own chunk_linear_attn (its compiling took over 140 s).
+  graphs)
+    STEP_S="${STEP_S:-150}"
+    timeout "$STEP_S" python -m pytest -q -rfs -p no:cacheprovider tests/integration/test_capture_decode.py \
+      tests/ops/test_decode_ring.py -k "cuda or static or dispatches" 2>&1 | tee "$OUT/graph_tests.txt" | tail -8
+    for cfg in ${CONFIGS:-}; do
+      python recipes/model_from_config.py "$cfg" "/tmp/random_$(basename "$cfg")" --dtype bf16 2>&1 | tail -1
+    done
+    for mode in --capture-decode ""; do  # every model from graphs first: the figure the target needs
+      for cfg in ${CONFIGS:-}; do
+        name="$(basename "$cfg")"
+        timeout "$STEP_S" python -m hf_polyattn.cli bench --model "/tmp/random_$name" --device cuda $mode \
+          --lengths 4096 32768 --batches 1 --decode-steps 16 --warmup 3 --repeats 1 --out "$OUT/model_$name" \
+          2>&1 | grep -v UNEXPECTED | tail -9
+      done
+    done
+    timeout "${KERNEL_S:-240}" python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu \
+      fla-linear-elu --lengths 32768 --repeats 5 --timeout 230 --out "$OUT/kernels" 2>&1 | tail -8 ;;
 esac

@@ -8,6 +8,7 @@ that gives polyattn models their per-layer ``polyattn`` submodules.
 from .cache import PolyAttnCache, PolyAttnCacheLayer, decode_memory
 from .compatibility import cache_kwargs, returned_cache
 from .convert import compile_decode, convert, get_polyattn_config, reconfigure
+from .graphs import DecodeGraphs, capture_decode
 from .hub import write_model_card
 from .layout import layer_layout
 from .registry import register_all
@@ -16,10 +17,12 @@ from .state import HFPolyAttention
 register_all()
 
 __all__ = [
+    "DecodeGraphs",
     "HFPolyAttention",
     "PolyAttnCache",
     "PolyAttnCacheLayer",
     "cache_kwargs",
+    "capture_decode",
     "compile_decode",
     "convert",
     "decode_memory",

@@ -343,7 +343,7 @@ def _kept_per_token(module: AttentionBase, batch: int, item: int, work: torch.dt
 
 
 def _layer_state_bytes(module: AttentionBase, prompt: int, decoded: int, batch: int, item: int,
-                       work: torch.dtype) -> int:
+                       work: torch.dtype, capacity: int | None = None) -> int:
     """Bytes of one layer's decoding state after a prompt of ``prompt`` unpadded tokens (one call) and ``decoded``
     single-token steps.
 
@@ -354,7 +354,8 @@ def _layer_state_bytes(module: AttentionBase, prompt: int, decoded: int, batch: 
     hk, d, n = module.num_kv_heads, module.head_dim, prompt + decoded
     w_item = torch.empty((), dtype=work).element_size()
     if isinstance(module, HybridAttention):  # the softmax heads' buffers, with room for the next tokens
-        grows = 2 * batch * len(module.softmax_kv_heads) * d * item * _softmax_buffer_tokens(prompt, decoded)
+        positions = _softmax_buffer_tokens(prompt, decoded) if capacity is None else capacity
+        grows = 2 * batch * len(module.softmax_kv_heads) * d * item * positions
         kernel = 0 if module.kernel is None else _layer_state_bytes(module.kernel, prompt, decoded, batch, item, work)
         return grows + kernel
     if isinstance(module, KVCacheAttention):  # every key and value (a shared-QK Reformer: keys from the queries)
@@ -500,7 +501,7 @@ def _model_dtype(model_or_config, dtype) -> torch.dtype:
 
 
 def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int = 1, decoded: int = 0,
-                  dtype: torch.dtype | str | None = None) -> DecodeMemory:
+                  dtype: torch.dtype | str | None = None, capacity: int | None = None) -> DecodeMemory:
     """The bytes of a generation cache after prompts of ``lengths`` tokens, from the configs alone.
 
     ``model_or_config``: a polyattn model (or a softmax one), or its transformers config (``config.polyattn`` read,
@@ -517,8 +518,12 @@ def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int =
     (``ops/decode.py``: the window and sink slots in the working dtype, their flags and log-gates). Padded prompts add
     a key padding flag (1 byte) per key kept and 8 bytes per row; not counted here. Raises ValueError for a kind
     whose state is not modelled and for a softmax config whose cache is not a plain ``DynamicCache`` of full layers
-    (sliding-window layers).
+    (sliding-window layers). ``capacity``: the positions of the softmax heads' buffers when they are fixed, as
+    ``capture_decode(model, max_length)`` makes them once decoding replays a graph (``max_length``, whatever the
+    length); None: the growing buffers above.
     """
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"capacity must be an int >= 1 or None, got {capacity!r}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if isinstance(decoded, bool) or not isinstance(decoded, int) or decoded < 0:
@@ -557,7 +562,7 @@ def decode_memory(model_or_config, lengths=(4096, 16384, 32768), *, batch: int =
     def layer_bytes(m, n):
         if isinstance(m, _KeptSliding):
             return 2 * batch * m.num_kv_heads * m.head_dim * item * min(n + decoded, m.window - 1)
-        return _layer_state_bytes(m, n, decoded, batch, item, work)
+        return _layer_state_bytes(m, n, decoded, batch, item, work, capacity)
 
     per_token = sum(0 if isinstance(m, _KeptSliding) else _kept_per_token(m, batch, item, work) for m in modules)
     total = tuple(sum(layer_bytes(m, n) for m in modules) for n in lengths)

@@ -426,10 +426,22 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         ring = state if isinstance(state, WindowRing) else from_recurrent(self, state, bsz, query.device, work,
                                                                           key.dtype)
         cfg = self.config
-        if (key_padding_mask is None and ring.seen is None and cfg.sinks and cfg.sink_position == "window"
-                and self.rope is not None):
-            # every row has seen `length` real keys: one delta for the whole batch (``window.sink_shifts``)
-            sink_q, seen = self.rope.rotate_by(q5, min(0, cfg.window + cfg.sinks - 1 - ring.length)), None
+        shifted = bool(cfg.sinks) and cfg.sink_position == "window" and self.rope is not None
+        if shifted and ring.at is not None:
+            # a static ring (``WindowRing.make_static``): the delta from the real keys each row has seen, counted on
+            # the device, so that a recorded step turns each later query by its own delta (``window.sink_shifts``)
+            span = cfg.window + cfg.sinks - 1
+            sink_q, seen = self.rope.rotate(q5, (span - ring.real).clamp(max=0).view(bsz, 1, 1, 1)), None
+            if key_padding_mask is None:
+                ring.real.add_(1)
+            else:
+                ring.real.add_(key_padding_mask[:, -1].long())
+                ring.seen = ring.real  # rows now differ from ``length``: the count a later chunk reads
+        elif key_padding_mask is None and ring.seen is None and shifted:
+            # every row has seen `length` real keys: one delta for the whole batch (``window.sink_shifts``); 0, R(0)
+            # the identity, until window + sinks - 1 keys: the sinks then score with the query itself
+            delta = min(0, cfg.window + cfg.sinks - 1 - ring.length)
+            sink_q, seen = (self.rope.rotate_by(q5, delta) if delta else None), None
         else:
             sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
         step = compiled_ring_step() if self.compile_decode else ring_step

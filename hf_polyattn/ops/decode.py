@@ -46,7 +46,11 @@ from .sketches import project
 from .sparse import pending_log, ring_leave, sparse_from_recurrent, sparse_to_recurrent
 from .state import RecurrentState
 
-__all__ = ["WindowRing", "compiled_ring_step", "ring_supported"]
+__all__ = ["WindowRing", "compiled_ring_step", "ring_decodes", "ring_supported"]
+
+
+# the fields ``make_static`` sets: copies of ``head`` and ``seen`` / ``length`` as device counters
+_STATIC = ("at", "real")
 
 
 @dataclass
@@ -76,13 +80,26 @@ class WindowRing:
     kin: torch.Tensor | None = None
     slot_log: torch.Tensor | None = None
     pending: torch.Tensor | None = None
+    # ``head`` as a (1,) int64 tensor on the ring's device, set by ``make_static``: the step then reads and writes
+    # its slot through it (index_select / index_copy_) and advances it in place, so a captured CUDA graph replays
+    # every later token (``integration/graphs.py``); the Python ``head`` is kept equal to it. ``real`` (B,) int64:
+    # the real keys each row has seen, counted on the device from then on (what ``seen`` / ``length`` count)
+    at: torch.Tensor | None = None
+    real: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
+        """The state's tensors (not ``at``, a copy of ``head``)."""
+        return [t for f in fields(self)
+                if f.name not in _STATIC and isinstance(t := getattr(self, f.name), torch.Tensor)]
 
     def map(self, fn) -> WindowRing:
-        return replace(self, **{f.name: fn(t) for f in fields(self) if isinstance(t := getattr(self, f.name),
-                                                                                   torch.Tensor)})
+        """A new ring of ``fn`` of every tensor (batch rows reordered, repeated, moved), not static (its ``seen``
+        made from ``real`` before: ``to_recurrent``'s rule)."""
+        if self.at is not None and self.seen is not None:
+            self.seen = self.real.clone()
+        return replace(self, at=None, real=None,
+                       **{f.name: fn(t) for f in fields(self)
+                          if f.name not in _STATIC and isinstance(t := getattr(self, f.name), torch.Tensor)})
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -98,6 +115,32 @@ class WindowRing:
     def window(self) -> int:
         return self.keys.shape[2] - self.sinks - self.extra
 
+    @property
+    def steady(self) -> bool:
+        """Whether every later step takes the same branches: the ring full, every row's sinks filled and no sparse
+        cache (its selection moves keys between slots by Python indices)."""
+        return self.count == self.window and self.filled is None and not self.extra
+
+    def make_static(self) -> None:
+        """Give the ring its slot (``at``) and each row's count of real keys (``real``, read for the sinks' query
+        shift) as device tensors, so that a step can be captured and replayed; only in the ``steady`` state
+        (ValueError otherwise)."""
+        if not self.steady:
+            raise ValueError(f"a ring can be made static only when full with its sinks filled and without a sparse "
+                             f"cache (count={self.count} of {self.window}, sinks filling: {self.filled is not None}, "
+                             f"sparse slots: {self.extra})")
+        if self.at is None:
+            self.at = torch.full((1,), self.head, dtype=torch.long, device=self.keys.device)
+            b = self.keys.shape[0]
+            self.real = (self.seen.clone() if self.seen is not None
+                         else torch.full((b,), self.length, dtype=torch.long, device=self.keys.device))
+
+    def advance(self) -> None:
+        """The Python side of one steady step (what ``ring_step`` does to ``head`` and ``length``), for a step whose
+        tensor work was replayed from a graph."""
+        self.head = (self.head + 1) % self.window
+        self.length += 1
+
     def _ring_order(self) -> torch.Tensor | slice:
         """The ring slots from the oldest key to the newest."""
         w = self.window
@@ -110,6 +153,7 @@ class WindowRing:
         path."""
         if self.extra:
             return sparse_to_recurrent(self)
+        seen = self.real.clone() if self.at is not None and self.seen is not None else self.seen
         s, d = self.sinks, self.keys.shape[-1]
         order = self._ring_order()
         ring_k = self.keys[:, :, s:][:, :, order]
@@ -124,23 +168,29 @@ class WindowRing:
             sink_k = self.keys[:, :, :s].to(self.key_dtype)
             sink_v = self.vext[:, :, :s, :d].to(self.key_dtype)
             sink_mask = self.valid[:, :s].clone()
-        return RecurrentState(self.kv.unsqueeze(2), k, v, mask, self.length, sink_k, sink_v, sink_mask, self.seen)
+        return RecurrentState(self.kv.unsqueeze(2), k, v, mask, self.length, sink_k, sink_v, sink_mask, seen)
 
 
 def ring_supported(module, state) -> bool:
     """Whether ``module`` (a ``PolyAttention``) decodes ``state`` with a ``WindowRing``: a sliding window, no
     learned sink slots and no short convolution (their state is not in the ring), the kernel-product path with a
     state of folded keys, no gradient recorded."""
+    return ring_decodes(module) and not torch.is_grad_enabled() and isinstance(state, (RecurrentState, WindowRing))
+
+
+def ring_decodes(module) -> bool:
+    """Whether ``module``'s single-token steps without gradients run on a ``WindowRing`` (``ring_supported``'s
+    settings part)."""
     from .attention import PolyAttention  # the module class this serves (imports this file)
 
+    if not isinstance(module, PolyAttention):
+        return False
     cfg, cls = module.config, type(module)
     return (bool(cfg.window) and not cfg.learned_sinks and not cfg.short_conv and module.feature_map is not None
-            and not torch.is_grad_enabled()
             and (module.decodes_by_step(module._recurrent_path()) or module._recurrent_path() == "sparse")
             # a kind with its own path or input precision (the polynomial kind's float64 tensor features) keeps the
             # generic step, which computes what its path computes
-            and cls.run_path is PolyAttention.run_path and cls.path_inputs is PolyAttention.path_inputs
-            and isinstance(state, (RecurrentState, WindowRing)))
+            and cls.run_path is PolyAttention.run_path and cls.path_inputs is PolyAttention.path_inputs)
 
 
 def from_recurrent(module, state: RecurrentState, batch: int, device, work: torch.dtype,
@@ -368,10 +418,10 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     work = q5.dtype
     if plan is None:
         plan = _plan(module, work, q5.device, scale)
-    bh, e = b * hkv, ring.vext.shape[-1]
     k_new, v_new = key.to(work), value.to(work)  # (B, Hkv, 1, d)
     slot = s + ring.extra + ring.head
-    n_slots = ring.keys.shape[2]
+    if ring.at is not None:  # static (``make_static``): every slot read and written through the device index
+        return _static_step(module, plan, q5, k_new, v_new, mask, scale, ring, sink_q)
     if ring.count == w:  # the key in this slot leaves the window: into the state, or kept as a sink
         k_old, vx_old = ring.keys.narrow(2, slot, 1), ring.vext.narrow(2, slot, 1)
         is_sink = None
@@ -390,12 +440,7 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if ring.extra:  # into the block waiting for the sparse cache's selection instead (a sink too, for its gate)
             ring_leave(module, ring, slot, is_sink, scale)
         else:
-            feats, _ = _features(plan, plan.k, k_old, False)  # (B, Hkv, 1, F)
-            kv = ring.kv.view(bh, -1, e)
-            if ring.logg is not None:  # the reference moves to the folded key: the state decays by its gate
-                ring.kv.mul_(ring.logg.narrow(2, ring.head, 1).exp().unsqueeze(-1))
-            # the outer product phi(k)^T [v 1] added in place: (B Hkv, F, 1) x (B Hkv, 1, d + 1)
-            kv.baddbmm_(feats.reshape(bh, 1, -1).transpose(1, 2), vx_old.reshape(bh, 1, e))
+            _fold(plan, ring, k_old, vx_old, None if ring.logg is None else ring.logg.narrow(2, ring.head, 1).exp())
     # the new key takes the slot (a padded key as a zero key: the docstring's empty slot)
     vx = ring.vext.select(2, slot)
     if mask is None:
@@ -414,6 +459,56 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ring.head = (ring.head + 1) % w
     ring.count = min(ring.count + 1, w)
     ring.length += 1
+    return _read(module, plan, q5, scale, ring, sink_q)
+
+
+def _fold(plan: _StepPlan, ring: WindowRing, k_old: torch.Tensor, vx_old: torch.Tensor,
+          gate: torch.Tensor | None) -> None:
+    """The key leaving the window, k_old (B, Hkv, 1, d) with its [v, 1] vx_old, added to the state in place, the
+    state first decayed by that key's gate (``gate`` (B, Hkv, 1) = exp of its log-gate, None without decay)."""
+    b, hkv, _, _ = k_old.shape
+    bh, e = b * hkv, ring.vext.shape[-1]
+    feats, _ = _features(plan, plan.k, k_old, False)  # (B, Hkv, 1, F)
+    if gate is not None:  # the reference moves to the folded key: the state decays by its gate
+        ring.kv.mul_(gate.unsqueeze(-1))
+    # the outer product phi(k)^T [v 1] added in place: (B Hkv, F, 1) x (B Hkv, 1, d + 1)
+    ring.kv.view(bh, -1, e).baddbmm_(feats.reshape(bh, 1, -1).transpose(1, 2), vx_old.reshape(bh, 1, e))
+
+
+def _static_step(module, plan: _StepPlan, q5: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 mask: torch.Tensor | None, scale: float, ring: WindowRing, sink_q: torch.Tensor | None):
+    """``ring_step`` on a static ring (``make_static``: steady, so the key leaving the window is always folded and
+    never a sink): the same arithmetic with the slot as the device index ``ring.at``, no Python value read from a
+    tensor and none that changes between steps, so the step can be captured in a CUDA graph and replayed."""
+    s, w = ring.sinks, ring.window
+    at = ring.at
+    slot = at + s if s else at
+    gate = None if ring.logg is None else ring.logg.index_select(2, at).exp()
+    _fold(plan, ring, ring.keys.index_select(2, slot), ring.vext.index_select(2, slot), gate)
+    ones = torch.ones_like(v_new[..., :1])
+    if mask is None:
+        ring.keys.index_copy_(2, slot, k_new)
+        ring.vext.index_copy_(2, slot, torch.cat([v_new, ones], -1))
+        ring.valid.index_fill_(1, slot, True)
+    else:
+        real = mask.to(k_new.dtype)[:, :, None, None]  # (B, 1, 1, 1)
+        ring.keys.index_copy_(2, slot, k_new * real)
+        ring.vext.index_copy_(2, slot, torch.cat([v_new, ones], -1) * real)
+        ring.valid.index_copy_(1, slot, mask)
+    if ring.logg is not None:
+        ring.logg.index_copy_(2, at, _log_gate(module, plan, v_new, mask))
+    at.add_(1).remainder_(w)
+    ring.head = (ring.head + 1) % w
+    ring.length += 1
+    return _read(module, plan, q5, scale, ring, sink_q)
+
+
+def _read(module, plan: _StepPlan, q5: torch.Tensor, scale: float, ring: WindowRing,
+          sink_q: torch.Tensor | None) -> torch.Tensor:
+    """The step's output (B, Hkv, G, d) from the ring after the new key was written."""
+    b, hkv, g, _, d = q5.shape
+    s, bh, e = ring.sinks, b * hkv, ring.vext.shape[-1]
+    n_slots = ring.keys.shape[2]
     # exact part: the sinks (scored by the re-rotated query when given) and the window's keys, one normaliser
     kt = ring.keys.view(bh, n_slots, d).transpose(1, 2)  # (B Hkv, d, S + W)
     x = torch.bmm(q5.reshape(bh, g, d), kt)  # (B Hkv, G, S + W)

@@ -22,7 +22,7 @@ Pure PyTorch: never imports transformers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -145,6 +145,10 @@ class HybridState:
     v: torch.Tensor | None
     mask: torch.Tensor | None
     length: int = 0
+    # ``length`` as a (1,) int64 tensor on the buffers' device, set by ``make_static``: a step writes its key at it,
+    # attends over the whole buffer with the positions after it masked and advances it in place, so a captured CUDA
+    # graph replays every later token (``integration/graphs.py``)
+    at: torch.Tensor | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -162,6 +166,46 @@ class HybridState:
         """Bytes held: the softmax heads' key/value buffers (room for the next tokens included) and mask, and the
         kernel heads' state."""
         return _tensor_bytes(self.k, self.v, self.mask) + (0 if self.kernel is None else self.kernel.nbytes())
+
+    @property
+    def steady(self) -> bool:
+        """Whether later single-token steps can run static: no padded key kept, and the kernel heads' state (if
+        any) a steady ``WindowRing`` (``ops/decode.py``)."""
+        from .decode import WindowRing
+
+        return (self.k is not None and self.mask is None
+                and (self.kernel is None or isinstance(self.kernel, WindowRing) and self.kernel.steady))
+
+    def make_static(self, capacity: int) -> None:
+        """Buffers of ``capacity`` positions (their unused positions zero: a masked key still enters a product,
+        and 0 x NaN of a never-written one would be NaN) and ``at``, with the kernel ring made static too
+        (``WindowRing.make_static``). ValueError when not ``steady`` or the buffers already hold ``capacity``
+        tokens or more."""
+        if not self.steady:
+            raise ValueError("a hybrid layer's state can be made static only without padded keys and with its kernel "
+                             "heads' ring full (ops.decode.WindowRing.steady)")
+        if capacity < self.length + 1:
+            raise ValueError(f"capacity={capacity} must exceed the {self.length} tokens the state holds")
+        if self.kernel is not None:
+            self.kernel.make_static()
+        if self.k.shape[2] != capacity:
+            k, v = self.k, self.v
+            self.k = k.new_zeros(*k.shape[:2], capacity, k.shape[3])
+            self.v = v.new_zeros(*v.shape[:2], capacity, v.shape[3])
+            self.k[:, :, : self.length] = k[:, :, : self.length]
+            self.v[:, :, : self.length] = v[:, :, : self.length]
+        else:
+            self.k[:, :, self.length:].zero_()
+            self.v[:, :, self.length:].zero_()
+        if self.at is None:
+            self.at = torch.full((1,), self.length, dtype=torch.long, device=self.k.device)
+
+    def advance(self) -> None:
+        """The Python side of one static step (``length``, the kernel ring's slot), for a step replayed from a
+        graph."""
+        self.length += 1
+        if self.kernel is not None:
+            self.kernel.advance()
 
     def _map(self, tensor_fn, state_fn) -> HybridState:
         def each(t):
@@ -350,6 +394,11 @@ class HybridAttention(AttentionBase):
         if state is not None and not isinstance(state, HybridState):
             raise TypeError(f"state must be a HybridState (this layer's init_state()), got {type(state).__name__}")
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        if state is not None and state.at is not None:
+            if (lk == 1 and key_padding_mask is None and not torch.is_grad_enabled()
+                    and state.length < state.k.shape[2]):
+                return self._static_step(query, key, value, scaling, scale, state)
+            state = replace(state, at=None)  # a call a static step does not serve: the buffers as they are
         (qs, ks, vs), kernel_inputs = self.split(query, key, value)
         mask = key_padding_mask
         new_state = None
@@ -380,6 +429,24 @@ class HybridAttention(AttentionBase):
             return out
         new_state.kernel = kernel_state
         return out, new_state
+
+
+    def _static_step(self, query, key, value, scaling, scale: float, state: HybridState):
+        """One token on a static state (``HybridState.make_static``): the softmax heads' key and value written at
+        ``state.at``, their attention over the whole buffer with the positions after it masked (no Python value
+        read from a tensor, none that changes between steps: a CUDA graph can record it); (output, new state)."""
+        (qs, ks, vs), kernel_inputs = self.split(query, key, value)
+        at, n = state.at, state.k.shape[2]
+        state.k.index_copy_(2, at, ks)
+        state.v.index_copy_(2, at, vs)
+        seen = (torch.arange(n, device=at.device) <= at).expand(query.shape[0], n)
+        exact = softmax_attention(qs, state.k, state.v, causal=True, scale=scale, key_padding_mask=seen,
+                                  softcap=self.softcap)
+        at.add_(1)
+        kernel_out = kernel_state = None
+        if kernel_inputs is not None:
+            kernel_out, kernel_state = self.kernel(*kernel_inputs, causal=True, scaling=scaling, state=state.kernel)
+        return self.merge(exact, kernel_out), HybridState(kernel_state, state.k, state.v, None, state.length + 1, at)
 
 
 def layer_module_class(config: PolyAttnConfig, layer_idx: int) -> type:

@@ -324,3 +324,75 @@ def test_compiled_ring_step_equals_the_eager_one(name):
     assert counters["stats"]["unique_graphs"] > before
     assert isinstance(_kernel_state(state), WindowRing)
     torch.testing.assert_close(compiled, eager, rtol=1e-9, atol=1e-10)
+
+
+def _static_decode(pa, q, k, v, mask=None, static_from=PREFILL + 3, capacity=N + 2):
+    """``_decode`` with every state made static (``make_static``) once it is steady, from token ``static_from`` on
+    (what ``integration.graphs.DecodeGraphs`` does before it records a step); (outputs, state, tokens run static)."""
+    state, outs, static = pa.init_state(), [], 0
+    with torch.no_grad():
+        for s, t in [(0, PREFILL), *((i, i + 1) for i in range(PREFILL, q.shape[2]))]:
+            if s >= static_from and state.at is None and state.steady:
+                state.make_static(capacity) if isinstance(state, HybridState) else state.make_static()
+            static += state.at is not None if hasattr(state, "at") else 0
+            part = None if mask is None or bool(mask[:, s:t].all()) else mask[:, s:t]  # as transformers passes it
+            o, state = pa(q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], causal=True, state=state, key_padding_mask=part)
+            outs.append(o)
+    return torch.cat(outs, dim=2), state, static
+
+
+@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "linear-sinks-window-position", "linear-elu",
+                                  "hedgehog-sinks", "linear-recipe", "hybrid"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded-token"])
+def test_static_steps_equal_the_ring_steps(name, padded):
+    """Steps on a static state (the slot as a device index, the softmax heads over a fixed buffer with the unwritten
+    positions masked: what a CUDA graph records) give the ring's outputs, token by token; a padded new token in the
+    middle of decoding too (the static ring's masked write; the hybrid's softmax heads leave the static state)."""
+    pa = _module(CONFIGS[name])
+    q, k, v = _inputs(b=2)
+    mask = None
+    if padded:
+        mask = torch.ones(2, N, dtype=torch.bool)
+        mask[0, N - 6] = False
+    ring_out, ring_state = _decode(pa, q, k, v, mask)
+    static_out, state, static = _static_decode(pa, q, k, v, mask)
+    assert static >= (N - 6 - PREFILL - 3 if padded and name == "hybrid" else N - PREFILL - 3)  # after make_static
+    torch.testing.assert_close(static_out, ring_out, rtol=1e-9, atol=1e-10)
+    ring, ring_ref = _kernel_state(state), _kernel_state(ring_state)
+    assert ring.at is not None and int(ring.at) == ring.head == ring_ref.head and ring.length == ring_ref.length
+    assert isinstance(state, HybridState) is (name == "hybrid")
+    if name == "hybrid":
+        assert (state.at is None) is padded  # a padded token leaves the static softmax heads
+        torch.testing.assert_close(state.keys, ring_state.keys)
+
+
+def test_make_static_refuses_a_state_that_is_not_steady_and_counts_each_rows_real_keys():
+    pa = _module(CONFIGS["linear-sinks-window-position"])
+    q, k, v = _inputs(b=2)
+    _, short = _decode(pa, q[:, :, :5], k[:, :, :5], v[:, :, :5], prefill=3)  # 5 tokens: the ring not full
+    assert isinstance(short, WindowRing) and not short.steady
+    with pytest.raises(ValueError, match="only when full with its sinks filled"):
+        short.make_static()
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[0, 2:10] = False  # row 0: its 2 sinks, then 8 padded keys: full and steady with 4 real keys seen at 12
+    _, state = _decode(pa, q[:, :, :12], k[:, :, :12], v[:, :, :12], mask[:, :12], prefill=9)
+    assert state.steady and state.seen.tolist() == [4, 12]
+    state.make_static()
+    assert state.real.tolist() == [4, 12] and int(state.at) == state.head
+    assert state.index_select(torch.tensor([1, 0])).at is None  # reordered rows: a new ring, not static
+    assert state.to_recurrent().seen.tolist() == [4, 12]
+
+
+def test_static_steps_with_a_padded_row_equal_the_ring_steps():
+    """Left padding and a padded token while static: each row's sinks' query shift from its own real keys, counted
+    on the device (a Python count would be recorded once in a CUDA graph)."""
+    pa = _module(CONFIGS["linear-sinks-window-position"])
+    q, k, v = _inputs(b=2)
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[0, :5] = False
+    mask[1, N - 4] = False
+    ring_out, ring_state = _decode(pa, q, k, v, mask)
+    static_out, state, static = _static_decode(pa, q, k, v, mask)
+    assert static >= N - PREFILL - 3
+    torch.testing.assert_close(static_out, ring_out, rtol=1e-9, atol=1e-10)
+    assert state.real.tolist() == [N - 5, N - 1] and state.to_recurrent().seen.tolist() == [N - 5, N - 1]
