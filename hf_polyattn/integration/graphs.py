@@ -38,6 +38,7 @@ from torch import nn
 from ..ops import HybridAttention, HybridState, PolyAttention
 from ..ops.decode import WindowRing, ring_decodes
 from .cache import PolyAttnCache, PolyAttnCacheLayer, cache_layers
+from .registry import STATIC_CALL
 
 __all__ = ["DecodeGraphs", "capture_decode"]
 
@@ -105,7 +106,7 @@ class DecodeGraphs:
             self.extra["logits_to_keep"] = 1
         self.takes_cache_position = "cache_position" in params
         self.counts = {"eager": 0, "static": 0, "replayed": 0, "recorded": 0}
-        self.cache = self.graph = self.output = self.ids = self.positions = None
+        self.cache = self.graph = self.output = self.ids = self.positions = self.mask = None
         functools.update_wrapper(self, self.forward)  # inspect.signature(model.forward) reads the model's
 
     # -------------------------------------------------------------------------------------------- the call
@@ -124,6 +125,7 @@ class DecodeGraphs:
                     layer.state.make_static()
             self.cache = cache
             self.ids, self.positions = ids.clone(), positions.clone()
+            self.mask = torch.ones_like(ids)
             self.counts["static"] += 1
             if not self.record:
                 return self._static_forward()
@@ -150,7 +152,7 @@ class DecodeGraphs:
 
     def release(self) -> None:
         """Forget the recorded graph and its cache (their memory is freed with them)."""
-        self.cache = self.graph = self.output = self.ids = self.positions = None
+        self.cache = self.graph = self.output = self.ids = self.positions = self.mask = None
 
     # -------------------------------------------------------------------------------------------- the checks
     def _static_call(self, args, kwargs):
@@ -198,11 +200,19 @@ class DecodeGraphs:
 
     # -------------------------------------------------------------------------------------------- the steps
     def _static_forward(self):
+        """The model's forward on the fixed inputs. The attention mask is a fixed (B, 1) of ones: given no mask,
+        some models make one of the length so far (OPT: a new shape every token) or look for padding in the ids
+        (``warn_if_padding_and_no_attention_mask``: a host sync); the mask function answers None throughout
+        (``registry.STATIC_CALL``), as it does for an unpadded call."""
         kwargs = {self.cache_arg: self.cache, **self.extra}
         if self.takes_cache_position:
             kwargs["cache_position"] = self.positions[0]
-        return self.forward(input_ids=self.ids, position_ids=self.positions, attention_mask=None, use_cache=True,
-                            **kwargs)
+        token = STATIC_CALL.set(True)
+        try:
+            return self.forward(input_ids=self.ids, position_ids=self.positions, attention_mask=self.mask,
+                                use_cache=True, **kwargs)
+        finally:
+            STATIC_CALL.reset(token)
 
     def _snapshot(self) -> list:
         """Each layer's state object and the Python values a step changes (its token count, its ring's slot and

@@ -13,6 +13,7 @@ overlays) arrive as a different ``mask_function`` and are refused with a clear e
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 
 import torch
@@ -85,6 +86,12 @@ def _describe_mask_function(fn: Callable | str) -> str:
     return f"hf_polyattn attention cannot apply {what}"
 
 
+# set while ``integration.graphs.DecodeGraphs`` runs a static decoding step: its caller checked that no token of the
+# call is padded, so the mask function answers None without reading the mask (a host sync, which a CUDA graph's
+# recording refuses) whatever mask the model made or was given
+STATIC_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("polyattn_static_call", default=False)
+
+
 def polyattn_mask(
     batch_size: int,
     q_length: int,
@@ -98,7 +105,7 @@ def polyattn_mask(
     """2-D (batch, kv_length) bool key-padding mask (True = keep), or None without padding."""
     if mask_function not in (causal_mask_function, bidirectional_mask_function) and not _is_sliding(mask_function):
         raise ValueError(_describe_mask_function(mask_function))
-    if attention_mask is None:
+    if attention_mask is None or STATIC_CALL.get():
         return None
     if attention_mask.dim() != 2:
         raise ValueError(f"hf_polyattn needs a 2-D (batch, length) attention_mask, got shape "

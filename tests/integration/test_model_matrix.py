@@ -21,6 +21,7 @@ import pytest
 import torch
 from integration_helpers import check_left_padded_generation, perturb_polyattn
 from model_matrix import DOC, ROWS, VOCAB, counts, installed, render
+from test_capture_decode import _Trace
 
 import hf_polyattn
 from hf_polyattn import PolyAttnCache, PolyAttnConfig, returned_cache
@@ -297,3 +298,43 @@ def test_matrix_covers_the_model_types_it_claims():
 def test_supported_models_doc_is_up_to_date():
     """docs/supported_models.md is what the rows render to: rerun `python tests/integration/model_matrix.py`."""
     assert DOC.read_text() == render(), "stale: run python tests/integration/model_matrix.py"
+
+
+@pytest.mark.parametrize("row", SUPPORTED_DECODERS)
+def test_decoder_static_steps_equal_eager_decoding(row):
+    """Every supported decoder type decodes through the static steps of ``capture_decode`` (run eagerly here:
+    ``DecodeGraphs(record=False)``) to the eager tokens and logits, with a softmax head kept; a model that keeps
+    exact sliding layers or has mixer layers (a convolution, a linear-attention layer of its own) is refused by
+    name instead."""
+    from hf_polyattn.integration.cache import PolyAttnCacheLayer, cache_layers
+    from hf_polyattn.integration.graphs import DecodeGraphs, _layer_refusal
+
+    model = build(row, kind(row, "softmax-heads"))
+    if any(not isinstance(layer, PolyAttnCacheLayer) for layer in cache_layers(model.config)):
+        assert "a layer of another type" in _layer_refusal(model)
+        return
+    if any(role == "sliding" for _, role, _ in layout(row)):
+        assert "exact sliding-window softmax layer" in _layer_refusal(model)
+        return
+    assert _layer_refusal(model) is None
+    ids = _ids(2, PROMPT, seed=2)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    eager = model.generate(ids, **kw)
+    graphs = DecodeGraphs(model, 64, record=False)
+    model.forward = graphs
+    static_forward, traces = graphs._static_forward, []
+
+    def traced():  # each step's operations, as a CUDA graph would record them (test_capture_decode._Trace)
+        with _Trace() as trace:
+            out = static_forward()
+        traces.append(trace.ops)
+        return out
+
+    graphs._static_forward = traced
+    static = model.generate(ids, **kw)
+    assert graphs.counts["replayed"] == 9, graphs.counts
+    assert torch.equal(static.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(static.logits, 1), torch.stack(eager.logits, 1), rtol=1e-4, atol=1e-4)
+    # every replay dispatches what the first replay did: nothing a graph would record once changes between tokens
+    assert len(traces) == 10 and all(ops == traces[1] for ops in traces[2:])
