@@ -78,7 +78,7 @@ def _calls(model, ids, chunks):
     cache, out = hf_polyattn.PolyAttnCache(model), []
     with torch.no_grad():
         for s, t in chunks:
-            out.append(model(ids[:, s:t], cache=cache, use_cache=True).logits)
+            out.append(model(ids[:, s:t], **hf_polyattn.cache_kwargs(cache), use_cache=True).logits)
     return torch.cat(out, 1)
 
 
@@ -187,9 +187,9 @@ def test_every_replayed_step_dispatches_the_recorded_operations(heads):
 
     graphs._static_forward = traced
     with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True)
         for i in range(30, 36):
-            model(ids[:, i % 30:i % 30 + 1], cache=cache, use_cache=True)
+            model(ids[:, i % 30:i % 30 + 1], **hf_polyattn.cache_kwargs(cache), use_cache=True)
     assert graphs.counts["replayed"] == 4 and len(traces) == 5  # the static step run eagerly, then 4 replays
     first, *later = traces[1:]
     assert len(first) > 100
@@ -210,9 +210,9 @@ def test_static_buffers_are_what_decode_memory_counts_with_a_capacity():
     model.forward = graphs
     cache = hf_polyattn.PolyAttnCache(model)
     with torch.no_grad():
-        model(ids[:, :30], cache=cache, use_cache=True)
+        model(ids[:, :30], **hf_polyattn.cache_kwargs(cache), use_cache=True)
         for i in range(30, 40):
-            model(ids[:, i:i + 1], cache=cache, use_cache=True)
+            model(ids[:, i:i + 1], **hf_polyattn.cache_kwargs(cache), use_cache=True)
     assert graphs.counts["replayed"] == 8
     static = hf_polyattn.decode_memory(model, (30,), batch=2, decoded=10, capacity=64).total[0]
     growing = hf_polyattn.decode_memory(model, (30,), batch=2, decoded=10).total[0]
