@@ -4,8 +4,8 @@ linear-time? (SnapKV's observation window, Li et al. 2024, arXiv:2404.14469, on 
     python -m recipes.experiments.retrieval.probe_question_select MODEL --length 4096 --depths 10 \
         --rules library all question --cache 128 [--out DIR]
 
-For each classic passkey prompt of ``hf-polyattn eval --passkey LENGTH --passkey-depths DEPTHS`` (seed 0: the same
-keys and prompts), one rule at a time:
+For each passkey prompt of ``hf-polyattn eval --passkey LENGTH --passkey-depths DEPTHS --passkey-templates
+TEMPLATE`` (seed 0: the same keys and prompts; hits: the first number answered is the key), one rule at a time:
 
 - ``library``: the model with ``sparse_cache=CACHE`` as the library runs it (recall-error selection while the prompt
   streams, the rest folded into the kernel state);
@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--rules", nargs="+", default=["library", "all", "question"],
                     choices=["library", "all", "question"])
     ap.add_argument("--cache", type=int, default=128)
+    ap.add_argument("--template", default="classic", help="the passkey template (hf_polyattn.eval.passkey.TEMPLATES)")
     ap.add_argument("--observe", type=int, default=16, help="the prompt's last queries that score the keys")
     ap.add_argument("--pool", type=int, default=7, help="max-pooling width over key positions (1: none)")
     ap.add_argument("--threads", type=int, default=2)
@@ -100,16 +101,19 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model)
     model = load_model(args.model, AutoModelForCausalLM).eval()
-    new_tokens = _answer_tokens("classic")
+    new_tokens = _answer_tokens(args.template)
     rng = random.Random(0)
     grid = [(i + 0.5) / args.depths for i in range(args.depths)]
     cells = []
     for depth in grid:
-        drawn = draw_passkey(rng, "classic")
-        ids = passkey_prompt(tok, length=args.length, depth=depth, template="classic", **drawn).prompt
+        drawn = draw_passkey(rng, args.template)
+        ids = passkey_prompt(tok, length=args.length, depth=depth, template=args.template, **drawn).prompt
         cells.append((depth, drawn["key"], torch.tensor([ids])))
     every = args.length + new_tokens + 64  # a cache that holds every key of the prompt and the answer
-    results = {"settings": vars(args), "depths": grid, "rules": {}}
+    results = {"settings": vars(args), "depths": grid, "keys": [key for _, key, _ in cells], "rules": {}}
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     for rule in args.rules:
         hits, answers, seconds = [], [], []
         for depth, key, ids in cells:
@@ -145,12 +149,11 @@ def main() -> int:
             answers.append(text)
             seconds.append(round(time.time() - t0, 1))
             print(f"{rule} depth {depth:.2f}: key {key} answer {text!r} -> {hits[-1]} ({seconds[-1]} s)", flush=True)
-        results["rules"][rule] = {"hits": hits, "answers": answers, "seconds": seconds, "total": sum(hits)}
+            results["rules"][rule] = {"hits": hits, "answers": answers, "seconds": seconds, "total": sum(hits),
+                                      "complete": len(hits) == len(cells)}
+            if out is not None:  # after every prompt: a stopped run keeps what it measured
+                (out / "probe_question_select.json").write_text(json.dumps(results, indent=1))
         print(f"{rule}: {sum(hits)} / {len(hits)}", flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "probe_question_select.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
