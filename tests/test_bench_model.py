@@ -107,6 +107,7 @@ def test_compile_decode_runs_the_retrofit_compiled_and_says_so(dirs, tmp_path, c
     (["--base", "RETROFIT"], "--base"),
     (["--kinds", "linear-elu"], "--kinds"),
     (["--heads", "2"], "--heads"),
+    (["--capture-decode"], "--capture-decode records CUDA graphs: it needs --device cuda"),
 ])
 def test_bad_arguments_are_usage_errors_naming_the_parameter(dirs, tmp_path, capsys, argv, names):
     argv = [{"FILE": dirs["file"], "RETROFIT": dirs["retrofit"]}.get(a, a) for a in argv]
