@@ -38,6 +38,7 @@ from torch import nn
 from ..ops import HybridAttention, HybridState, PolyAttention
 from ..ops.decode import WindowRing, ring_decodes
 from .cache import PolyAttnCache, PolyAttnCacheLayer, cache_layers
+from .compatibility import CACHE_ARGUMENT
 from .registry import STATIC_CALL
 
 __all__ = ["DecodeGraphs", "capture_decode"]
@@ -100,7 +101,7 @@ class DecodeGraphs:
         self.model, self.max_length, self.record = model, max_length, record
         self.forward = model.forward  # the model's own (bound) forward
         params = inspect.signature(self.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.cache_arg = CACHE_ARGUMENT  # the installed transformers' name of the forward's cache argument
         self.extra = {}
         if "logits_to_keep" in params:
             self.extra["logits_to_keep"] = 1
@@ -170,16 +171,14 @@ class DecodeGraphs:
             return None
         if self.record and ids.device.type != "cuda":
             return None
-        states = []
+        if not cache.layers:
+            return None
         for layer in cache.layers:
             state = layer.state if isinstance(layer, PolyAttnCacheLayer) else None
             if not isinstance(state, (WindowRing, HybridState)) or not state.steady:
                 return None
             if isinstance(state, HybridState) and state.length + 1 > self.max_length:
                 return None  # no room left: the eager forward grows the buffers
-            states.append(state)
-        if not states:
-            return None
         mask = kwargs.get("attention_mask")
         # the layers read the new token's column only (the past is in the states: padded keys kept by a softmax
         # head make its state unsteady); one host sync: a padded new token takes the eager forward
