@@ -472,14 +472,14 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
 
     def _half_on_triton(self, path: str, causal: bool, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether half-precision q, k, v go to this call's kernels as they are, without fp32 copies: on the
-        'triton' backend the causal product and the exact local part (blocks, window) read bf16/fp16 and convert to
-        fp32 on load (on 'fla' FlexAttention runs the window in the half dtype with fp32 statistics and fla-core's
-        products take fp32 features and [v, 1]), while the feature maps and the q/k maps (``kernel_inputs``) upcast
-        their own inputs. Only the kernel product path of this class (a subclass's own ``run_path`` keeps its fp32
-        inputs), without a recurrent state, causal or with a window (the bidirectional product without one is a
-        PyTorch matmul), and not the per-token cumsum. Where the product or the local part still falls back to
-        PyTorch under 'auto' (over 256 feature columns, head dims over 128, squared coefficient polynomials) they
-        upcast there."""
+        'triton' backend the causal product and the exact local part (blocks, window) read bf16/fp16 and convert to fp32
+        on load (on 'fla' FlexAttention runs the window in the half dtype with fp32 statistics and fla-core's products
+        read a bf16 layer's features and values in bf16, an fp16 layer's in fp32: ``lt_multiply_fla``), while the
+        feature maps and the q/k maps (``kernel_inputs``) upcast their own inputs. Only the kernel product path of this
+        class (a subclass's own ``run_path`` keeps its fp32 inputs), without a recurrent state, causal or with a window
+        (the bidirectional product without one is a PyTorch matmul), and not the per-token cumsum. Where the product or
+        the local part still falls back to PyTorch under 'auto' (over 256 feature columns, head dims over 128, squared
+        coefficient polynomials) they upcast there."""
         cfg = self.config
         return (path == "linear" and self.feature_map is not None and (causal or bool(cfg.window))
                 and cfg.causal_algorithm != "cumsum" and not cfg.short_conv  # the convolution computes in fp32

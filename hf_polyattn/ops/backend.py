@@ -179,6 +179,16 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype = t
     return requested
 
 
+# fla-core's chunk kernels tile the value columns (BV autotuned over 32 ... 128, fla/ops/common/chunk_o.py) and
+# recompute a chunk's q k^T in every tile: [v, 1] with d = 64, 65 columns, runs two 64-wide tiles, about twice the work
+# of v alone. Measured on one H100 (bf16, n = 32k, forward + backward, recipes/results/SECTION_gpu_h100_graphs.md): our
+# linear-elu layer with fp32 features and 65 columns 7.39 ms against fla-core's own row, bf16 features and 64
+# columns, 3.76 ms. So columns past a multiple of this many (the normaliser) go through a cumulative sum instead.
+FLA_VALUE_TILE = 64
+# at most this many such columns (a cumsum of n x r x t floats each): [v, 1] has one
+_FLA_CUMSUM_COLUMNS = 4
+
+
 def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                     decay: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """lt(A B^T) C, diagonal included, by fla-core's ``chunk_linear_attn`` (fp32 output); with ``decay=(qlog,
@@ -187,37 +197,55 @@ def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
     A (..., n, r), B (..., n, r), C (..., n, e) with broadcastable leading dims (query groups of a
     kv head included). fla-core takes (batch, n, heads, features) with one key per query head, so
     every leading index becomes a head: B and C are copied per query group (G-fold; the Triton
-    kernels read them in place). The inputs run in their common dtype (fp32 when any is fp32).
-    chunk_simple_gla weighs term (i, j) by exp(g_{j+1} + ... + g_i), one log-gate g_t per key and head: here g_t =
-    klog_t - klog_{t-1} (g_0 = 0), and row i of A is scaled by exp(qlog_i - klog_i) <= 1 (the same product; in float32
-    the gates' differences of the cumulative sums are off by about |klog| 2^-24 each).
+    kernels read them in place). chunk_simple_gla weighs term (i, j) by exp(g_{j+1} + ... + g_i), one log-gate g_t
+    per key and head: here g_t = klog_t - klog_{t-1} (g_0 = 0), and row i of A is scaled by exp(qlog_i - klog_i) <= 1
+    (the same product; in float32 the gates' differences of the cumulative sums are off by about |klog| 2^-24 each).
+
+    Precision: fla-core reads A, B and C in bfloat16 when C is bfloat16 (a bf16 model's values: its features, formed in
+    float32, are rounded to it, as fla-core's own rows feed them; its kernels accumulate in float32), else in the
+    inputs' common dtype (an fp16 model's product stays float32: fla-core returns the unnormalised sums in its inputs'
+    dtype, and at 32k keys of elu + 1 features they pass fp16's largest value, 65,504). Without decay, the columns of C
+    past a multiple of ``FLA_VALUE_TILE`` (at most ``_FLA_CUMSUM_COLUMNS``: the normaliser of [v, 1]) are computed in
+    float32 as a_i . cumsum_{j <= i}(b_j c_j) from the same rounded features, instead of a second tile of every chunk.
     """
     if a.shape[-1] > FLA_MAX_FEATURES:
         raise ValueError(f"backend='fla': feature size r = {a.shape[-1]} > {FLA_MAX_FEATURES} is beyond fla-core's "
                          "kernels (performer num_features): use backend='triton' or 'batched'")
-    n = a.shape[-2]
+    n, e = a.shape[-2], c.shape[-1]
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2],
                                   *(() if decay is None else (x.shape[:-1] for x in decay)))
-    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), c.dtype)
+    dtype = c.dtype if c.dtype == torch.bfloat16 else torch.promote_types(torch.promote_types(a.dtype, b.dtype),
+                                                                            c.dtype)
 
     def heads(x: torch.Tensor, dt=dtype) -> torch.Tensor:  # (..., n, f) -> (1, n, heads, f), contiguous
         x = x.to(dt).expand(*lead, n, x.shape[-1]).reshape(-1, n, x.shape[-1])
         return x.transpose(0, 1).unsqueeze(0).contiguous()
 
-    if decay is None:
-        from fla.ops.linear_attn import chunk_linear_attn
+    def back(out: torch.Tensor) -> torch.Tensor:  # (1, n, heads, f) -> (*lead, n, f) in float32
+        return out.squeeze(0).transpose(0, 1).reshape(*lead, n, out.shape[-1]).float()
 
-        out, _ = chunk_linear_attn(heads(a), heads(b), heads(c), scale=1.0, normalize=False)
-    else:
+    if decay is not None:
         from fla.ops.simple_gla import chunk_simple_gla
 
         qlog, klog = (x.float() for x in decay)
         gates = F.pad(klog[..., 1:] - klog[..., :-1], (1, 0))  # g_0 = 0: only differences of klog matter
-        a = a * torch.exp(qlog - klog).unsqueeze(-1).to(torch.promote_types(a.dtype, torch.float32))
-        dtype = torch.promote_types(dtype, a.dtype)
-        out, _ = chunk_simple_gla(heads(a, dtype), heads(b, dtype), heads(c, dtype),
-                                  g=heads(gates.unsqueeze(-1), torch.float32).squeeze(-1), scale=1.0)
-    return out.squeeze(0).transpose(0, 1).reshape(*lead, n, c.shape[-1]).float()
+        a = a.float() * torch.exp(qlog - klog).unsqueeze(-1)
+        out, _ = chunk_simple_gla(heads(a), heads(b), heads(c), g=heads(gates.unsqueeze(-1), torch.float32).squeeze(-1),
+                                  scale=1.0)
+        return back(out)
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    tail = e % FLA_VALUE_TILE if e > FLA_VALUE_TILE else 0
+    tail = tail if tail <= _FLA_CUMSUM_COLUMNS else 0
+    out, _ = chunk_linear_attn(heads(a), heads(b), heads(c[..., : e - tail]), scale=1.0, normalize=False)
+    out = back(out)
+    if not tail:
+        return out
+    # the same features fla-core read, in float32: (..., n, r, t) running sums of b_j c_j^T, read by each a_i
+    a32, b32 = a.to(dtype).float(), b.to(dtype).float()
+    sums = torch.cumsum(b32.unsqueeze(-1) * c[..., e - tail :].float().unsqueeze(-2), dim=-3)
+    rest = torch.matmul(a32.unsqueeze(-2), sums).squeeze(-2)  # (*lead, n, t)
+    return torch.cat([out, rest.expand(*lead, n, tail)], dim=-1)
 
 
 def product_backend(requested: str, device: torch.device, dtype: torch.dtype, features: int,
@@ -258,7 +286,7 @@ def lt_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block_size: in
     which = product_backend(backend, a.device, a.dtype, a.shape[-1], decay is not None)
     if decay is not None:
         decay = check_decay(a, b, c, decay)
-        if which != "triton":
+        if which not in ("triton", "fla"):  # 'fla' reads half values as they are (lt_multiply_fla's precision)
             a, b, c, *decay = to_work(a, b, c, *decay)  # half inputs: the decays and sums in float32
             decay = tuple(decay)
     if activation is not None and which != "triton":

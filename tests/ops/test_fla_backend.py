@@ -87,11 +87,46 @@ def test_product_layout_groups_and_gradients(fla_standin):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("e, kernel_columns", [(65, 64), (66, 64), (129, 128), (64, 64), (69, 69), (7, 7)])
+def test_columns_past_a_tile_by_cumulative_sum(e, kernel_columns, fla_standin):
+    """[v, 1] with d = 64 has 65 columns: fla-core's kernel gets the 64 value columns (a second 64-wide tile would
+    recompute every chunk's q k^T) and the normaliser comes from a float32 cumulative sum (at most 4 such columns;
+    more go to the kernel); the same product and gradients as the batched path."""
+    a, b, c = _inputs(n=40, r=6, e=e, seed=1)
+    out = lt_product(a, b, c, 8, True, False, backend="fla")
+    assert [x["v_shape"] for x in fla_standin] == [(1, 40, 12, kernel_columns)]
+    ref = lt_multiply_batched(a, b, c, 8, True, False)
+    assert out.shape == ref.shape == (2, 3, 2, 40, e) and out.dtype == torch.float32
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-6  # float32 sums in another order
+    g = torch.randn_like(ref)
+    for name, x, y in zip("abc", torch.autograd.grad(out, (a, b, c), g), torch.autograd.grad(ref, (a, b, c), g)):
+        assert ((x - y).norm() / y.norm()).item() < 1e-6, f"d{name}"
+
+
+def test_bf16_values_feed_fla_in_bf16(fla_standin):
+    """A bf16 model's values (float32 features): fla-core reads features and values in bf16, as its own rows do,
+    and the normaliser's cumulative sum reads the same rounded features in float32 (so numerator and denominator
+    agree); an fp16 model's product stays float32 (its unnormalised sums would pass fp16's range)."""
+    a, b, c = _inputs(n=50, r=8, e=65, seed=2)
+    out = lt_product(a, b, c.detach().bfloat16(), 8, True, False, backend="fla")
+    assert fla_standin[-1]["dtype"] == torch.bfloat16 and fla_standin[-1]["v_shape"][-1] == 64
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    rounded = lt_multiply_batched(*(x.detach().bfloat16().float() for x in (a, b, c)), 8, True, False)
+    assert ((out - rounded).norm() / rounded.norm()).item() < 2**-7  # the kernel's output rounded to bf16
+    torch.testing.assert_close(out[..., -1], rounded[..., -1], rtol=1e-5, atol=1e-5)  # the float32 normaliser
+    (da,) = torch.autograd.grad(out.sum(), (a,))
+    assert torch.isfinite(da).all()
+    lt_product(a, b, c.detach().half(), 8, True, False, backend="fla")
+    assert fla_standin[-1]["dtype"] == torch.float32
+
+
 def test_mixed_dtypes_run_in_the_common_one(fla_standin):
     a, b, c = _inputs(dtype=torch.bfloat16)
     out = lt_multiply_fla(a, b, c.float())
     assert fla_standin[-1]["dtype"] == torch.float32 and out.dtype == torch.float32
     out = lt_multiply_fla(a, b, c)
+    assert fla_standin[-1]["dtype"] == torch.bfloat16 and out.dtype == torch.float32
+    out = lt_multiply_fla(a.float(), b.float(), c)  # bf16 values: features rounded to them (the precision doc)
     assert fla_standin[-1]["dtype"] == torch.bfloat16 and out.dtype == torch.float32
 
 
