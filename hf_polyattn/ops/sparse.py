@@ -162,6 +162,21 @@ class _Aligned:
         return gather_keys(out, back, 3) * (pos[None, :] >= self.lead[:, None])[:, None, None, :, None].to(out.dtype)
 
 
+@dataclass
+class SparseRows:
+    """One epoch's rows before their normalisation (``SparseMixin._sparse_parts``): the exact weights over the
+    row's keys, sinks and cache slots (B, Hkv, G, rows, n_loc + sinks + lambda) in that order (the sinks from
+    ``n_loc``, the cache from ``at``), their weighted [v, 1] ``loc``, the kernel part ``far`` (B, Hkv, G, rows, e)
+    and its factor ``scale_far`` (None: 1). The output is ``normalised_sum(far, loc, scale_far, offset)``."""
+
+    weights: torch.Tensor
+    loc: torch.Tensor
+    far: torch.Tensor
+    scale_far: torch.Tensor | None
+    n_loc: int
+    at: int
+
+
 class SparseMixin:
     """Methods of ``PolyAttention`` for ``sparse_cache`` (module docstring)."""
 
@@ -297,6 +312,13 @@ class SparseMixin:
         """Outputs (B, Hkv, G, end - a, d) of the aligned queries a .. end - 1 of one epoch: exactly on the keys ks ..
         their own (the pending block and the window), the sinks and the sparse cache (ck, cv (B, Hkv, lambda, .)),
         through the features on the state kv (B, Hkv, F, e) referenced at G = g_ref (B, Hkv)."""
+        parts = self._sparse_parts(qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid,
+                                   kv, g_ref)
+        return normalised_sum(parts.far, parts.loc, parts.scale_far, self.config.denominator_offset, parts.far.dtype)
+
+    def _sparse_parts(self, qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid, kv,
+                      g_ref) -> SparseRows:
+        """``_sparse_rows``' terms before their normalisation (``SparseRows``); its arguments."""
         cfg = self.config
         q = qa[..., a:end, :] * scale
         qpos = torch.arange(a, end, device=q.device)
@@ -328,7 +350,7 @@ class SparseMixin:
         if cfg.window_mix:
             mix = self.window_mix.abs().to(far.dtype)
             scale_far = mix if scale_far is None else scale_far * mix
-        return normalised_sum(far, loc, scale_far, cfg.denominator_offset, far.dtype)
+        return SparseRows(weights, loc, far, scale_far, n_loc, at)
 
     def _sparse_state(self, state, key, value, pad_mask, mask, lead, count, sinks, kv, g_ref, cache_idx, cache_valid,
                       pool_raw, pool_vext, pool_kin, pool_g) -> RecurrentState:

@@ -44,3 +44,19 @@ def test_variants_keep_the_selection_contract(restored, variant):
     torch.testing.assert_close(new_kv, kv + folded)  # every valid key not kept is added to the state
     # the frozen rule keeps the scores of the kept keys for the next step of the same module
     assert probe_selection.STORED[None].shape == (1, 2, 4)
+
+
+def test_rows_with_mass_give_the_library_rows(monkeypatch):
+    """The probe's prefill rows (``_rows_with_mass``, on ``SparseMixin._sparse_parts``) give the library's output,
+    with and without a running prefill's mass bookkeeping."""
+    from hf_polyattn import PolyAttnConfig
+    from hf_polyattn.ops import PolyAttention
+
+    cfg = PolyAttnConfig(kind="linear", window=8, sinks=2, sparse_cache=4, sparse_chunk=4, decay="gate")
+    mod = PolyAttention(cfg, 4, 8, 2)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 40, 8, generator=g) for h in (4, 2, 2))
+    with torch.no_grad():
+        ref = mod(q, k, v, causal=True)
+        monkeypatch.setattr(sparse.SparseMixin, "_sparse_rows", probe_selection._rows_with_mass)
+        torch.testing.assert_close(mod(q, k, v, causal=True), ref, rtol=0, atol=0)

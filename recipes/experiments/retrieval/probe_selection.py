@@ -13,17 +13,16 @@ The library scores every candidate (the cache, then the block that left the wind
   of the whole context, instead of the keys the recent state represents worst);
 - ``relative``: the error divided by |v| (re-scored every block), so large values do not win by their norm.
 
-Attention-informed variants (H2O, Zhang et al. 2023, arXiv:2306.14048, on the bounded cache). Every exact weight a
-query gives a key is turned into that key's probability under the query's whole row: w_j / Z with Z the row's full
-normaliser (the window, the pending block, the sinks, the sparse cache *and* the kernel part, ``window_mix``, decay
-and ``denominator_offset`` included: the ``num[..., d] + offset`` that ``normalised_sum`` / ``ring_step`` divide by),
-summed over the kv head's G query heads and over the queries. A key's *mass* is the sum of those probabilities; the
-sinks collect none (they are always kept). The chunked prefill gets them from a copy of ``SparseMixin._sparse_rows``
-that computes the same output and the probabilities of its rows (``_rows_with_mass``); decoding recomputes each step's
-exact weights and normaliser after ``ring_step`` (``_ring_mass``) and keeps a mass per ring slot, moved with the key
-when it leaves the window for the waiting block and when the block's selection keeps it in the cache; the prefill's
-masses go to the ring built after it (``_ring_slots``: the cache, the waiting keys and the window in the ring's
-order).
+Attention-informed variants (H2O, Zhang et al. 2023, arXiv:2306.14048, on the bounded cache). Every exact weight a query
+gives a key is turned into that key's probability under the query's whole row: w_j / Z with Z the row's full normaliser
+(the window, the pending block, the sinks, the sparse cache *and* the kernel part, ``window_mix``, decay and
+``denominator_offset`` included: the ``num[..., d] + offset`` that ``normalised_sum`` / ``ring_step`` divide by), summed
+over the kv head's G query heads and over the queries. A key's *mass* is the sum of those probabilities; the sinks
+collect none (they are always kept). The chunked prefill gets them from ``SparseMixin._sparse_parts``, the terms of its
+rows before normalisation (``_rows_with_mass``); decoding recomputes each step's exact weights and normaliser after
+``ring_step`` (``_ring_mass``) and keeps a mass per ring slot, moved with the key when it leaves the window for the
+waiting block and when the block's selection keeps it in the cache; the prefill's masses go to the ring built after it
+(``_ring_slots``: the cache, the waiting keys and the window in the ring's order).
 
 - ``h2o``: the score is the key's accumulated mass; a cached key keeps accumulating the mass later queries give it
   (H2O's rule), so it competes with its whole history against candidates that have only their time in the window;
@@ -71,7 +70,6 @@ import torch
 from hf_polyattn.ops import attention, decode, sparse
 from hf_polyattn.ops.common import normalised_sum, soft_cap
 from hf_polyattn.ops.local import far_scale
-from hf_polyattn.ops.window import slot_scores
 
 VARIANTS = ("frozen", "relative", "h2o", "h2o_window", "h2o_max", "plumbing", "err_knorm", "err_mass",
             "oracle_key", "oracle_needle")  # each also as VARIANT_nofar
@@ -90,39 +88,13 @@ CHECK = {"rows": False}  # probe_selection_check: assert that no prefill query g
 
 def _rows_with_mass(self, qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid, kv,
                     g_ref):
-    """``SparseMixin._sparse_rows`` (the same operations, the same output) that also adds each key's probabilities
-    under the rows' full normaliser to the running prefill's masses (``PREFILL``)."""
+    """``SparseMixin._sparse_rows`` (its terms from ``_sparse_parts``, the same output) that also adds each key's
+    probabilities under the rows' full normaliser to the running prefill's masses (``PREFILL``)."""
     cfg = self.config
-    q = qa[..., a:end, :] * scale
-    qpos = torch.arange(a, end, device=q.device)
-    kpos = torch.arange(ks, end, device=q.device)
-    x = [torch.matmul(q, ka[..., ks:end, :].transpose(-1, -2))]
-    allowed = [(kpos[None, :] <= qpos[:, None]) & valid_a[:, None, None, None, ks:end]]
-    if sinks is not None:
-        x.append(slot_scores(q, sinks.k, None if sinks.q is None else sinks.q[..., a:end, :] * scale,
-                             sinks.learned))
-        allowed.append(sinks.visible(qpos))
-    x.append(torch.matmul(q, ck.unsqueeze(2).transpose(-1, -2)))
-    allowed.append(c_valid[:, :, None, None, :])
-    shape = x[0].shape[:-1]
-    x = torch.cat(x, dim=-1)
-    allowed = torch.cat([m.expand(*shape, m.shape[-1]) for m in allowed], dim=-1)
-    weights, log_far = self.exact_weights(x, allowed, cfg.resolved_local_kernel)
-    n_loc = end - ks
-    loc = torch.matmul(weights[..., :n_loc], vexta[..., ks:end, :])
-    at = n_loc
-    if sinks is not None:
-        e = sinks.k.shape[-2]
-        loc = loc + torch.matmul(weights[..., at : at + e], sinks.v)
-        at += e
-    loc = loc + torch.matmul(weights[..., at:], cv.unsqueeze(2))
-    far = torch.matmul(self._full_features(fqa[..., a:end, :]), kv.unsqueeze(2))
-    if ga is not None:
-        far = far * torch.exp(ga[..., a:end] - g_ref[..., None, None]).unsqueeze(-1)
-    scale_far = far_scale(log_far, None if qls is None else qls[..., a:end, :])
-    if cfg.window_mix:
-        mix = self.window_mix.abs().to(far.dtype)
-        scale_far = mix if scale_far is None else scale_far * mix
+    parts = self._sparse_parts(qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid, kv,
+                               g_ref)
+    weights, loc, far, scale_far, n_loc, at = (parts.weights, parts.loc, parts.far, parts.scale_far, parts.n_loc,
+                                                parts.at)
     ctx = PREFILL.get(id(self))
     if ctx is not None:
         with torch.no_grad():
