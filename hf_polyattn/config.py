@@ -46,8 +46,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
              "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset", "poly_coefficients",
-             "learn_coefficients", "feature_map", "decay", "decay_horizon", "short_conv", "sparse_cache",
-             "sparse_chunk")
+             "learn_coefficients", "feature_map", "decay", "decay_horizon", "decay_max_horizon", "short_conv",
+             "sparse_cache", "sparse_chunk")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
                 "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0, "sparse_cache": 0,
                 "sparse_chunk": 1}
@@ -177,6 +177,16 @@ class PolyAttnConfig:
         metadata={
             "help": "initial horizon of the decay in tokens (> 1): 'scalar' starts at log gamma = -1/horizon, "
             "'gate' at the constant gate 1 - 1/horizon (w = 0, b = log(horizon - 1))"
+        },
+    )
+    decay_max_horizon: float = field(
+        default=0.0,
+        metadata={
+            "help": "the longest memory the decayed kernel state may keep, in tokens (> 1; 0 = no bound): every "
+            "log-gate (log gamma for 'scalar') capped at -1/decay_max_horizon, a gate at most 1 - ~1/that. Learned "
+            "gates of a model trained on 1k-token windows drift to horizons of 4k-70k tokens, which only longer "
+            "contexts exercise (recipes/results/SECTION_retrieval.md); the cap keeps the state's statistics at every "
+            "length those of a window it was trained on. Applied at every call, trained or not"
         },
     )
     block_size: int = field(default=256, metadata={"help": "block size b of the causal LT multiplication"})
@@ -322,6 +332,12 @@ class PolyAttnConfig:
         if not self.decay_horizon > 1.0:
             raise ValueError(f"decay_horizon must be a real number > 1 (tokens: the initial 1/(1 - gamma)), got "
                              f"{self.decay_horizon}")
+        if self.decay_max_horizon and not self.decay_max_horizon > 1.0:
+            raise ValueError(f"decay_max_horizon must be 0 (no bound) or a real number > 1 (tokens: the longest "
+                             f"memory, log-gates capped at -1/decay_max_horizon), got {self.decay_max_horizon}")
+        if self.decay == "none" and self.decay_max_horizon:
+            raise ValueError(f"decay_max_horizon={self.decay_max_horizon} needs decay='scalar' or 'gate' (it bounds "
+                             "the decay's memory)")
         if self.sparse_chunk != SPARSE_CHUNK and not self.sparse_cache:
             raise ValueError(f"sparse_chunk={self.sparse_chunk} needs sparse_cache > 0 (it is the sparse cache's "
                              "selection granularity)")

@@ -20,9 +20,9 @@ TRAIN_FIELDS = ("transfer_steps", "transfer_lr", "transfer_batch_size", "transfe
                 "warmup_steps", "lora", "lora_r", "lora_alpha", "context", "seed", "mixed_precision")
 # PolyAttnConfig fields added after the presets' runs were recorded (short_conv: the delta work; sliding_layers: the
 # sliding-window layers; sparse_cache, sparse_chunk: the sparse cache; softcap_mode: Gemma 2's soft-capping). A record
-# without one ran before it existed, i.e. with what its default computes: no short convolution, no sparse cache, and
-# SmolLM2 has no sliding layers and no soft-capping.
-ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk", "softcap_mode"}
+# without one ran before it existed, i.e. with what its default computes: no short convolution, no sparse cache, no
+# bound on the decay's memory (decay_max_horizon), and SmolLM2 has no sliding layers and no soft-capping.
+ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk", "softcap_mode", "decay_max_horizon"}
 
 
 def smollm2_config():

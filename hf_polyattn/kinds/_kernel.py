@@ -13,7 +13,7 @@ LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_m
                 "learned_sinks", "sparse_cache", "sparse_chunk",
                 "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
-DECAY_FIELDS = ("decay", "decay_horizon")
+DECAY_FIELDS = ("decay", "decay_horizon", "decay_max_horizon")
 
 
 # where the sinks are scored (PolyAttnConfig.sink_position), in a label
@@ -26,6 +26,11 @@ def sink_label(config) -> str:
     return "".join(f" + {n} {what}{'s' if n > 1 else ''}{detail}" for n, what, detail in (
         (config.sinks, "sink token", f" ({_SINK_POSITION_LABELS[config.sink_position]})"),
         (config.learned_sinks, "learned sink slot", "")) if n)
+
+
+def max_horizon_label(config) -> str:
+    """', memory at most 256 tokens' for a bounded decay (``decay_max_horizon``), else ''."""
+    return f", memory at most {config.decay_max_horizon:g} tokens" if config.decay_max_horizon else ""
 
 
 def window_memory(config) -> str:
@@ -49,9 +54,9 @@ def local_label(config) -> list[str]:
     if config.sparse_cache:
         parts.append(f"sparse cache of {config.sparse_cache} keys (LoLA, blocks of {config.sparse_chunk})")
     if config.decay == "scalar":
-        parts.append(f"scalar decay (horizon {config.decay_horizon:g})")
+        parts.append(f"scalar decay (horizon {config.decay_horizon:g}{max_horizon_label(config)})")
     elif config.decay == "gate":
-        parts.append("gated decay")
+        parts.append("gated decay" + (f" ({max_horizon_label(config)[2:]})" if config.decay_max_horizon else ""))
     if config.short_conv:
         parts.append(conv_label(config))
     if config.feature_proj:

@@ -267,12 +267,12 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
             self.gate_bias.fill_(math.log(horizon - 1.0))
 
     def log_gates(self, v5: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """log g_t of the keys whose values are v5 (B, Hkv, 1, L, D), as (B, Hkv, 1, L), or None without decay:
-        log gamma per kv head ('scalar'), logsigmoid(v_t . w + b) ('gate'; from the value, as RoPE rotates k); 0 at
-        padded keys (mask False), so padding decays nothing and left padding changes no row. Float32 (float64
-        inputs: float64); callers take the cumulative sum G in this dtype: G's absolute error is about |G| 2^-24,
-        2e-6 at the default horizon over 32k tokens (|G| <= 32), and 0.06 for gates near 0 (log g = -30, |G| = 1e6)
-        on weights of exp(-30) and below."""
+        """log g_t of the keys whose values are v5 (B, Hkv, 1, L, D), as (B, Hkv, 1, L), or None without decay: log
+        gamma per kv head ('scalar'), logsigmoid(v_t . w + b) ('gate'; from the value, as RoPE rotates k), at most -1 /
+        ``decay_max_horizon`` when set; 0 at padded keys (mask False), so padding decays nothing and left padding
+        changes no row. Float32 (float64 inputs: float64); callers take the cumulative sum G in this dtype: G's absolute
+        error is about |G| 2^-24, 2e-6 at the default horizon over 32k tokens (|G| <= 32), and 0.06 for gates near 0
+        (log g = -30, |G| = 1e6) on weights of exp(-30) and below."""
         decay = self.config.decay
         if decay == "none":
             return None
@@ -282,6 +282,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         else:
             z = torch.matmul(v5.to(dt), self.gate_weight.to(dt).view(-1, 1, v5.shape[-1], 1)).squeeze(-1)
             lg = F.logsigmoid(z + self.gate_bias.to(dt).view(-1, 1, 1))
+        if self.config.decay_max_horizon:  # the bounded memory (config): no gate past 1 - ~1/horizon
+            lg = lg.clamp(max=-1.0 / self.config.decay_max_horizon)
         return lg if mask is None else torch.where(mask[:, None, None, :], lg, 0.0)
 
     def log_decays(self, v5: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -276,6 +276,7 @@ class _StepPlan:
     log_scaled: bool
     gate_weight: torch.Tensor | None
     gate_bias: torch.Tensor | None
+    gate_cap: float | None  # -1 / decay_max_horizon: the largest log-gate (None: no bound)
     softmax: bool
     softcap: float | None
     offset: float
@@ -333,6 +334,7 @@ def _plan(module, work: torch.dtype, device: torch.device, scale: float) -> _Ste
     fmap = module.feature_map
     plan = _StepPlan(key, cfg, tuple(owners), tuple(t.data_ptr() for _, _, t in owners), side(True), side(False),
                      math.sqrt(scale) if fmap.scaled_inputs else None, fmap, fmap.log_scaled, gate_w, gate_b,
+                     -1.0 / cfg.decay_max_horizon if cfg.decay_max_horizon else None,
                      cfg.resolved_local_kernel == "softmax", module.softcap, float(cfg.denominator_offset), mix,
                      _SMALLEST[work])
     if all(t.dtype == work and t.device == device for _, _, t in owners):
@@ -352,6 +354,8 @@ def _log_gate(module, plan: _StepPlan, v: torch.Tensor, mask: torch.Tensor | Non
     else:
         z = (v * plan.gate_weight.view(1, hkv, 1, d)).sum(-1) + plan.gate_bias.view(1, hkv, 1)
     lg = torch.nn.functional.logsigmoid(z)
+    if plan.gate_cap is not None:
+        lg = lg.clamp(max=plan.gate_cap)
     return lg if mask is None else torch.where(mask[:, None, :], lg, 0.0)
 
 
@@ -419,9 +423,9 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if plan is None:
         plan = _plan(module, work, q5.device, scale)
     k_new, v_new = key.to(work), value.to(work)  # (B, Hkv, 1, d)
-    slot = s + ring.extra + ring.head
     if ring.at is not None:  # static (``make_static``): every slot read and written through the device index
         return _static_step(module, plan, q5, k_new, v_new, mask, scale, ring, sink_q)
+    slot = s + ring.extra + ring.head
     if ring.count == w:  # the key in this slot leaves the window: into the state, or kept as a sink
         k_old, vx_old = ring.keys.narrow(2, slot, 1), ring.vext.narrow(2, slot, 1)
         is_sink = None

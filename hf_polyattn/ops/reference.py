@@ -87,7 +87,7 @@ def _decay_weights(module: PolyAttention, v: torch.Tensor | None, key_padding_ma
 
 def _cumulative_log_gates(module: PolyAttention, v: torch.Tensor, key_padding_mask: torch.Tensor | None):
     """G (B, Hkv, Lk), G_t = sum_{s <= t} log g_s: log gamma = -exp(theta) ('scalar') or logsigmoid(v_t . w + b)
-    ('gate'), 0 at padded keys; zeros without decay."""
+    ('gate'), at most -1/decay_max_horizon when set, 0 at padded keys; zeros without decay."""
     cfg = module.config
     b, hkv, lk, _ = v.shape
     if cfg.decay == "none":
@@ -97,6 +97,8 @@ def _cumulative_log_gates(module: PolyAttention, v: torch.Tensor, key_padding_ma
     else:
         log_g = torch.nn.functional.logsigmoid(torch.einsum("bhld,hd->bhl", v, module.gate_weight.to(v.dtype))
                                                + module.gate_bias.to(v.dtype)[None, :, None])
+    if cfg.decay_max_horizon:
+        log_g = torch.minimum(log_g, torch.full_like(log_g, -1.0 / cfg.decay_max_horizon))
     if key_padding_mask is not None:
         log_g = torch.where(key_padding_mask[:, None, :], log_g, torch.zeros_like(log_g))
     return torch.cumsum(log_g, dim=-1)
@@ -305,6 +307,8 @@ def reference_delta(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     else:
         log_a = torch.nn.functional.logsigmoid(torch.einsum("bhld,hd->bhl", v, module.gate_weight.to(v.dtype))
                                                + module.gate_bias.to(v.dtype)[None, :, None])
+    if cfg.decay_max_horizon:
+        log_a = torch.minimum(log_a, torch.full_like(log_a, -1.0 / cfg.decay_max_horizon))
     if key_padding_mask is not None:
         real = key_padding_mask[:, None, :]
         beta, log_a = torch.where(real, beta, 0.0), torch.where(real, log_a, 0.0)

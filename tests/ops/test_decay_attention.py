@@ -39,6 +39,10 @@ KINDS = [
     ("taylor-cumsum", dict(kind="taylor", causal_algorithm="cumsum")),
 ]
 CONFIGS = {f"{name}-{decay}": dict(opts, decay=decay) for name, opts in KINDS for decay in DECAYS}
+# a bounded memory (decay_max_horizon 2: log-gates at most -1/2, where the gates above drawn from horizon 4 reach
+# about -0.05): some gates capped, some not
+CONFIGS.update({f"{name}-gate-max2": dict(opts, decay="gate", decay_max_horizon=2.0) for name, opts in KINDS
+                if name in ("linear-elu-w4-mix", "linear-hedgehog-w4", "polysketch-w4-sinks", "performer-local")})
 
 
 def _params(*names):
@@ -276,6 +280,10 @@ def test_bidirectional_calls_are_refused():
     (dict(kind="linear", decay_horizon=64.0), "decay_horizon=64.0 needs decay='scalar' or 'gate'"),
     (dict(kind="sliding_window", window=4, decay="scalar"), "kind='sliding_window' does not read decay"),
     (dict(kind="polynomial", decay="gate"), "kind='polynomial' does not read decay"),
+    (dict(kind="linear", decay="gate", decay_max_horizon=1.0), r"decay_max_horizon must be 0 \(no bound\) or a real"),
+    (dict(kind="linear", decay="gate", decay_max_horizon=-5.0), "decay_max_horizon must be 0"),
+    (dict(kind="linear", decay_max_horizon=256.0), "decay_max_horizon=256.0 needs decay='scalar' or 'gate'"),
+    (dict(kind="polynomial", decay_max_horizon=256.0), "kind='polynomial' does not read decay_max_horizon"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -291,3 +299,24 @@ def test_labels_and_round_trip():
     assert "decay" not in plain.spec.table_label(plain)
     for cfg in (scalar, gate, PolyAttnConfig(kind="taylor", decay="scalar", decay_horizon=16.5)):
         assert PolyAttnConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_max_horizon_caps_every_gate(decay):
+    """``decay_max_horizon`` h: each log-gate is min(its own, -1/h) (a gate at most 1 - ~1/h), padded keys 0; the
+    uncapped ones are unchanged, and the module's label states the bound."""
+    capped = _module(dict(kind="linear", window=4, decay=decay, decay_max_horizon=3.0))
+    free = _module(dict(kind="linear", window=4, decay=decay))
+    free.load_state_dict(capped.state_dict())
+    if decay == "scalar":  # log gamma = -exp(theta): -0.1 for one head (above the cap), -1 for the other
+        with torch.no_grad():
+            capped.decay_theta.copy_(torch.tensor([0.1, 1.0], dtype=torch.float64).log())
+        free.load_state_dict(capped.state_dict())
+    _, _, v = _qkv(2, 4, 2, 11, 11, seed=3)
+    mask = _padding_mask(2, 11, "left")
+    got, want = capped.log_gates(v.detach().unsqueeze(2), mask), free.log_gates(v.detach().unsqueeze(2), mask)
+    real = mask[:, None, None, :].expand_as(got)
+    torch.testing.assert_close(got[real], want[real].clamp(max=-1 / 3.0), rtol=0, atol=0)
+    assert not got[~real].any()
+    assert bool((want[real] > -1 / 3.0).any()) and bool((want[real] < -1 / 3.0).any()), "the cap must bite on some"
+    assert "memory at most 3 tokens" in capped.config.spec.table_label(capped.config)

@@ -38,6 +38,9 @@ CONFIGS = {
     # the long-context recipe's kernel heads
     "linear-recipe": dict(kind="linear", window=6, sinks=2, decay="gate", window_mix=True, feature_proj=D,
                           qk_norm=True),
+    # with a bounded memory (decay_max_horizon: the decoding step's own gate path caps too)
+    "linear-recipe-max-horizon": dict(kind="linear", window=6, sinks=2, decay="gate", window_mix=True,
+                                      feature_proj=D, qk_norm=True, decay_max_horizon=3.0),
 }
 
 

@@ -106,6 +106,7 @@ LAYERS = {
     "delta": dict(window=0, sinks=0, decay="none"),
     "gated": dict(window=0, sinks=0, decay="gate"),
     "window-sinks-gate": dict(window=5, sinks=2, decay="gate"),
+    "window-sinks-gate-max-horizon": dict(window=5, sinks=2, decay="gate", decay_max_horizon=2.0),
     "window-learned-scalar-conv": dict(window=4, sinks=0, learned_sinks=2, decay="scalar", short_conv=3),
     "conv-gate": dict(window=0, sinks=0, decay="gate", short_conv=4),
     "elu-window": dict(window=4, sinks=1, decay="gate", delta_feature_map="elu"),

@@ -83,6 +83,10 @@ ROWS = {
                            "--data", "demo", "--contexts", "256", "--max-eval-tokens", "512", "--baselines", "none",
                            "--threads", "1", "--passkey", "4096", "--passkey-templates", "classic", "--passkey-depths",
                            "10", "--set", "sparse_cache=4096", "--out", "{out}"],
+    # the trained row with its kernel state's memory bounded to 256 tokens (decay_max_horizon: its learned gates
+    # drifted to horizons of 1k-70k tokens on 1k-token windows), alone and with the 512-key cache
+    "hh_max256": evaluate(TRAINED.format("hh"), "decay_max_horizon=256"),
+    "hh_max256+sparse512": evaluate(TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=512"),
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", "--set", "feature_map=elu", "--retrieval_mix", "0.25",
                  *EVAL_STAGE],
