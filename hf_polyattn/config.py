@@ -421,6 +421,11 @@ class PolyAttnConfig:
             setattr(self, f.name, check(f.name, value))
 
     @property
+    def max_log_gate(self) -> float | None:
+        """The largest log-gate ``decay_max_horizon`` allows (-1 / it), or None without a bound."""
+        return -1.0 / self.decay_max_horizon if self.decay_max_horizon else None
+
+    @property
     def resolved_local_kernel(self) -> str | None:
         """The kernel of the exact local part actually used (blocks or window), or None without one."""
         if not (self.local_exact or self.window):

@@ -29,8 +29,14 @@ def sink_label(config) -> str:
 
 
 def max_horizon_label(config) -> str:
-    """', memory at most 256 tokens' for a bounded decay (``decay_max_horizon``), else ''."""
-    return f", memory at most {config.decay_max_horizon:g} tokens" if config.decay_max_horizon else ""
+    """'memory at most 256 tokens' for a bounded decay (``decay_max_horizon``), else ''."""
+    return f"memory at most {config.decay_max_horizon:g} tokens" if config.decay_max_horizon else ""
+
+
+def decay_label(name: str, *details: str) -> str:
+    """'gated decay (horizon 256, memory at most 512 tokens)': ``name`` and its non-empty details in brackets."""
+    details = [d for d in details if d]
+    return f"{name} ({', '.join(details)})" if details else name
 
 
 def window_memory(config) -> str:
@@ -54,9 +60,9 @@ def local_label(config) -> list[str]:
     if config.sparse_cache:
         parts.append(f"sparse cache of {config.sparse_cache} keys (LoLA, blocks of {config.sparse_chunk})")
     if config.decay == "scalar":
-        parts.append(f"scalar decay (horizon {config.decay_horizon:g}{max_horizon_label(config)})")
+        parts.append(decay_label("scalar decay", f"horizon {config.decay_horizon:g}", max_horizon_label(config)))
     elif config.decay == "gate":
-        parts.append("gated decay" + (f" ({max_horizon_label(config)[2:]})" if config.decay_max_horizon else ""))
+        parts.append(decay_label("gated decay", max_horizon_label(config)))
     if config.short_conv:
         parts.append(conv_label(config))
     if config.feature_proj:

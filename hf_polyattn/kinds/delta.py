@@ -52,7 +52,7 @@ from ..ops.delta import delta_rule, l2_normalise
 from ..ops.feature_maps import FEATURE_MAPS, selectable_feature_maps
 from ..ops.reference import reference_delta
 from ..registry import KindSpec, Option, register_kind
-from ._kernel import conv_label, conv_memory, max_horizon_label, sink_label, window_memory
+from ._kernel import conv_label, conv_memory, decay_label, max_horizon_label, sink_label, window_memory
 from .sliding_window import SlidingWindowAttention
 
 
@@ -163,9 +163,9 @@ def _validate(config) -> None:
 def _label(config) -> str:
     parts = ["gated delta rule" if config.decay != "none" else "delta rule"]
     if config.decay == "scalar":
-        parts.append(f"scalar decay (horizon {config.decay_horizon:g}{max_horizon_label(config)})")
+        parts.append(decay_label("scalar decay", f"horizon {config.decay_horizon:g}", max_horizon_label(config)))
     elif config.decay == "gate":
-        parts.append(f"gated decay (horizon {config.decay_horizon:g}{max_horizon_label(config)})")
+        parts.append(decay_label("gated decay", f"horizon {config.decay_horizon:g}", max_horizon_label(config)))
     if config.window:
         parts.append(f"exact softmax {config.window}-token sliding window" + sink_label(config)
                      + f", delta read-out mixed in from {config.options['delta_mix_init']:g}")

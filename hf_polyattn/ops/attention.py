@@ -282,8 +282,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         else:
             z = torch.matmul(v5.to(dt), self.gate_weight.to(dt).view(-1, 1, v5.shape[-1], 1)).squeeze(-1)
             lg = F.logsigmoid(z + self.gate_bias.to(dt).view(-1, 1, 1))
-        if self.config.decay_max_horizon:  # the bounded memory (config): no gate past 1 - ~1/horizon
-            lg = lg.clamp(max=-1.0 / self.config.decay_max_horizon)
+        if self.config.max_log_gate is not None:  # the bounded memory (decay_max_horizon)
+            lg = lg.clamp(max=self.config.max_log_gate)
         return lg if mask is None else torch.where(mask[:, None, None, :], lg, 0.0)
 
     def log_decays(self, v5: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -237,14 +237,14 @@ def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
 
     tail = e % FLA_VALUE_TILE if e > FLA_VALUE_TILE else 0
     tail = tail if tail <= _FLA_CUMSUM_COLUMNS else 0
+    a, b = a.to(dtype), b.to(dtype)  # rounded once: fla-core and the cumulative sum read the same features
     out, _ = chunk_linear_attn(heads(a), heads(b), heads(c[..., : e - tail]), scale=1.0, normalize=False)
     out = back(out)
     if not tail:
         return out
-    # the same features fla-core read, in float32: (..., n, r, t) running sums of b_j c_j^T, read by each a_i
-    a32, b32 = a.to(dtype).float(), b.to(dtype).float()
-    sums = torch.cumsum(b32.unsqueeze(-1) * c[..., e - tail :].float().unsqueeze(-2), dim=-3)
-    rest = torch.matmul(a32.unsqueeze(-2), sums).squeeze(-2)  # (*lead, n, t)
+    # in float32: (..., n, r, t) running sums of b_j c_j^T, read by each a_i
+    sums = torch.cumsum(b.float().unsqueeze(-1) * c[..., e - tail :].float().unsqueeze(-2), dim=-3)
+    rest = torch.matmul(a.float().unsqueeze(-2), sums).squeeze(-2)  # (*lead, n, t)
     return torch.cat([out, rest.expand(*lead, n, tail)], dim=-1)
 
 

@@ -276,7 +276,7 @@ class _StepPlan:
     log_scaled: bool
     gate_weight: torch.Tensor | None
     gate_bias: torch.Tensor | None
-    gate_cap: float | None  # -1 / decay_max_horizon: the largest log-gate (None: no bound)
+    gate_cap: float | None  # the config's max_log_gate (None: no bound)
     softmax: bool
     softcap: float | None
     offset: float
@@ -334,7 +334,7 @@ def _plan(module, work: torch.dtype, device: torch.device, scale: float) -> _Ste
     fmap = module.feature_map
     plan = _StepPlan(key, cfg, tuple(owners), tuple(t.data_ptr() for _, _, t in owners), side(True), side(False),
                      math.sqrt(scale) if fmap.scaled_inputs else None, fmap, fmap.log_scaled, gate_w, gate_b,
-                     -1.0 / cfg.decay_max_horizon if cfg.decay_max_horizon else None,
+                     cfg.max_log_gate,
                      cfg.resolved_local_kernel == "softmax", module.softcap, float(cfg.denominator_offset), mix,
                      _SMALLEST[work])
     if all(t.dtype == work and t.device == device for _, _, t in owners):
