@@ -955,6 +955,10 @@ def _add_retrofit_parser(sub) -> None:
                    help=f"a measured recipe: attention, training budget, default data ({', '.join(preset_names())}; "
                         f"`{PROG} presets` shows each with its figure)")
     _add_attention_options(g, command="retrofit")
+    g.add_argument("--reconfigure", action="append", metavar="FIELD=VALUE",
+                   help="a setting that adds no tensor (hf_polyattn.reconfigure: sparse_cache, sparse_observe, "
+                        "decay_max_horizon, ...) applied to the trained attention after training, before the "
+                        "long-context evaluation and the saved folder (repeatable; over the preset's own)")
     fields = []
     for title, cls_name in RETROFIT_GROUPS:
         cls = getattr(pipeline, cls_name)
@@ -973,6 +977,12 @@ def retrofit_args(args, notes: list[str] | None = None):
     fields = {name: getattr(args, name) for name in args._fields if hasattr(args, name)}
     if spec is not None:
         fields["attention"] = spec
+    if args.reconfigure:
+        kind = spec["kind"] if isinstance(spec, dict) else spec
+        if kind in (None, "softmax"):
+            raise UsageError("--reconfigure changes a polyattn attention: give a preset or --kind with it")
+        fields["reconfigure"] = {**(preset.reconfigure if preset is not None else {}),
+                                 **parse_settings(kind, args.reconfigure)}
     try:
         return RetrofitArgs.build(preset=args.preset, notes=notes, **fields)
     except (TypeError, ValueError) as err:

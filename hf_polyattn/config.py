@@ -47,10 +47,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
              "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset", "poly_coefficients",
              "learn_coefficients", "feature_map", "decay", "decay_horizon", "decay_max_horizon", "short_conv",
-             "sparse_cache", "sparse_chunk")
+             "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
                 "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0, "sparse_cache": 0,
-                "sparse_chunk": 1}
+                "sparse_chunk": 1, "sparse_observe": 0, "sparse_observe_pool": 1}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
 # sketches / features of a smaller one (2**62 those of 0).
 _INT_MAXIMUM = {"seed": 2**62 - 1}
@@ -231,6 +231,29 @@ class PolyAttnConfig:
             "candidate for the cache once all of it has left the window (needs sparse_cache > 0)"
         },
     )
+    sparse_observe: int = field(
+        default=0,
+        metadata={
+            "help": "the sparse cache chosen again by a prompt's question (SnapKV's observation window, Li et al., "
+            "arXiv:2404.14469): in every call of more than one query (a prefill), each of its last sparse_observe "
+            "real queries reads a cache chosen anew from every key that was a candidate up to it (the cache the call "
+            "started with and every non-sink key of the blocks that left the window), the sparse_cache keys that the "
+            "observed queries from the first of them up to it attend most (their softmax weights over the "
+            "candidates, summed over the queries and the kv head's query heads, max-pooled over sparse_observe_pool "
+            "neighbours); the other candidates are folded into the kernel state, decayed as the streaming selection "
+            "folds them. Causal: a query's choice reads no later query. The last query's choice is the state the "
+            "call leaves (decoding goes on from it); the streaming selection runs inside the call and between calls. "
+            "The outputs depend on where calls end (one call over prompt and answer re-chooses only at its end). "
+            "Needs sparse_cache > 0. 0 = off"
+        },
+    )
+    sparse_observe_pool: int = field(
+        default=15,
+        metadata={
+            "help": "sparse_observe's max-pooling width over neighbouring candidates (odd): a chosen key keeps the "
+            "keys around it (a 7-digit key is 7 tokens; a width of 7 kept the first 4 of them)"
+        },
+    )
     alpha: float = field(default=0.0, metadata={"help": "polynomial kernel bias: ((s q.k + alpha)/beta)^p"})
     beta: float = field(default=1.0, metadata={"help": "polynomial kernel scale: ((s q.k + alpha)/beta)^p"})
     denominator_offset: float = field(
@@ -341,6 +364,15 @@ class PolyAttnConfig:
         if self.sparse_chunk != SPARSE_CHUNK and not self.sparse_cache:
             raise ValueError(f"sparse_chunk={self.sparse_chunk} needs sparse_cache > 0 (it is the sparse cache's "
                              "selection granularity)")
+        if self.sparse_observe and not self.sparse_cache:
+            raise ValueError(f"sparse_observe={self.sparse_observe} needs sparse_cache > 0 (it chooses the sparse "
+                             "cache's keys by a prompt's last queries)")
+        if self.sparse_observe_pool != 15 and not self.sparse_observe:
+            raise ValueError(f"sparse_observe_pool={self.sparse_observe_pool} needs sparse_observe > 0 (it is its "
+                             "max-pooling width)")
+        if self.sparse_observe_pool % 2 == 0:
+            raise ValueError(f"sparse_observe_pool must be an odd number >= 1 (a window centred on each key), got "
+                             f"{self.sparse_observe_pool}")
         if self.sparse_cache:
             if not self.window:
                 raise ValueError(f"sparse_cache={self.sparse_cache} needs window > 0: the cache holds keys that "

@@ -439,6 +439,29 @@ def test_retrofit_with_a_preset_writes_a_folder_that_reloads(tiny_dirs, text_fil
     assert code == 2 and "was converted to attention 'linear'; pass --kind linear" in err
 
 
+def test_retrofit_reconfigure_flags_merge_over_the_preset():
+    """--reconfigure FIELD=VALUE (repeatable), parsed by the field's type, over the preset's own; refused without
+    a polyattn attention and for a setting that does not validate."""
+    from hf_polyattn.cli import UsageError, build_parser, retrofit_args
+    from hf_polyattn.presets import get_preset
+
+    def args(*extra):
+        return retrofit_args(build_parser().parse_args(["retrofit", "--model", "x", "--data", "y", *extra]))
+
+    got = args("--kind", "linear", "--set", "window=8", "--reconfigure", "sparse_cache=4", "--reconfigure",
+               "sparse_observe=2").model.reconfigure
+    assert got == {"sparse_cache": 4, "sparse_observe": 2}
+    preset = get_preset("linear-only")
+    assert args("--preset", "linear-only").model.reconfigure == (preset.reconfigure or None)
+    merged = args("--preset", "linear-only", "--reconfigure", "sparse_cache=128").model.reconfigure
+    assert merged == {**preset.reconfigure, "sparse_cache": 128}
+    assert args("--preset", "linear-only", "--kind", "softmax", "--transfer_steps", "0").model.reconfigure is None
+    with pytest.raises(UsageError, match="--reconfigure changes a polyattn attention"):
+        args("--kind", "softmax", "--reconfigure", "sparse_cache=4")
+    with pytest.raises(UsageError, match="sparse_observe=2 needs sparse_cache > 0"):
+        args("--kind", "linear", "--set", "window=8", "--reconfigure", "sparse_observe=2")
+
+
 def test_python_m_hf_polyattn_retrofit_is_the_command(tmp_path):
     """The module entry that accelerate launch -m / torchrun -m start: the same parser, the same errors."""
     res = subprocess.run([sys.executable, "-m", "hf_polyattn.retrofit", "--help"], capture_output=True, text=True,

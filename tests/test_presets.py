@@ -20,9 +20,11 @@ TRAIN_FIELDS = ("transfer_steps", "transfer_lr", "transfer_batch_size", "transfe
                 "warmup_steps", "lora", "lora_r", "lora_alpha", "context", "seed", "mixed_precision")
 # PolyAttnConfig fields added after the presets' runs were recorded (short_conv: the delta work; sliding_layers: the
 # sliding-window layers; sparse_cache, sparse_chunk: the sparse cache; softcap_mode: Gemma 2's soft-capping). A record
-# without one ran before it existed, i.e. with what its default computes: no short convolution, no sparse cache, no
-# bound on the decay's memory (decay_max_horizon), and SmolLM2 has no sliding layers and no soft-capping.
-ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk", "softcap_mode", "decay_max_horizon"}
+# without one ran before it existed, i.e. with what its default computes: no short convolution, no sparse cache (nor
+# its re-choice by a prompt's last queries: sparse_observe, sparse_observe_pool), no bound on the decay's memory
+# (decay_max_horizon), and SmolLM2 has no sliding layers and no soft-capping.
+ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk", "softcap_mode", "decay_max_horizon",
+               "sparse_observe", "sparse_observe_pool"}
 
 
 def smollm2_config():
@@ -90,6 +92,34 @@ def test_long_context_presets_are_their_rows(preset):
         want = preset.train.get(name, getattr(defaults, name))
         assert r["args"][name] == want, (preset.name, name)
     assert r["args"]["model"] == preset.model and r["args"]["task"] == preset.task
+
+
+RETRIEVAL = [p for p in PRESETS.values() if p.source.startswith("recipes/results/retrieval/")]
+
+
+@pytest.mark.parametrize("preset", RETRIEVAL, ids=lambda p: p.name)
+def test_retrieval_presets_are_their_rows(preset):
+    """A preset measured by the retrieval study (its trained row, then the row that evaluates the saved model with
+    the preset's ``reconfigure``): figures to the printed digit (perplexity, passkey on both templates, training CPU
+    seconds of the trained row), the attention after reconfigure field for field, and the trained row's command is
+    the preset's."""
+    r = _row(preset)
+    row = r["rows"][0]
+    assert preset.figures["perplexity"] == {p["context"]: round(p["perplexity"], 2) for p in row["perplexity"]}
+    assert preset.figures["passkey"] == _passkey(row["passkey"]["hits"], row["passkey"]["lengths"])
+    assert preset.figures["passkey_vault"] == _passkey(row["passkey_vault"]["hits"], row["passkey_vault"]["lengths"])
+    trained_name = preset.command.split()[-2]  # run.py retrieval TRAINED ROW
+    trained = json.loads((ROOT / "recipes/results/retrieval" / f"{trained_name}.json").read_text())
+    assert preset.figures["train_cpu_s"] == trained["train_cpu_s"]
+    assert f"--preset {preset.name}" in trained["command"] and f"runs/retrieval/{trained_name}/model" in r["command"]
+    for name, value in preset.reconfigure.items():
+        assert f"--set {name}={value:g}" in r["command"] if isinstance(value, float) else \
+            f"--set {name}={value}" in r["command"], name
+    spec = {**preset.attention, **preset.reconfigure}
+    _assert_is_recorded(resolve_attention(spec, smollm2_config()), row["attention"])
+    soft = json.loads((ROOT / "recipes/results/long_context/softmax.json").read_text())
+    assert preset.figures["softmax"]["perplexity"] == {p["context"]: round(p["perplexity"], 2)
+                                                        for p in soft["perplexity"]}
 
 
 def test_demo_preset_is_the_demo_run():

@@ -72,6 +72,11 @@ def _training_bullets(results: dict[str, Any]) -> list[str]:
         schedule = _arg(results, "finetune_schedule")
         lines.append(f"- fine-tuning: {steps} steps ({how}, lr {_arg(results, 'finetune_lr')}"
                      + (f", schedule `{schedule}`" if schedule else "") + ")")
+    changed = results.get("reconfigured")
+    if changed:  # ModelArgs.reconfigure: after training, before the long-context evaluation and the saved folder
+        items = ", ".join(f"`{k}={v}`" for k, v in changed.items())
+        lines.append(f"- then, without training (`hf_polyattn.reconfigure`): {items}; the evaluations after each "
+                     "stage ran without them, the long-context table and this folder with them")
     return lines
 
 

@@ -468,13 +468,15 @@ def build_attention(config: PolyAttnConfig, num_heads: int, head_dim: int, num_k
 
 
 def hybrid_reference(module: HybridAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                     scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                     calls: list[int] | None = None) -> torch.Tensor:
     """Naive definition of a hybrid layer, one query head at a time (B, H, Lq, D).
 
     A query head h whose kv head h // G is softmax: exp(x - max) over the keys it may see (causal bottom-right,
     key padding), normalised, x = s q.k soft-capped to c tanh(x / c) with the layer's ``softcap`` c; 0 for a row
     that sees none. The other heads: the kind's own reference
-    (``KindSpec.reference``) on ``module.kernel`` with those heads' q, k, v gathered head by head.
+    (``KindSpec.reference``) on ``module.kernel`` with those heads' q, k, v gathered head by head (and ``calls``,
+    the queries of each call, when given: ``sparse_observe``'s call boundaries).
     """
     s = 1.0 / math.sqrt(module.head_dim) if scaling is None else float(scaling)
     g = module.groups
@@ -492,7 +494,7 @@ def hybrid_reference(module: HybridAttention, q: torch.Tensor, k: torch.Tensor, 
         kk = torch.cat([k[:, h:h + 1] for h in kernel_heads], dim=1)
         vk = torch.cat([v[:, h:h + 1] for h in kernel_heads], dim=1)
         kernel_out = reference(module.kernel, qk, kk, vk, causal=causal, scaling=scaling,
-                               key_padding_mask=key_padding_mask)
+                               key_padding_mask=key_padding_mask, **({} if calls is None else {"calls": calls}))
     outs = []
     for hq in range(module.num_heads):
         h = hq // g

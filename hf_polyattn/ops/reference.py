@@ -105,20 +105,35 @@ def _cumulative_log_gates(module: PolyAttention, v: torch.Tensor, key_padding_ma
 
 
 def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | None,
-                  key_padding_mask: torch.Tensor | None, lq: int) -> torch.Tensor:
+                  key_padding_mask: torch.Tensor | None, lq: int, x_obs: torch.Tensor | None = None,
+                  calls: list[int] | None = None) -> torch.Tensor:
     """(B, Hkv, 1, Lq, Lk) bool: the keys ``sparse_cache`` attends exactly besides the window and the sinks, from its
     definition (``ops/sparse.py``), one row, head and block at a time: for query i with r_i real keys at least
     ``window`` positions back and e_i = r_i // C (C = ``sparse_chunk``), every real key of block e_i or later (the
     pending block) and Cache_{e_i}; Cache_{b+1} = the ``sparse_cache`` largest of |v - phi(k) S_v / phi(k) S_1| over
     Cache_b and the non-sink keys of block b, S the kernel state of every key evicted so far (recomputed from its
-    definition each block, each key weighed by exp(G_ref - G_j), ref = block b's last key)."""
+    definition each block, each key weighed by exp(G_ref - G_j), ref = block b's last key).
+
+    ``sparse_observe`` L (``calls``: the queries of each call in order, one call of all Lq when None; ``x_obs``
+    (B, Hkv, G, Lq, Lk) the model's own scaled scores q.k): in every call of more than one query, each of its last L
+    real queries r reads a cache chosen again from the cache the call started with and the non-sink keys of the
+    blocks completed at r: the call's last-L queries from the first of them up to r give each candidate its softmax
+    weight over the candidates, summed over them and the G query heads; the scores, laid out as the carried cache's
+    slots then every real key from the call's first block on, are max-pooled over ``sparse_observe_pool``
+    neighbours; the ``sparse_cache`` first by (pooled score, own score, layout order) are kept, the other candidates
+    join the state beside what it held when the call began. The call's last query's choice is the cache every later
+    query starts from."""
     cfg = module.config
     if v is None:
         raise ValueError("sparse_cache: the reference weights need the values (value=...): they choose the cache")
     w, chunk, budget, sinks = cfg.window, cfg.sparse_chunk, cfg.sparse_cache, cfg.sinks
+    n_obs, width = cfg.sparse_observe, cfg.sparse_observe_pool
     b, hkv, lk, d = v.shape
     g = _cumulative_log_gates(module, v, key_padding_mask).detach()
     fk, v = fk.detach(), v.detach()  # the choice is not differentiable
+    calls = [lq] if calls is None else list(calls)
+    if sum(calls) != lq:
+        raise ValueError(f"calls must split the {lq} queries, got {calls}")
     exact = torch.zeros(b, hkv, 1, lq, lk, dtype=torch.bool, device=v.device)
     for row in range(b):
         real = list(range(lk)) if key_padding_mask is None else key_padding_mask[row].nonzero()[:, 0].tolist()
@@ -130,29 +145,66 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
             left = sum(1 for j in real if j <= at - w)
             epochs.append(left // chunk)
         for h in range(hkv):
-            cache, folded, caches = [], [], [[]]
-            for blk in range(max(epochs)):
-                members = [j for j in real if blk * chunk <= rank[j] < (blk + 1) * chunk]
-                ref = members[-1]
-                cands = cache + [j for j in members if j not in sink]
-                state = torch.zeros(fk.shape[-1], d + 1, dtype=v.dtype, device=v.device)
-                for j in folded:
-                    state = state + torch.exp(g[row, h, ref] - g[row, h, j]) * torch.outer(
-                        fk[row, h, 0, j], torch.cat([v[row, h, j], v.new_ones(1)]))
-                errors = []
-                for j in cands:
-                    pred = fk[row, h, 0, j] @ state
-                    recall = pred[:d] / pred[d] if pred[d] > 0 else torch.zeros_like(pred[:d])
-                    errors.append(float(torch.linalg.vector_norm(v[row, h, j] - recall)))
-                ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
-                cache = [cands[t] for t in sorted(ranked[:budget])]
-                folded += [cands[t] for t in ranked[budget:]]
-                caches.append(cache)
+            cache, folded, done, seen = [], [], 0, {}
+
+            first = 0
+            for size in calls:
+                queries = range(first, first + size)
+                carried, carried_folded, start = list(cache), list(folded), done
+                for i in queries:
+                    while done < epochs[i]:
+                        cache, folded = _select_block(fk[row, h, 0], v[row, h], g[row, h], real, rank, sink, chunk,
+                                                      budget, done, cache, folded)
+                        done += 1
+                    seen[i] = list(cache)
+                mine = [i for i in queries if lk - lq + i in rank]  # the call's real queries
+                if n_obs and size > 1 and mine:
+                    layout = carried + [None] * (budget - len(carried)) + [
+                        j for j in real if rank[j] >= start * chunk]
+                    observed = mine[-n_obs:]
+                    for r in observed:
+                        blocks = epochs[r]
+                        cands = set(carried) | {j for j in real if start * chunk <= rank[j] < blocks * chunk
+                                                and j not in sink}
+                        col = [t for t, j in enumerate(layout) if j in cands]
+                        own = torch.zeros(len(layout), dtype=torch.float64)
+                        if col:
+                            keys = torch.tensor([layout[t] for t in col])
+                            for i in observed[: observed.index(r) + 1]:
+                                own[col] += x_obs[row, h, :, i, keys].double().softmax(-1).sum(0)
+                        pooled = [float(own[max(0, t - width // 2): t + width // 2 + 1].max())
+                                  for t in range(len(own))]
+                        order = sorted(col, key=lambda t: (-pooled[t], -float(own[t]), t))
+                        kept = sorted(order[:budget])
+                        seen[r] = [layout[t] for t in kept]
+                    cache = seen[observed[-1]]
+                    folded = carried_folded + [layout[t] for t in col if t not in kept]
+                first += size
             for i, e in enumerate(epochs):
                 for j in real:
-                    if j <= lk - lq + i and (rank[j] >= e * chunk or j in caches[e]):
+                    if j <= lk - lq + i and (rank[j] >= e * chunk or j in seen[i]):
                         exact[row, h, 0, i, j] = True
     return exact
+
+
+def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int, cache: list, folded: list):
+    """One row and head's streaming selection of block ``blk`` (Cache_blk -> Cache_blk+1, ``_sparse_exact``):
+    (the new cache, the folded keys). fk (Lk, F), v (Lk, d), g (Lk,) the row and head's features, values and
+    cumulative log-gates; ``real`` its real keys, ``rank`` their real index, ``sink`` the sinks."""
+    d = v.shape[-1]
+    members = [j for j in real if blk * chunk <= rank[j] < (blk + 1) * chunk]
+    ref = members[-1]
+    cands = cache + [j for j in members if j not in sink]
+    state = torch.zeros(fk.shape[-1], d + 1, dtype=v.dtype, device=v.device)
+    for j in folded:
+        state = state + torch.exp(g[ref] - g[j]) * torch.outer(fk[j], torch.cat([v[j], v.new_ones(1)]))
+    errors = []
+    for j in cands:
+        pred = fk[j] @ state
+        recall = pred[:d] / pred[d] if pred[d] > 0 else torch.zeros_like(pred[:d])
+        errors.append(float(torch.linalg.vector_norm(v[j] - recall)))
+    ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
+    return [cands[t] for t in sorted(ranked[:budget])], folded + [cands[t] for t in ranked[budget:]]
 
 
 def _sink_keys(cfg, key_padding_mask: torch.Tensor | None, batch: int, lk: int, device) -> torch.Tensor:
@@ -191,9 +243,10 @@ def _sink_queries(module: PolyAttention, q_raw: torch.Tensor, key_padding_mask: 
 
 def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
                       scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
-                      value: torch.Tensor | None = None) -> torch.Tensor:
+                      value: torch.Tensor | None = None, calls: list[int] | None = None) -> torch.Tensor:
     """Unnormalised attention weights (B, H, Lq, Lk), masked entries 0; (B, H, Lq, m + Lk) with m learned sink
-    slots in front. ``value`` (B, Hkv, Lk, D): needed by decay='gate' (its gates read the values)."""
+    slots in front. ``value`` (B, Hkv, Lk, D): needed by decay='gate' (its gates read the values). ``calls``: the
+    queries of each call in order (``sparse_observe`` chooses again at the end of each; one call when None)."""
     cfg = module.config
     if cfg.sinks and not causal:
         raise ValueError("sinks are defined for causal attention only")
@@ -202,6 +255,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
     lq, lk = q.shape[2], k.shape[2]
     x = (q5 @ k5.transpose(-1, -2)) * s
     x_raw = (q_raw @ k_raw.transpose(-1, -2)) * s  # a sliding window scores with the model's own q, k
+    x_obs = x_raw  # sparse_observe's scores: the model's own q, k (the sinks' re-rotated queries replace x_raw's)
 
     def exact(xx: torch.Tensor, kernel: str) -> torch.Tensor:
         if module.softcap is not None:  # the model's logit soft-capping, on every score an exact part forms
@@ -246,7 +300,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
                 lk, device=q.device)[None, :]
             inside = (dist >= 0) & (dist < cfg.window) if causal else dist.abs() < cfg.window
             if cfg.sparse_cache:
-                inside = inside | _sparse_exact(module, fk, value, key_padding_mask, lq)
+                inside = inside | _sparse_exact(module, fk, value, key_padding_mask, lq, x_obs, calls)
             if cfg.window_mix:
                 w = w * module.window_mix.abs().to(w.dtype)
             w = torch.where(inside | sink, exact(x_raw, local), w)
@@ -272,9 +326,11 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
 
 
 def reference_attention(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                        scaling: float | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        scaling: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                        calls: list[int] | None = None) -> torch.Tensor:
     """(B, H, Lq, D): sum_j w_ij v_j / (offset + sum_j w_ij), 0 for a row with no weight."""
-    w = reference_weights(module, q, k, causal=causal, scaling=scaling, key_padding_mask=key_padding_mask, value=v)
+    w = reference_weights(module, q, k, causal=causal, scaling=scaling, key_padding_mask=key_padding_mask, value=v,
+                          calls=calls)
     g = module.groups
     if module.config.learned_sinks:  # the slots' values in front, as their weights
         v = torch.cat([module.sink_v.squeeze(1).expand(v.shape[0], -1, -1, -1).to(v.dtype), v], dim=2)

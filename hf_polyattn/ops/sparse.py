@@ -41,6 +41,28 @@ Where this departs from the paper, and why:
   mask must hold each row's real keys contiguously (left padding; right padding too when no state is carried):
   another mask is refused. A padded query's row is empty: its output is 0.
 
+Chosen again by a prompt's question (``sparse_observe`` L, SnapKV's observation window, Li et al.,
+arXiv:2404.14469). The streaming rule chooses before anything asks for a key: on SmolLM2-135M's linear-only retrofit
+it keeps the passkeys of the last ~2k tokens only (recipes/results/SECTION_retrieval.md), while a cache of 128 keys
+chosen by the prompt's last 16 queries finds 9 of 10 at 4k (SECTION_retrieval_question.md). So in every call of
+more than one query (a prefill), each of its last L real queries is computed again (``SparseMixin._observe``) from
+a cache chosen anew from the call's pool: the cache it started with and every non-sink key of the blocks completed
+at that query (the keys the streaming selection saw, kept with the call's activations, O(n) like them). A
+candidate's score is its softmax weight (the model's own q, k, over the candidates) under each observed query from
+the first of the L up to this one, summed over them and the kv head's query heads, max-pooled over
+``sparse_observe_pool`` neighbours (a key is several tokens: a 7-digit number is 7); ties, which the pooling makes,
+break by the key's own score, then its place. The lambda first are exact; every other candidate is folded into the
+state the call started with, decayed to the query's reference (the state the streaming rule would hold there had
+it evicted those keys). Causal: a query's choice reads no later query. Why every one of the L and not the last
+alone: each layer's observed rows then read the chosen keys before the next layer forms its queries from them, as
+they would had every key been exact (a prompt prefilled with every key exact is where the 9 of 10 above came from).
+The last query's choice is the state the call leaves; within a call and between calls (decoding) the streaming
+rule runs as before, and the decoding state keeps its size. The outputs therefore depend on where calls end: a
+prompt prefilled in two calls is chosen again twice, and one call over prompt and answer only at its end. Cost: each
+observed query folds the call's candidates once, L passes over them per layer
+(recipes/experiments/retrieval/observe_cost.py times a prefill with and without); the candidates' keys are held with
+the call's activations, O(n) like them.
+
 The forward (``SparseMixin._sparse_call``) and the generic recurrent state (``RecurrentState``'s ``sparse_*`` fields)
 share ``select_and_fold``; the decoding ring (``ops/decode.py``) keeps the cache and the pending block in slots after
 the sinks and calls the same function (``ring_leave``). Pure PyTorch: never imports transformers.
@@ -246,6 +268,7 @@ class SparseMixin:
         nf = self.feature_map.num_features
         kv = state.kv.squeeze(2).to(work) if state is not None and state.kv is not None else \
             torch.zeros(b, hkv, nf, e_dim, dtype=work, device=device)
+        kv_in = kv  # the carried state, referenced at the call's G = 0 (sparse_observe folds from it again)
         g_ref = torch.zeros(b, hkv, dtype=work, device=device)
         last = count - 1  # each row's last real query (aligned)
         first_out = lk - lq - int(lead.max())  # the first aligned row any caller reads
@@ -284,6 +307,16 @@ class SparseMixin:
         out = torch.cat(outs, dim=3)
         if starts[0]:
             out = torch.nn.functional.pad(out, (0, 0, starts[0], 0))
+        if cfg.sparse_observe and lq > 1:
+            pool_valid = torch.cat([c_valid, valid_a[:, None, :].expand(b, hkv, lk)], dim=-1)
+            first_q = (pad - lead).clamp(min=0)
+            o_kv, o_idx, o_valid = self._observe(
+                out, (qa, fqa, qls, ka, vexta, valid_a, ga, sinks_a), pool_raw, pool_side, pool_vext, pool_valid,
+                pool_g, kv_in, count, first_q, scale)
+            asked = count - 1 >= first_q  # rows with a real query in the call (the others keep the streaming state)
+            kv = torch.where(asked[:, None, None, None], o_kv, kv)
+            cache_idx = torch.where(asked[:, None, None], o_idx, cache_idx)
+            cache_valid = torch.where(asked[:, None, None], o_valid, cache_valid)
         out = al.unshift(out)[..., pad:, :]
         if pad_mask is not None:  # a padded query's row is empty (ops/reference.py's definition): 0
             out = out * pad_mask[:, None, None, lk - lq :, None].to(out.dtype)
@@ -291,6 +324,74 @@ class SparseMixin:
             return out, None
         return out, self._sparse_state(state, key, value, pad_mask, mask, lead, count, sinks, kv, g_ref, cache_idx,
                                        cache_valid, pool_raw, pool_vext, pool_kin, pool_g)
+
+    def _observe(self, out, rows, pool_raw, pool_side, pool_vext, pool_valid, pool_g, kv_in, count, first, scale):
+        """``sparse_observe`` at the end of a call: the last L real queries' rows of ``out`` (aligned, in place)
+        computed again, each from its own re-chosen cache and state; (state, cache indices into the pool, their
+        validity) of the last one, the state after the call.
+
+        ``rows`` the aligned tensors ``_sparse_rows`` reads; ``pool_valid`` (B, Hkv, P) the pool's candidates (the
+        carried cache's slots, then every real non-sink key of the call); ``kv_in`` the carried state (referenced
+        at the call's G = 0); ``count`` (B,) each row's real keys, ``first`` (B,) its first aligned query.
+        Observation row r (the L rows count - L .. count - 1 that are queries of the call) chooses among the carried
+        cache and the keys of the blocks complete at r (those its streaming row saw as candidates): each candidate's
+        softmax weight over them (the model's own q, k) under every observation query from the first up to r,
+        summed with the kv head's query heads, max-pooled over ``sparse_observe_pool`` neighbours, ranked by
+        (pooled, own, pool order); the ``sparse_cache`` first are exact, every other candidate is folded into
+        ``kv_in`` decayed to r's reference (its last complete block's last key): the state the streaming rule
+        holds there, had it evicted those. Causal: row r reads nothing from the queries after it."""
+        cfg = self.config
+        w, chunk, budget, n_obs, width = (cfg.window, cfg.sparse_chunk, cfg.sparse_cache, cfg.sparse_observe,
+                                          cfg.sparse_observe_pool)
+        qa = rows[0]
+        b, hkv, g, lk, d = qa.shape
+        device = qa.device
+        n_pool = pool_raw.shape[2]
+        obs = (count - n_obs)[:, None] + torch.arange(n_obs, device=device)  # (B, L) aligned rows, ascending
+        seen = (obs >= first[:, None]) & (obs >= 0)
+        feats = self._full_features(pool_side)
+        pos = torch.arange(lk, device=device)
+        with torch.no_grad():  # the choice is not differentiable (as the streaming selection's)
+            q = qa.detach().gather(3, obs.clamp(min=0)[:, None, None, :, None].expand(b, hkv, g, n_obs, d))
+            x = torch.matmul(q * scale, pool_raw.detach()[:, :, None].transpose(-1, -2)).float()  # (B, Hkv, G, L, P)
+        result = None
+        for j in range(n_obs):
+            at = obs[:, j]  # (B,)
+            blocks = (at + 1 - w).clamp(min=0) // chunk  # the blocks complete at row `at`
+            in_block = torch.cat([torch.ones(b, budget, dtype=torch.bool, device=device),
+                                  pos[None, :] < (blocks * chunk)[:, None]], dim=-1)
+            cand = pool_valid & in_block[:, None, :]
+            with torch.no_grad():
+                xs = x[:, :, :, : j + 1].masked_fill(~cand[:, :, None, None, :], float("-inf"))
+                weights = torch.nan_to_num(xs.softmax(-1), nan=0.0)  # a row with no candidate gives none
+                weights = weights * seen[:, None, None, : j + 1, None]
+                own = weights.sum((2, 3))  # (B, Hkv, P)
+                pooled = own
+                if width > 1:
+                    pooled = torch.nn.functional.max_pool1d(own.reshape(b * hkv, 1, -1), width, 1, width // 2)
+                    pooled = pooled.reshape(b, hkv, -1)
+                # pooling makes plateaus of equal scores: rank by (pooled, own, pool order) with stable sorts, so the
+                # choice does not depend on topk's order among ties
+                order = own.sort(dim=-1, descending=True, stable=True).indices
+                order = order.gather(-1, pooled.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
+                ranks = torch.arange(n_pool, 0, -1, device=device, dtype=own.dtype).expand_as(order)
+                keep = choose_kept(torch.empty_like(own).scatter_(-1, order, ranks), cand, budget)
+            g_ref = to_ref = None
+            if pool_g is not None:
+                ref = (budget + blocks * chunk - 1).clamp(min=budget)  # blocks == 0: no reference moved (G = 0)
+                g_ref = torch.where((blocks > 0)[:, None], pool_g.gather(2, ref[:, None, None].expand(b, hkv, 1))
+                                    .squeeze(2), 0.0)
+                to_ref = g_ref[..., None] - pool_g
+            kv, keep, keep_valid = fold_evicted(kv_in, feats, pool_vext, cand, keep, to_ref, g_ref)
+            result = kv, keep, keep_valid
+            ck, cvx = _take(pool_raw, keep), _take(pool_vext, keep)
+            g_rows = torch.zeros(b, hkv, dtype=kv.dtype, device=device) if g_ref is None else g_ref
+            for r in sorted(set(at[seen[:, j]].tolist())):
+                new = self._sparse_rows(*rows, r, r + 1, (r + 1 - w) // chunk * chunk if r + 1 >= w else 0, scale,
+                                        ck, cvx, keep_valid, kv, g_rows)
+                take = ((at == r) & seen[:, j])[:, None, None, None, None]
+                out[..., r : r + 1, :] = torch.where(take, new.to(out.dtype), out[..., r : r + 1, :])
+        return result
 
     def _carried_cache(self, state, b, work, device):
         """The state's sparse cache as (keys, values, valid, kernel inputs, log-decays), empty when it has none."""

@@ -69,10 +69,30 @@ class ModelArgs:
                 "softmax_heads='auto' / 'auto:K' (the checkpoint's best quarter / K kv heads by retrieval score); "
                 "softmax_heads also takes 'LAYER:HEAD,...' or '@scores.json'"})
 
+    reconfigure: Any = field(default=None, metadata={
+        "cli": False,  # the command line builds it from the preset's and --reconfigure FIELD=VALUE
+        "help": "settings that add no tensor (hf_polyattn.reconfigure: e.g. sparse_cache, decay_max_horizon), as a "
+                "dict, applied to the trained attention after the last stage: the long-context evaluation, the "
+                "speed rows and the saved folder have them, training does not (the evaluations after each stage "
+                "neither)"})
+
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}")
         self.attention = normalize_attention(self.attention)
+        if self.reconfigure is not None:
+            if not isinstance(self.reconfigure, dict):
+                raise ValueError(f"reconfigure is a dict of attention settings that add no tensor, got "
+                                 f"{self.reconfigure!r}")
+            if self.attention == SOFTMAX and self.reconfigure:
+                raise ValueError(f"reconfigure {sorted(self.reconfigure)} changes a polyattn attention; attention "
+                                 "'softmax' has none")
+            known = {f.name for f in dataclasses.fields(PolyAttnConfig)} - {"kind"}
+            unknown = sorted(set(self.reconfigure) - known)
+            if unknown:
+                raise ValueError(f"reconfigure: unknown attention settings {unknown} (kind stays; known: "
+                                 f"{sorted(known)})")
+            self.reconfigure = dict(self.reconfigure) or None
 
     @property
     def kind(self) -> str:
@@ -263,6 +283,8 @@ class RetrofitArgs:
         if preset is not None:
             p = get_preset(preset)
             values.update(model=p.model, task=p.task, attention=p.attention, **p.data, **p.train, **p.eval)
+            if p.reconfigure and "reconfigure" not in fields:
+                values["reconfigure"] = _preset_reconfigure(p, fields.get("attention", p.attention), notes)
             for stage in ("transfer", "finetune"):
                 steps, sched = f"{stage}_steps", f"{stage}_schedule"
                 if steps in fields and sched not in fields and values.get(sched):
@@ -315,6 +337,11 @@ class RetrofitArgs:
             raise ValueError("attention 'softmax' has nothing to transfer: set --transfer_steps 0")
         if (e.eval_contexts or e.passkey_lengths) and not causal:
             raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
+        if m.reconfigure:  # the attention with them must be valid: fail here, not after training
+            try:
+                _placeholder_config({**m.attention, **m.reconfigure})
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"reconfigure {m.reconfigure}: {err}") from None
         self.long_context_settings()  # bad lists fail here, before anything loads
         self.speed_lengths()
         heads = None if kind == SOFTMAX else m.attention.get("softmax_heads")
@@ -433,6 +460,24 @@ def normalize_attention(attention: Any) -> dict[str, Any] | str:
             spec["softmax_heads"] = parse_head_pairs(heads)
     _placeholder_config(spec)  # validates (ValueError naming the field)
     return spec
+
+
+def _preset_reconfigure(preset, attention, notes: list[str]) -> dict[str, Any] | None:
+    """The preset's ``reconfigure`` for the run's ``attention``: none for 'softmax'; for another kind than the
+    preset's, the settings that kind reads (what it leaves out said in ``notes``)."""
+    kind = normalize_attention(attention)
+    kind = kind if kind == SOFTMAX else kind["kind"]
+    if kind == SOFTMAX:
+        return None
+    settings = dict(preset.reconfigure)
+    if kind != preset.attention.get("kind"):
+        reads = set(registry.get_kind(kind).fields)
+        dropped = sorted(set(settings) - reads)
+        settings = {k: v for k, v in settings.items() if k in reads}
+        if dropped:
+            notes.append(f"kind {kind!r}: the preset's reconfigure {dropped} left out (kind {kind!r} does not read "
+                         "them)")
+    return settings or None
 
 
 def _placeholder_config(spec: dict[str, Any], head_dim: int = 1, heads: tuple = ()) -> PolyAttnConfig:
@@ -741,6 +786,19 @@ class Retrofit:
                                f"unexpected {sorted(unexpected)}")
         return target.merge_and_unload() if self.peft is not None else target
 
+    def reconfigure(self) -> None:
+        """``ModelArgs.reconfigure``: the settings applied to the trained attention (``hf_polyattn.reconfigure``,
+        every trained tensor kept), recorded in results.json (``reconfigured``) and in the saved config."""
+        import hf_polyattn
+
+        settings = self.args.model.reconfigure
+        model = self.acc.unwrap_model(self.model)
+        hf_polyattn.reconfigure(model, **settings)
+        self.pcfg = hf_polyattn.get_polyattn_config(model)
+        self.results["reconfigured"] = dict(settings)
+        self.log(f"[reconfigure] after training: {settings} (no tensor added; what follows and the saved folder "
+                 "use them)")
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tag: str) -> dict[str, Any]:
         a = self.args
@@ -990,6 +1048,8 @@ def run(args: RetrofitArgs) -> dict[str, Any]:
     if args.train.finetune_steps:
         r.finetune()
         r.evaluate("after_finetune")
+    if args.model.reconfigure:
+        r.reconfigure()
     if args.long_context_settings() is not None:
         r.evaluate_long_context()
     if args.speed_lengths() is not None:

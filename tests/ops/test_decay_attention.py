@@ -197,16 +197,18 @@ def test_triton_backend_matches_reference(monkeypatch, opts):
         torch.testing.assert_close(x.cpu().double(), y, rtol=1e-4, atol=1e-4, msg=lambda m, nm=name: f"d{nm}: {m}")
 
 
+@pytest.mark.parametrize("max_horizon", [0.0, 2.0], ids=["free", "max2"])
 @pytest.mark.parametrize("backend", ["loop", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_precision_is_finite(monkeypatch, backend, dtype):
-    """bf16 / fp16 models: outputs and gradients finite, near the float64 result (the math runs in fp32)."""
+def test_half_precision_is_finite(monkeypatch, backend, dtype, max_horizon):
+    """bf16 / fp16 models: outputs and gradients finite, near the float64 result (the math runs in fp32); also with
+    the gates capped (decay_max_horizon 2: every gate at most e^-1/2 a token, where they start near 1)."""
     if backend == "triton":
         pytest.importorskip("triton")
         from tests.ops.triton_setup import DEVICE
     else:
         DEVICE = "cpu"
-    opts = dict(kind="polysketch", sketch_size=8, window=5, decay="gate")
+    opts = dict(kind="polysketch", sketch_size=8, window=5, decay="gate", decay_max_horizon=max_horizon)
     pa = _module(opts, 4, 2)
     q, k, v = (x.detach() for x in _qkv(2, 4, 2, 40, 40, seed=6))
     ref = pa(q, k, v, causal=True)  # float64, on the CPU's backend

@@ -215,29 +215,39 @@ def test_causal(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "performer"])
+@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "performer",
+                                  "observe:linear-sinks-gate-mix", "observe:polysketch-maps-gate"])
 def test_half_precision_is_finite_and_close(dtype, name):
-    """Inputs of norm ~8 (scores ~20): the forward and decoding stay finite in the model's half dtype and near fp32."""
-    pa = _module(CONFIGS[name], dtype=dtype)
+    """Inputs of norm ~8 (scores ~20): the forward and decoding stay finite in the model's half dtype and near the
+    float32 model's (with ``observe:``, sparse_observe, the calls of SPANS against the float32 model's same calls:
+    the scores' softmax and the fold in float32)."""
+    observe, _, name = name.rpartition(":")
+    opts = (OBSERVE if observe else CONFIGS)[name]
+    pa = _module(opts, dtype=dtype)
     q, k, v = _inputs(dtype=torch.float32)
     q, k = q * 2.8, k * 2.8
-    ref = _module(CONFIGS[name], dtype=torch.float32)
+    ref = _module(opts, dtype=torch.float32)
     ref.load_state_dict({n: t.float() for n, t in pa.state_dict().items()})
     qh, kh, vh = q.to(dtype), k.to(dtype), v.to(dtype)
+    spans = SPANS if observe else None
     with torch.no_grad():
         full = pa(qh, kh, vh, causal=True)
         want = ref(qh.float(), kh.float(), vh.float(), causal=True)
-    decoded, _ = _steps(pa, qh, kh, vh)
-    for out in (full, decoded):
+    decoded, _ = _steps(pa, qh, kh, vh, spans=spans)
+    want_decoded = _steps(ref, qh.float(), kh.float(), vh.float(), spans=spans)[0] if observe else want
+    for out, expect in ((full, want), (decoded, want_decoded)):
         assert out.dtype == dtype and torch.isfinite(out).all()
-        torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(out.float(), expect, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "conv-learned-sinks"])
+@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "conv-learned-sinks",
+                                  "observe:linear-sinks-gate-mix"])
 def test_gradcheck(name):
     """float64, tiny shapes: gradients through the exact part over the selected keys, the state of the evicted ones,
-    the gates and maps (the selection itself is not differentiable: a step of 1e-6 leaves it where it is)."""
-    opts = {**CONFIGS[name], "window": 3, "sparse_cache": 2, "sparse_chunk": 2}
+    the gates and maps (the selection itself is not differentiable: a step of 1e-6 leaves it where it is); with
+    ``observe:`` (sparse_observe) through the re-chosen caches and the refolded states of the last queries too."""
+    observe, _, name = name.rpartition(":")
+    opts = {**(OBSERVE if observe else CONFIGS)[name], "window": 3, "sparse_cache": 2, "sparse_chunk": 2}
     pa = _module(opts, heads=2, kv_heads=1)
     q, k, v = (x.requires_grad_() for x in _inputs(b=1, heads=2, kv_heads=1, n=11, seed=3))
     # the small ones (gates, mix, convolution taps, LayerNorm gains); the projection's reach q, k's path
@@ -301,6 +311,88 @@ def test_refusals():
         pa(q[:, :, :10], k[:, :, :10], v[:, :, :10], causal=True, key_padding_mask=right, state=pa.init_state())
 
 
+# sparse_observe: the cache chosen again at the end of a call by its last queries (small pools, so the ranking's
+# ties and the pooling both occur at N = 48)
+OBSERVE = {name: {**CONFIGS[name], "sparse_observe": 3, "sparse_observe_pool": 3}
+           for name in ("linear-elu", "linear-sinks-gate-mix", "polysketch-maps-gate", "hedgehog-scalar",
+                        "conv-learned-sinks", "softmax-heads")}
+SPANS = [(0, 13), *((i, i + 1) for i in range(13, 27)), (27, 33), *((i, i + 1) for i in range(33, N))]
+
+
+@pytest.mark.parametrize("name", list(OBSERVE))
+def test_observe_forward_equals_the_naive_definition(name):
+    """float64, no padding, a left-padded row, a right-padded row: the forward computes the definition's weights
+    (each of the call's last 3 queries with its own re-choice, one row and head at a time, ops/reference.py); only
+    those queries change against the streaming selection alone, and the last one does change."""
+    pa, plain = _module(OBSERVE[name]), _module(CONFIGS[name])
+    reference = hybrid_reference if isinstance(pa, HybridAttention) else reference_attention
+    q, k, v = _inputs()
+    right = torch.ones(2, N, dtype=torch.bool)
+    right[1, 40:] = False
+    with torch.no_grad():
+        for m in (None, _left_padded(), right):
+            got = pa(q, k, v, causal=True, key_padding_mask=m)
+            torch.testing.assert_close(got, reference(pa, q, k, v, causal=True, key_padding_mask=m), rtol=1e-10,
+                                       atol=1e-12)
+            base = plain(q, k, v, causal=True, key_padding_mask=m)
+            last = [N - 1, 39 if m is right else N - 1]
+            for row in range(2):
+                assert (got[row, :, last[row]] - base[row, :, last[row]]).abs().max() > 1e-3
+                before = last[row] - OBSERVE[name]["sparse_observe"] + 1
+                torch.testing.assert_close(got[row, :, :before], base[row, :, :before], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,path", [*((n, "generic") for n in OBSERVE),
+                                       *((n, "ring") for n in OBSERVE if n in RING)])
+def test_observe_chunked_prefill_and_decoding_equal_the_definition(name, path):
+    """A prefill, single tokens, a chunk (a second re-choice, from a carried cache and the state's raw keys), single
+    tokens, one row left-padded: every call's outputs are the definition's with those call boundaries, and differ
+    from the definition's with one call (the re-choices matter)."""
+    pa = _module(OBSERVE[name])
+    q, k, v = _inputs()
+    mask = _left_padded()
+    calls = [t - s for s, t in SPANS]
+    reference = hybrid_reference if isinstance(pa, HybridAttention) else reference_attention
+    with torch.no_grad():
+        want = reference(pa, q, k, v, causal=True, key_padding_mask=mask, calls=calls)
+        whole = reference(pa, q, k, v, causal=True, key_padding_mask=mask)
+    out, states = _steps(pa, q, k, v, mask, spans=SPANS, grad=path == "generic")
+    assert isinstance(states[-1], WindowRing if path == "ring" else RecurrentState)
+    torch.testing.assert_close(out.detach()[:, :, 5:], want[:, :, 5:], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.detach()[1], want[1], rtol=1e-10, atol=1e-12)
+    assert (want[:, :, 13:] - whole[:, :, 13:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate"])
+def test_observe_causal(name):
+    """Changing tokens from position t on leaves every output before t unchanged, with the re-choice at the end: t =
+    30 (before the observed queries) and t = N - 1 (the last of them: the two observed before it chose without
+    it)."""
+    pa = _module(OBSERVE[name])
+    q, k, v = _inputs()
+    for t in (30, N - 1):
+        q2, k2, v2 = (x.clone() for x in (q, k, v))
+        for x in (q2, k2, v2):
+            x[:, :, t:] = torch.randn_like(x[:, :, t:]) * 3
+        with torch.no_grad():
+            a, b = pa(q, k, v, causal=True), pa(q2, k2, v2, causal=True)
+        torch.testing.assert_close(a[:, :, :t], b[:, :, :t], rtol=0, atol=0)
+        assert (a[:, :, t:] - b[:, :, t:]).abs().max() > 1e-3
+
+
+def test_observe_refusals():
+    with pytest.raises(ValueError, match="sparse_observe=4 needs sparse_cache > 0"):
+        PolyAttnConfig(kind="linear", window=8, sparse_observe=4)
+    with pytest.raises(ValueError, match="sparse_observe_pool=5 needs sparse_observe > 0"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_observe_pool=5)
+    with pytest.raises(ValueError, match="sparse_observe_pool must be an odd number"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_observe=4, sparse_observe_pool=4)
+    with pytest.raises(ValueError, match="sparse_observe must be"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_observe=-1)
+    with pytest.raises(ValueError, match="does not read sparse_observe"):
+        PolyAttnConfig(kind="sliding_window", window=8, sparse_observe=4)
+
+
 def _recall_inputs(n: int, needle_at: int, seed: int):
     """One kv head: n keys cycling through 6 filler patterns whose values are one common value plus 10% noise (text the
     kernel state predicts: it recalls them well), one needle key/value pair at ``needle_at`` (a fact it does not),
@@ -321,16 +413,31 @@ def _recall_inputs(n: int, needle_at: int, seed: int):
     return q[None, None], k[None, None], v[None, None], needle_v
 
 
-def recall_rate(sparse_cache: int, n: int = 256, trials: int = 8) -> float:
+def _distract(k: torch.Tensor, v: torch.Tensor, at: int, count: int, seed: int) -> None:
+    """``count`` more surprising pairs (random keys and values, the needle's kind) every 3 keys from ``at`` on, in
+    place: facts the question does not ask for, which the streaming selection ranks like the needle."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    d = k.shape[-1]
+    for i in range(count):
+        k[at + 3 * i] = torch.randn(d, generator=gen, dtype=torch.float64)
+        v[at + 3 * i] = torch.randn(d, generator=gen, dtype=torch.float64)
+
+
+def recall_rate(sparse_cache: int, n: int = 256, trials: int = 8, distractors: int = 0, observe: int = 0) -> float:
     """Share of trials whose last output is nearer to the needle's value than to every filler's, with elu features,
-    a 16-token window, 1 sink and blocks of 16 keys."""
+    a 16-token window, 1 sink and blocks of 16 keys; ``distractors`` surprising pairs after the needle
+    (``_distract``), ``observe`` the cache's ``sparse_observe``."""
     opts = dict(kind="linear", window=16, sinks=1)
     if sparse_cache:
         opts.update(sparse_cache=sparse_cache, sparse_chunk=16)
+    if observe:
+        opts.update(sparse_observe=observe, sparse_observe_pool=1)
     pa = build_attention(PolyAttnConfig(**opts), 1, 16, 1).double()
     hits = 0
     for t in range(trials):
         q, k, v, needle_v = _recall_inputs(n, needle_at=n // 4 + 7 * t, seed=t)
+        if distractors:
+            _distract(k[0, 0], v[0, 0], n // 4 + 7 * t + 2, distractors, t)
         with torch.no_grad():
             out = pa(q, k, v, causal=True)[0, 0, -1]
         cands = torch.cat([needle_v[None], v[0, 0, :6]])
@@ -347,3 +454,12 @@ def test_associative_recall_the_state_loses_and_the_cache_recovers():
     assert recall_rate(1) == 1.0
     assert recall_rate(4) == 1.0
     assert recall_rate(4, n=1024, trials=4) == 1.0
+
+
+def test_the_question_keeps_the_needle_the_stream_drops():
+    """Thirty more surprising pairs after the needle: a cache of 2 chosen while streaming keeps other surprises and
+    loses the needle in 6 of 8 trials (deterministic seeds), the same cache chosen again by the last 4 queries (the
+    question among them) or by the question alone keeps it in 8 of 8."""
+    assert recall_rate(2, distractors=30) <= 2 / 8
+    assert recall_rate(2, distractors=30, observe=4) == 1.0
+    assert recall_rate(2, distractors=30, observe=1) == 1.0

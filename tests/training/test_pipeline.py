@@ -274,3 +274,42 @@ def test_retrieval_mix_lays_recall_tasks_into_the_training_windows(tiny_dirs, te
     with pytest.raises(ValueError, match="--retrieval_mix lays recall tasks into causal LM"):
         build(model=tiny_dirs["bert"], data=tsv_file, task="classification", attention="polysketch",
               retrieval_mix=0.5)
+
+
+def test_reconfigure_after_training_reaches_the_evaluation_and_the_folder(tiny_dirs, text_file, tmp_path):
+    """reconfigure: the settings that add no tensor apply after the last stage. The long-context rows and the saved
+    folder (reloaded) have them, the run records them, training ran without them (the evaluation after transfer
+    equals a run without reconfigure), and the model with them computes other outputs than without."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_polyattn import get_polyattn_config
+
+    attention = {"kind": "linear", "window": 8, **KERNEL, **LONG, "decay_horizon": 256.0}
+    common = dict(model=tiny_dirs["llama"], data=text_file, attention=attention, context=32, eval_context=32,
+                  eval_stride=32, max_eval_tokens=64, transfer_steps=1, progress=False, eval_contexts="64",
+                  passkey_lengths="", long_eval_tokens=128, long_eval_baselines="none")
+    settings = {"sparse_cache": 4, "sparse_chunk": 4, "sparse_observe": 2, "decay_max_horizon": 16.0}
+    res = run(build(**common, reconfigure=settings, output_dir=str(tmp_path / "with")))
+    plain = run(build(**common, output_dir=str(tmp_path / "without")))
+    assert res["reconfigured"] == settings and "reconfigured" not in plain
+    assert {k: res["polyattn"][k] for k in settings} == settings
+    assert res["evaluations"]["after_transfer"]["perplexity"] == plain["evaluations"]["after_transfer"]["perplexity"]
+    ppl = res["long_context"]["rows"][0]["perplexity"][0]["perplexity"]
+    assert ppl != plain["long_context"]["rows"][0]["perplexity"][0]["perplexity"]
+    card = (tmp_path / "with" / "model" / "README.md").read_text()
+    assert "then, without training (`hf_polyattn.reconfigure`): `sparse_cache=4`, `sparse_chunk=4`" in card
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "with" / "model")
+    cfg = get_polyattn_config(model)
+    assert (cfg.sparse_cache, cfg.sparse_chunk, cfg.sparse_observe, cfg.decay_max_horizon) == (4, 4, 2, 16.0)
+
+
+def test_reconfigure_is_checked_before_training():
+    attention = {"kind": "linear", "window": 8}
+    with pytest.raises(ValueError, match="sparse_observe=2 needs sparse_cache > 0"):
+        build(model="x", data="y", attention=attention, reconfigure={"sparse_observe": 2})
+    with pytest.raises(ValueError, match=r"unknown attention settings \['sparse_cach'\]"):
+        build(model="x", data="y", attention=attention, reconfigure={"sparse_cach": 2})
+    with pytest.raises(ValueError, match="attention 'softmax' has none"):
+        build(model="x", data="y", attention="softmax", reconfigure={"sparse_cache": 2})
+    with pytest.raises(ValueError, match="reconfigure is a dict"):
+        build(model="x", data="y", attention=attention, reconfigure="sparse_cache=2")

@@ -4,7 +4,8 @@
     .venv/bin/python recipes/experiments/long_context/heldout_licenses.py ROW [ROW...]
 
 Each ROW names a run of ``run_rows.py`` that kept its folder (``runs/long_context/<row>/model``; with ``--runs
-runs/retrieval`` a row of the retrieval study, and ``ROW+sparseN`` that row's model with N sparse keys); the softmax
+runs/retrieval`` a row of the retrieval study, and ``ROW+sparseN`` that row's model with N sparse keys; ``--set
+FIELD=VALUE ... --label NAME`` that row's model with settings that add no tensor, recorded as NAME); the softmax
 checkpoint and StreamingLLM (4 sinks + a 128 window) are evaluated beside them on the same tokens. Perplexity only
 (the passkey prompt does not depend on the data), at the study's contexts, over the first 12,288 tokens. Writes
 ``recipes/results/long_context/heldout/licenses.json`` and ``.md`` (the rows of every call so far, by name).
@@ -45,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rows", nargs="+", help="run_rows.py rows whose runs/long_context/<row>/model exists")
     p.add_argument("--runs", default=str(ROOT / "runs" / "long_context"))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="a setting that adds no tensor (hf_polyattn.reconfigure) for the one ROW; needs --label")
+    p.add_argument("--label", help="the row's name in the record when --set changes it")
     a = p.parse_args(argv)
+    if a.set and (not a.label or len(a.rows) != 1):
+        p.error("--set applies to one ROW and needs --label (the row's name in the record)")
     torch.set_num_threads(a.threads)
     base = resolve_checkpoint("smollm2")
     tok = AutoTokenizer.from_pretrained(base)
@@ -80,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         if sparse:
             hf_polyattn.reconfigure(model, sparse_cache=int(sparse))
+        if a.set:
+            from hf_polyattn.cli import parse_settings
+
+            changes = parse_settings(hf_polyattn.get_polyattn_config(model).kind, a.set)
+            hf_polyattn.reconfigure(model, **changes)
+            row = a.label
         r = evaluate_model(row, model, tok, ids, settings)
         result["rows"] = [x for x in result["rows"] if x["label"] != row] + [r | {"row": row}]
     record.write_text(json.dumps(result, indent=1) + "\n")

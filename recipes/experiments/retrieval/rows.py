@@ -33,6 +33,10 @@ def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str
 
 
 TRAINED = "runs/retrieval/{}/model"
+# the linear-only preset's attention as it trains, without the settings the preset applies after training
+# (``Preset.reconfigure``: the sparse cache and its re-choice, the bounded decay): the rows below evaluate those
+# themselves, on the saved model, with --set
+AS_TRAINED = [x for s in ("sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0") for x in ("--reconfigure", s)]
 
 # probe_selection.py's variants run on the 4k prompts (the kernel part off: _nofar)
 PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key", "oracle_needle", "plumbing",
@@ -40,10 +44,10 @@ PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key",
 
 ROWS = {
     # every head linear-time: the linear-only preset (hedgehog features + 128 window + 4 sinks + gated decay)
-    "hh": [*RETROFIT, "--preset", "linear-only", *EVAL_STAGE],
+    "hh": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, *EVAL_STAGE],
     "hh+sparse64": evaluate(TRAINED.format("hh"), "sparse_cache=64"),
     # the same with a quarter of the training windows carrying recall tasks (training/retrieval_data.py)
-    "hh_retr": [*RETROFIT, "--preset", "linear-only", "--retrieval_mix", "0.25", *EVAL_STAGE],
+    "hh_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--retrieval_mix", "0.25", *EVAL_STAGE],
     "hh_retr+sparse64": evaluate(TRAINED.format("hh_retr"), "sparse_cache=64"),
     # softmax and StreamingLLM on the same tokens (no training)
     "baselines": evaluate("smollm2", "window=128", "sinks=4", kind="sliding_window", baselines="softmax"),
@@ -87,13 +91,17 @@ ROWS = {
     # drifted to horizons of 1k-70k tokens on 1k-token windows), alone and with the 512-key cache
     "hh_max256": evaluate(TRAINED.format("hh"), "decay_max_horizon=256"),
     "hh_max256+sparse512": evaluate(TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=512"),
+    # the same cache chosen again by the prompt's last 16 queries (sparse_observe: each of them reads the keys the
+    # question's queries up to it attend most, pooled over 15 neighbours; the rest folded into the bounded state)
+    "hh_max256+sparse512+observe16": evaluate(TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=512",
+                                              "sparse_observe=16"),
     # the elu kernel of the hybrid recipe, without its softmax heads
-    "elu_retr": [*RETROFIT, "--preset", "linear-only", "--set", "feature_map=elu", "--retrieval_mix", "0.25",
-                 *EVAL_STAGE],
+    "elu_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--set", "feature_map=elu", "--retrieval_mix",
+                 "0.25", *EVAL_STAGE],
     "elu_retr+sparse64": evaluate(TRAINED.format("elu_retr"), "sparse_cache=64"),
     # a short causal convolution on q / k (LAWCAT), identity at the start
-    "hh_conv_retr": [*RETROFIT, "--preset", "linear-only", "--set", "short_conv=4", "--retrieval_mix", "0.25",
-                     *EVAL_STAGE],
+    "hh_conv_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--set", "short_conv=4", "--retrieval_mix",
+                     "0.25", *EVAL_STAGE],
     # the gated delta rule (overwrites what a key holds) with the window and sinks, conv and recall tasks
     "delta_conv_retr": [*RETROFIT, "--kind", "delta", "--set", "window=128", "--set", "sinks=4", "--set",
                         "decay=gate", "--set", "short_conv=4", "--transfer_steps", "60", "--transfer_schedule",
