@@ -355,17 +355,26 @@ class SparseMixin:
             q = qa.detach().gather(3, obs.clamp(min=0)[:, None, None, :, None].expand(b, hkv, g, n_obs, d))
             x = torch.matmul(q * scale, pool_raw.detach()[:, :, None].transpose(-1, -2)).float()  # (B, Hkv, G, L, P)
         result = None
+        # the candidates' softmax weights and every candidate folded, once per distinct set of complete blocks (the
+        # L rows share one but at a block's edge): a row's scores are the running sum of the queries' weights, its
+        # state that fold minus its kept keys' terms (sparse_cache keys instead of the whole call's); one pass per
+        # row over every candidate cost several times more (observe_cost.py times the re-choice)
+        folded_all: dict[tuple, torch.Tensor] = {}
+        scored: dict[tuple, torch.Tensor] = {}
         for j in range(n_obs):
             at = obs[:, j]  # (B,)
             blocks = (at + 1 - w).clamp(min=0) // chunk  # the blocks complete at row `at`
             in_block = torch.cat([torch.ones(b, budget, dtype=torch.bool, device=device),
                                   pos[None, :] < (blocks * chunk)[:, None]], dim=-1)
             cand = pool_valid & in_block[:, None, :]
+            key = tuple(blocks.tolist())
             with torch.no_grad():
-                xs = x[:, :, :, : j + 1].masked_fill(~cand[:, :, None, None, :], float("-inf"))
-                weights = torch.nan_to_num(xs.softmax(-1), nan=0.0)  # a row with no candidate gives none
-                weights = weights * seen[:, None, None, : j + 1, None]
-                own = weights.sum((2, 3))  # (B, Hkv, P)
+                if key not in scored:  # every observed query's weights over these candidates, summed up to each
+                    xs = x.masked_fill(~cand[:, :, None, None, :], float("-inf"))
+                    weights = torch.nan_to_num(xs.softmax(-1), nan=0.0)  # a row with no candidate gives none
+                    weights = weights * seen[:, None, None, :, None]
+                    scored[key] = weights.sum(2).cumsum(2)  # (B, Hkv, L, P)
+                own = scored[key][:, :, j]  # (B, Hkv, P): the observed queries up to this one
                 pooled = own
                 if width > 1:
                     pooled = torch.nn.functional.max_pool1d(own.reshape(b * hkv, 1, -1), width, 1, width // 2)
@@ -382,7 +391,16 @@ class SparseMixin:
                 g_ref = torch.where((blocks > 0)[:, None], pool_g.gather(2, ref[:, None, None].expand(b, hkv, 1))
                                     .squeeze(2), 0.0)
                 to_ref = g_ref[..., None] - pool_g
-            kv, keep, keep_valid = fold_evicted(kv_in, feats, pool_vext, cand, keep, to_ref, g_ref)
+            weight = cand.to(pool_vext.dtype)
+            if to_ref is not None:
+                weight = weight * torch.exp(torch.where(cand, to_ref, 0.0))
+            if key not in folded_all:
+                base = kv_in if g_ref is None else kv_in * torch.exp(g_ref)[..., None, None]
+                folded_all[key] = base + torch.matmul((feats * weight.unsqueeze(-1)).transpose(-1, -2), pool_vext)
+            keep_valid = cand.gather(-1, keep)
+            w_keep = weight.gather(-1, keep)  # 0 where the slot holds no candidate
+            kv = folded_all[key] - torch.matmul((_take(feats, keep) * w_keep.unsqueeze(-1)).transpose(-1, -2),
+                                                _take(pool_vext, keep))
             result = kv, keep, keep_valid
             ck, cvx = _take(pool_raw, keep), _take(pool_vext, keep)
             g_rows = torch.zeros(b, hkv, dtype=kv.dtype, device=device) if g_ref is None else g_ref
