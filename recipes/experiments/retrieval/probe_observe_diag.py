@@ -1,0 +1,79 @@
+"""Where a needle stands after ``sparse_observe``'s re-choice (issue 32): one passkey prompt of ``hf-polyattn eval
+--passkey LENGTH --passkey-depths 10`` (seed 0, the draw of that length alone) prefilled through a saved model with
+settings that add no tensor, then, for every layer and kv head, the share of the needle's key tokens (both mentions)
+in the sparse cache decoding starts from, and the greedy answer.
+
+    python -m recipes.experiments.retrieval.probe_observe_diag MODEL --length 4096 --template vault --depth-index 0 \
+        --set sparse_cache=512 --set decay_max_horizon=256 --set sparse_observe=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--template", default="classic")
+    ap.add_argument("--depth-index", type=int, default=0, help="which of the 10 depths (0: 0.05 ... 9: 0.95)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    import hf_polyattn
+    from hf_polyattn.checkpoints import load_model, load_tokenizer
+    from hf_polyattn.cli import parse_settings
+    from hf_polyattn.eval.passkey import draw_passkey, passkey_prompt
+    from hf_polyattn.integration.state import HFPolyAttention
+
+    torch.set_num_threads(args.threads)
+    tok = load_tokenizer(args.model)
+    model = load_model(args.model, AutoModelForCausalLM).eval()
+    hf_polyattn.reconfigure(model, **parse_settings(hf_polyattn.get_polyattn_config(model).kind, args.set))
+    rng = random.Random(0)
+    for _ in range(args.depth_index + 1):  # the eval's draws, in its order
+        drawn = draw_passkey(rng, args.template)
+    pp = passkey_prompt(tok, length=args.length, depth=(args.depth_index + 0.5) / 10, template=args.template, **drawn)
+    ids = torch.tensor([pp.prompt])
+    needle = sorted(pp.needle_positions)
+    modules = [m for m in model.modules() if isinstance(m, HFPolyAttention)]
+    keys = {}
+
+    def grab(module, a, kw):
+        keys[module] = (a[1] if len(a) > 1 else kw["key"]).detach()
+
+    hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in modules]
+    cache = hf_polyattn.PolyAttnCache(model)
+    with torch.inference_mode():
+        logits = model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1]
+    for h in hooks:
+        h.remove()
+    shares = []
+    for layer, m in zip(cache.layers, modules):
+        cached, k = layer.state.sparse_k[0], keys[m][0]  # (Hkv, lambda, d), (Hkv, n, d)
+        row = []
+        for head in range(cached.shape[0]):
+            same = (cached[head][:, None, :] == k[head][None, :, :]).all(-1)
+            kept = set(same.nonzero()[:, 1].tolist())
+            row.append(sum(p in kept for p in needle) / len(needle))
+        shares.append(row)
+    token, out = logits.argmax(-1, keepdim=True), []
+    with torch.inference_mode():
+        for _ in range(args.new_tokens):
+            out.append(int(token))
+            token = model(token, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, True)
+    print(f"key {drawn['key']} at tokens {needle} of {ids.shape[1]}; answer {tok.decode(out)!r}")
+    print("needle tokens cached, per layer (kv heads): " + " ".join(
+        f"{i}:{'/'.join(f'{x:.1f}' for x in row)}" for i, row in enumerate(shares)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
