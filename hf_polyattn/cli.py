@@ -981,8 +981,11 @@ def retrofit_args(args, notes: list[str] | None = None):
         kind = spec["kind"] if isinstance(spec, dict) else spec
         if kind in (None, "softmax"):
             raise UsageError("--reconfigure changes a polyattn attention: give a preset or --kind with it")
-        fields["reconfigure"] = {**(preset.reconfigure if preset is not None else {}),
-                                 **parse_settings(kind, args.reconfigure)}
+        from .training.pipeline import _preset_reconfigure
+
+        # the preset's own as the run takes them (filtered to what another kind reads), then the flags
+        own = _preset_reconfigure(preset, spec, notes) if preset is not None and preset.reconfigure else None
+        fields["reconfigure"] = {**(own or {}), **parse_settings(kind, args.reconfigure)}
     try:
         return RetrofitArgs.build(preset=args.preset, notes=notes, **fields)
     except (TypeError, ValueError) as err:

@@ -146,7 +146,6 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
             epochs.append(left // chunk)
         for h in range(hkv):
             cache, folded, done, seen = [], [], 0, {}
-
             first = 0
             for size in calls:
                 queries = range(first, first + size)

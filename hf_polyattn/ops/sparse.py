@@ -58,10 +58,11 @@ alone: each layer's observed rows then read the chosen keys before the next laye
 they would had every key been exact (a prompt prefilled with every key exact is where the 9 of 10 above came from).
 The last query's choice is the state the call leaves; within a call and between calls (decoding) the streaming
 rule runs as before, and the decoding state keeps its size. The outputs therefore depend on where calls end: a
-prompt prefilled in two calls is chosen again twice, and one call over prompt and answer only at its end. Cost: each
-observed query folds the call's candidates once, L passes over them per layer
-(recipes/experiments/retrieval/observe_cost.py times a prefill with and without); the candidates' keys are held with
-the call's activations, O(n) like them.
+prompt prefilled in two calls is chosen again twice, and one call over prompt and answer only at its end. Cost:
+one pass over the call's candidates per layer for the scores and one for the fold (again only where the observed
+queries straddle a block's edge), then per observed query its sort and its kept keys' terms
+(recipes/experiments/retrieval/observe_cost.py times a prefill with and without); the candidates' keys are held
+with the call's activations, O(n) like them.
 
 The forward (``SparseMixin._sparse_call``) and the generic recurrent state (``RecurrentState``'s ``sparse_*`` fields)
 share ``select_and_fold``; the decoding ring (``ops/decode.py``) keeps the cache and the pending block in slots after
