@@ -93,8 +93,8 @@ def _rows_with_mass(self, qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, k
     cfg = self.config
     parts = self._sparse_parts(qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid, kv,
                                g_ref)
-    weights, loc, far, scale_far, n_loc, at = (parts.weights, parts.loc, parts.far, parts.scale_far, parts.n_loc,
-                                                parts.at)
+    weights, loc, far, scale_far, n_loc = parts.weights, parts.loc, parts.far, parts.scale_far, parts.n_loc
+    cache = slice(n_loc, n_loc + c_valid.shape[-1])  # the cache slots' weights (the sinks' after them)
     ctx = PREFILL.get(id(self))
     if ctx is not None:
         with torch.no_grad():
@@ -110,7 +110,7 @@ def _rows_with_mass(self, qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, k
                 budget = ctx["budget"]
                 pos = torch.full((p.shape[0], p.shape[1], p.shape[-1]), -1, dtype=torch.long, device=p.device)
                 pos[..., :n_loc] = torch.arange(ks, end, device=p.device)
-                pos[..., at:] = torch.where(c_valid, ctx["cache_idx"] - budget, -1)
+                pos[..., cache] = torch.where(c_valid, ctx["cache_idx"] - budget, -1)
                 far_part = far[..., -1, d] if scale_far is None else (scale_far * far)[..., -1, d]
                 LAST.append((id(self), p[..., -1, :].clone(), pos, (far_part * inv[..., -1, 0]).clone()))
             if ctx["pin"]:  # an oracle's "mass" is its pin, nothing accumulates
@@ -123,13 +123,13 @@ def _rows_with_mass(self, qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, k
                 loc_mass = p[..., :n_loc].amax(dim=(2, 3)) * vexta[:, :, 0, ks:end, d]
                 part = ctx["mass"][..., budget + ks : budget + end]
                 part.copy_(torch.maximum(part, loc_mass))
-                cache_mass = p[..., at:].amax(dim=(2, 3)) * c_valid.to(p.dtype)
+                cache_mass = p[..., cache].amax(dim=(2, 3)) * c_valid.to(p.dtype)
                 ctx["mass"].scatter_reduce_(-1, ctx["cache_idx"], cache_mass, "amax")
             else:
                 loc_mass = p[..., :n_loc].sum(dim=(2, 3)) * vexta[:, :, 0, ks:end, d]  # (B, Hkv, n_loc)
                 ctx["mass"][..., budget + ks : budget + end] += loc_mass
                 if ctx["accumulate"]:  # the cached keys keep collecting
-                    cache_mass = p[..., at:].sum(dim=(2, 3)) * c_valid.to(p.dtype)
+                    cache_mass = p[..., cache].sum(dim=(2, 3)) * c_valid.to(p.dtype)
                     ctx["mass"].scatter_add_(-1, ctx["cache_idx"], cache_mass)
     return normalised_sum(far, loc, scale_far, cfg.denominator_offset, far.dtype)
 
