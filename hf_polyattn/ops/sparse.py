@@ -151,6 +151,14 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.reshape(b * h * n, f).index_select(0, flat.reshape(-1)).view(b, h, idx.shape[2], f)
 
 
+def _fold_all_but(folded: torch.Tensor, weight: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor,
+                  idx: torch.Tensor) -> torch.Tensor:
+    """``folded`` (every candidate of the pool in the state, weighted by ``weight`` (B, Hkv, P)) without the slots
+    ``idx`` (B, Hkv, K): their terms taken back out (0 weight where a slot holds no candidate)."""
+    w_idx = weight.gather(-1, idx)
+    return folded - torch.matmul((_take(feats, idx) * w_idx.unsqueeze(-1)).transpose(-1, -2), _take(vext, idx))
+
+
 def real_span(mask: torch.Tensor | None, batch: int, n: int, device, carried: bool):
     """(P, L), both (B,) int64: each row's leading padded keys and real keys; a mask whose real keys are not
     contiguous (or, when a state is carried, any padding after a real key) is refused."""
@@ -212,6 +220,13 @@ class SparseRows:
 
 class SparseMixin:
     """Methods of ``PolyAttention`` for ``sparse_cache`` (module docstring)."""
+
+    # a diagnostic, not a setting (never saved): how many of the re-chosen keys ``sparse_observe``'s rows read, the
+    # state the call leaves keeping its first ``sparse_cache`` of the same ranking; None: ``sparse_cache``. With
+    # every candidate read, an observed row of a single call is exact softmax attention over the whole prompt (the
+    # sinks scored where sink_position puts them)
+    # (recipes/experiments/retrieval/probe_observe_wide.py: whether the choice or the streamed rows lose a needle)
+    observe_keys: int | None = None
 
     def _full_features(self, side: torch.Tensor) -> torch.Tensor:
         return symmetric_square(side) if self.feature_map.squares else side
@@ -395,7 +410,10 @@ class SparseMixin:
                 order = own.sort(dim=-1, descending=True, stable=True).indices
                 order = order.gather(-1, pooled.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
                 ranks = torch.arange(n_pool, 0, -1, device=device, dtype=own.dtype).expand_as(order)
-                keep = choose_kept(torch.empty_like(own).scatter_(-1, order, ranks), cand, budget)
+                ranked = torch.empty_like(own).scatter_(-1, order, ranks)
+                keep = choose_kept(ranked, cand, budget)
+                read = keep if self.observe_keys is None else choose_kept(ranked, cand,
+                                                                          min(self.observe_keys, n_pool))
             g_ref = to_ref = None
             if pool_g is not None:
                 ref = (budget + blocks * chunk - 1).clamp(min=budget)  # blocks == 0: no reference moved (G = 0)
@@ -408,12 +426,12 @@ class SparseMixin:
             if key not in folded_all:
                 base = kv_in if g_ref is None else kv_in * torch.exp(g_ref)[..., None, None]
                 folded_all[key] = base + torch.matmul((feats * weight.unsqueeze(-1)).transpose(-1, -2), pool_vext)
-            keep_valid = cand.gather(-1, keep)
-            w_keep = weight.gather(-1, keep)  # 0 where the slot holds no candidate
-            kv = folded_all[key] - torch.matmul((_take(feats, keep) * w_keep.unsqueeze(-1)).transpose(-1, -2),
-                                                _take(pool_vext, keep))
-            result = kv, keep, keep_valid
-            ck, cvx = _take(pool_raw, keep), _take(pool_vext, keep)
+            kv = _fold_all_but(folded_all[key], weight, feats, pool_vext, keep)
+            result = kv, keep, cand.gather(-1, keep)
+            if read is not keep:
+                kv = _fold_all_but(folded_all[key], weight, feats, pool_vext, read)
+            keep_valid = cand.gather(-1, read)
+            ck, cvx = _take(pool_raw, read), _take(pool_vext, read)
             g_rows = torch.zeros(b, hkv, dtype=kv.dtype, device=device) if g_ref is None else g_ref
             for r in sorted(set(at[seen[:, j]].tolist())):
                 new = self._sparse_rows(*rows, r, r + 1, (r + 1 - w) // chunk * chunk if r + 1 >= w else 0, scale,

@@ -380,6 +380,36 @@ def test_observe_causal(name):
         assert (a[:, :, t:] - b[:, :, t:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name", ["linear-elu", "linear-sinks-gate-mix", "hedgehog-scalar"])
+def test_observe_reading_every_key_is_softmax_and_leaves_the_same_state(name):
+    """``observe_keys`` (the diagnostic of probe_observe_wide.py) at the whole prompt: each observed row of one call
+    reads every key exactly and nothing through the state, so it is causal softmax attention over the prompt; the
+    rows before them and the state the call leaves (its next token's output) are those of ``sparse_cache``. The
+    sinks at their own positions (sink_position='own'; 'window' scores them as if just beyond the window)."""
+    pa = _module({**OBSERVE[name], **({"sink_position": "own"} if OBSERVE[name].get("sinks") else {})})
+    q, k, v = _inputs()
+    nxt = _inputs(n=1, seed=1)
+    with torch.no_grad():
+        out, state = pa(q, k, v, causal=True, state=pa.init_state())
+        step = pa(*nxt, causal=True, state=state)[0]
+        pa.observe_keys = N
+        try:
+            wide, wide_state = pa(q, k, v, causal=True, state=pa.init_state())
+            wide_step = pa(*nxt, causal=True, state=wide_state)[0]
+        finally:
+            pa.observe_keys = None
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ kk.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    softmax = scores.softmax(-1) @ vv
+    n_obs = OBSERVE[name]["sparse_observe"]
+    torch.testing.assert_close(wide[:, :, -n_obs:], softmax[:, :, -n_obs:], rtol=1e-10, atol=1e-12)
+    assert (out[:, :, -1] - softmax[:, :, -1]).abs().max() > 1e-3  # the 3 re-chosen keys alone are not softmax
+    torch.testing.assert_close(wide[:, :, :-n_obs], out[:, :, :-n_obs], rtol=0, atol=0)
+    torch.testing.assert_close(wide_step, step, rtol=0, atol=0)
+
+
 def test_observe_refusals():
     with pytest.raises(ValueError, match="sparse_observe=4 needs sparse_cache > 0"):
         PolyAttnConfig(kind="linear", window=8, sparse_observe=4)

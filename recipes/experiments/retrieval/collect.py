@@ -37,18 +37,19 @@ def state_bytes(row: str, argv: list[str], runs: Path) -> dict[str, int] | None:
     import hf_polyattn
     from hf_polyattn.checkpoints import resolve_checkpoint
 
-    if row == "baselines":
-        return None  # two models in one record: their memory is the softmax / StreamingLLM rows of the table
+    model_arg = next((a for a in argv[2:] if a.startswith("runs/") or a == "smollm2"), argv[3])
+    if row == "baselines" or model_arg == "smollm2":
+        return None  # the softmax checkpoint (and StreamingLLM beside it): their memory is the table's baseline rows
     if "hf_polyattn.retrofit" in argv:
         folder = runs / row / "model"
     else:  # an evaluation of another row's model: runs/retrieval/<row>/model, read from --runs
-        folder = Path(argv[3])
+        folder = Path(model_arg)
         if folder.parts[:2] == ("runs", "retrieval"):
             folder = runs.joinpath(*folder.parts[2:])
         elif not folder.is_absolute():
             folder = ROOT / folder
     model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(str(folder)))
-    settings = _settings(argv) if "hf_polyattn.cli" in argv else {}
+    settings = _settings(argv)
     if settings:
         hf_polyattn.reconfigure(model, **{k: int(v) for k, v in settings.items()})
     mem = hf_polyattn.decode_memory(model, (8192,))

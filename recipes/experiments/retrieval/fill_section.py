@@ -46,9 +46,10 @@ def diagnostic_lines(diagnostics: dict[str, dict]) -> str:
     for name, rec in diagnostics.items():
         row = _model_row(rec)
         hits = []
-        for key, template in (("passkey", "classic"), ("passkey_vault", "vault")):
+        for key in ("passkey", "passkey_vault"):  # "passkey" holds the first template asked for
             pk = row.get(key)
             if pk:
+                template = pk.get("template", "classic")
                 hits += [f"{template} {n:,} tokens: {sum(h)} of {len(h)}" for n, h in zip(pk["lengths"], pk["hits"])]
         text += (f"\nDiagnostic row {name} (not in the table: another grid): {row.get('label', '?')}; passkey "
                  f"{', '.join(hits) or '–'}. Command: `{rec.get('command', '?')}`.\n")

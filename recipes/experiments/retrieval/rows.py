@@ -38,6 +38,11 @@ TRAINED = "runs/retrieval/{}/model"
 # themselves, on the saved model, with --set
 AS_TRAINED = [x for s in ("sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0") for x in ("--reconfigure", s)]
 
+# the linear-only preset's reconfigure, as --set on the trained row's model
+PRESET_SETS = [x for s in ("decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16") for x in ("--set", s)]
+VAULT_4K = ("hh_max256+sparse512+observe16_vault_4k", "softmax_vault_4k",
+            "hh_max256+sparse512+observe16_read_all_vault_4k", "hh_max256+sparse1024+observe16_vault_4k")
+
 # probe_selection.py's variants run on the 4k prompts (the kernel part off: _nofar)
 PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key", "oracle_needle", "plumbing",
           "h2o_nofar", "h2o_window_nofar", "h2o_max_nofar", "oracle_needle_nofar", "plumbing_nofar")
@@ -95,6 +100,20 @@ ROWS = {
     # question's queries up to it attend most, pooled over 15 neighbours; the rest folded into the bounded state)
     "hh_max256+sparse512+observe16": evaluate(TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=512",
                                               "sparse_observe=16"),
+    # diagnostics of the 'vault' misses at 4k (the far needles), on the 4k prompts alone (another draw of keys than
+    # the table's 4k cell): the preset's settings; softmax on the same prompts; the observed queries reading every
+    # key exactly (probe_observe_wide.py); a cache twice as large
+    **{f"{name}_vault_4k": [*module, *model_, "--data", "demo", "--contexts", "256", "--max-eval-tokens", "512",
+                            "--passkey", "4096", "--passkey-templates", "vault", "--passkey-depths", "10",
+                            "--baselines", "none", "--threads", "2", *sets, "--out", "{out}"]
+       for name, module, model_, sets in [
+           ("hh_max256+sparse512+observe16", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh")], PRESET_SETS),
+           ("softmax", ["-m", "hf_polyattn.cli", "eval"], ["smollm2"], []),
+           ("hh_max256+sparse512+observe16_read_all", ["-m", "recipes.experiments.retrieval.probe_observe_wide"],
+            [TRAINED.format("hh"), "--keys", "4096"], PRESET_SETS),
+           ("hh_max256+sparse1024+observe16", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh")],
+            [x for s in ("decay_max_horizon=256", "sparse_cache=1024", "sparse_observe=16") for x in ("--set", s)]),
+       ]},
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--set", "feature_map=elu", "--retrieval_mix",
                  "0.25", *EVAL_STAGE],
@@ -111,7 +130,7 @@ ROWS = {
 # rows outside the table (another grid of lengths): fill_section states them under it
 DIAGNOSTICS = ("hh+all_keys_4k", "hh+sparse128_frozen_4k", "hh+sparse128_relative_4k",
                *(f"hh+sparse128_{v}_4k" for v in PROBED), "hh+sparse512_oracle_needle_4k", "hh+sparse128_library_4k",
-               "hh+sparse512_library_4k", "hh+all_keys_h2o_4k")
+               "hh+sparse512_library_4k", "hh+all_keys_h2o_4k", *VAULT_4K)
 
 # the rows run in this order: every '+sparse' row after the row whose model it reads
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
