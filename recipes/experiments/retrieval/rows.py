@@ -24,9 +24,14 @@ EVAL_STAGE = ["--eval_contexts", CONTEXTS, "--passkey_lengths", PASSKEY, "--pass
               "--eval_before", "false"]
 
 
+def flags(flag: str, *settings: str) -> list[str]:
+    """``flag`` before each of ``settings`` (FIELD=VALUE): the command-line form of --set / --reconfigure items."""
+    return [x for s in settings for x in (flag, s)]
+
+
 def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str = "none") -> list[str]:
     """``hf-polyattn eval`` of a saved model (another row's ``runs/retrieval/<row>/model``) with ``settings``."""
-    sets = [x for s in settings for x in ("--set", s)]
+    sets = flags("--set", *settings)
     return ["-m", "hf_polyattn.cli", "eval", model, "--data", "demo", "--contexts", CONTEXTS, "--passkey", PASSKEY,
             "--passkey-templates", TEMPLATES, "--passkey-depths", "10", "--max-eval-tokens", "12288",
             "--baselines", baselines, "--threads", "2", *(["--kind", kind] if kind else []), *sets, "--out", "{out}"]
@@ -36,10 +41,10 @@ TRAINED = "runs/retrieval/{}/model"
 # the linear-only preset's attention as it trains, without the settings the preset applies after training
 # (``Preset.reconfigure``: the sparse cache and its re-choice, the bounded decay): the rows below evaluate those
 # themselves, on the saved model, with --set
-AS_TRAINED = [x for s in ("sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0") for x in ("--reconfigure", s)]
+AS_TRAINED = flags("--reconfigure", "sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0")
 
 # the linear-only preset's reconfigure, as --set on the trained row's model
-PRESET_SETS = [x for s in ("decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16") for x in ("--set", s)]
+PRESET_SETS = flags("--set", "decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16")
 VAULT_4K = ("hh_max256+sparse512+observe16_vault_4k", "softmax_vault_4k",
             "hh_max256+sparse512+observe16_read_all_vault_4k", "hh_max256+sparse1024+observe16_vault_4k")
 
@@ -112,7 +117,7 @@ ROWS = {
            ("hh_max256+sparse512+observe16_read_all", ["-m", "recipes.experiments.retrieval.probe_observe_wide"],
             [TRAINED.format("hh"), "--keys", "4096"], PRESET_SETS),
            ("hh_max256+sparse1024+observe16", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh")],
-            [x for s in ("decay_max_horizon=256", "sparse_cache=1024", "sparse_observe=16") for x in ("--set", s)]),
+            flags("--set", "decay_max_horizon=256", "sparse_cache=1024", "sparse_observe=16")),
        ]},
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--set", "feature_map=elu", "--retrieval_mix",
