@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 # transformers' pinned minimum (pyproject.toml): a second venv runs the integration tests against it, so that a
 # change that only works on the newest release (what `install` picks) shows up in CI
 TRANSFORMERS_MIN := 5.23.0
-# pytest-xdist workers: the whole suite took 19.7 min on 2 workers on the project's 2-core CPU (3,823 tests, beside
-# other work), against a CI of 33 min for it and the integration tests on TRANSFORMERS_MIN one at a time
+# pytest-xdist workers: the whole suite took 22.0 min on 2 workers on the project's 2-core CPU (3,953 tests, nothing
+# else running; 34.5 min before the pip-install test held out fewer tokens), against a CI of 33 min for it and the
+# integration tests on TRANSFORMERS_MIN one at a time
 TEST_WORKERS ?= 2
 VENV_MIN := .venv-min
 BIN_MIN := $(VENV_MIN)/bin

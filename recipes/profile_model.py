@@ -12,6 +12,13 @@ the aten calls (a count: it does not depend on the machine's load), the self tim
 whose host time far exceeds its GPU time is bound by launching work, not by doing it. Times depend on the load
 (the output gives the load average). Then the ops whose calls per step differ most between the two and, on CUDA,
 each model's heaviest GPU kernels.
+
+``decode`` on the CPU also splits the step's wall time, outside the profiler (``--timed-steps`` steps, timed before
+it runs): the
+layers' attention calls (transformers' attention function for the model's implementation, timed per call) and the
+cache's ``update`` (where a ``DynamicCache`` concatenates every layer's keys and values), the rest being the
+weights' matmuls, norms and RoPE; and each attention module class's median call. Which part of a step the retrofit
+saves or adds, per layer: what the decoding targets turn on.
 """
 
 from __future__ import annotations
@@ -58,6 +65,65 @@ def profile(model, which: str, phase: str, length: int, steps: int, device, batc
     return row
 
 
+def time_parts(model, which: str, length: int, steps: int, batch: int = 1) -> dict:
+    """Median wall ms per decoding step on the CPU of the whole step, the attention calls and the cache updates
+    (module docstring), and each attention class's median ms per call, after a ``length``-token prompt and 3 untimed
+    steps."""
+    import statistics
+    import time
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_polyattn.bench_model import _new_cache, _step, prompt
+
+    ids = prompt(batch, length, model.get_input_embeddings().num_embeddings, "cpu")
+    cache = _new_cache(which, model)
+    token = _step(model, ids, cache)
+    for _ in range(3):
+        token = _step(model, token, cache)
+    impl = model.config._attn_implementation
+    attend = ALL_ATTENTION_FUNCTIONS[impl]
+    calls, spent = {}, {"attention": 0.0, "update": 0.0}
+
+    def timed_attention(module, *args, **kwargs):
+        t = time.perf_counter()
+        out = attend(module, *args, **kwargs)
+        dt = time.perf_counter() - t
+        spent["attention"] += dt
+        pa = getattr(module, "polyattn", None)
+        name = type(module if pa is None else pa).__name__
+        calls.setdefault(name, {}).setdefault(module.layer_idx, []).append(dt)
+        return out
+
+    update = cache.update
+
+    def timed_update(*args, **kwargs):
+        t = time.perf_counter()
+        out = update(*args, **kwargs)
+        spent["update"] += time.perf_counter() - t
+        return out
+
+    cache.update = timed_update
+    ALL_ATTENTION_FUNCTIONS[impl] = timed_attention
+    parts = {"step": [], "attention": [], "update": []}
+    try:
+        for _ in range(steps):
+            spent.update(attention=0.0, update=0.0)
+            t = time.perf_counter()
+            token = _step(model, token, cache)
+            parts["step"].append(time.perf_counter() - t)
+            parts["attention"].append(spent["attention"])
+            parts["update"].append(spent["update"])
+    finally:
+        ALL_ATTENTION_FUNCTIONS[impl] = attend
+        del cache.update
+    row = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in parts.items()}
+    row["classes"] = {name: {"layers": len(layers),
+                             "median_call_ms": statistics.median(statistics.median(t) for t in layers.values()) * 1e3}
+                      for name, layers in calls.items()}
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", type=Path, help="a retrofitted checkpoint folder")
@@ -65,14 +131,16 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=1024, help="prompt tokens (before the decoding steps)")
     p.add_argument("--batch", type=int, default=1, help="sequences (the whole-model bench times batch 1 and 8)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--timed-steps", type=int, default=20,
+                   help="decode on the CPU: steps timed part by part, before the profiled ones (module docstring)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "profile_model")
     args = p.parse_args(argv)
-    for name in ("length", "batch", "steps", "threads"):
+    for name in ("length", "batch", "steps", "threads", "timed_steps"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -84,12 +152,25 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     load_before = os.getloadavg()
-    rows = {}
-    for which, kw in (("retrofit", {}), ("base", {"attn_implementation": "sdpa"})):
-        model = AutoModelForCausalLM.from_pretrained(
+    models = (("retrofit", {}), ("base", {"attn_implementation": "sdpa"}))
+
+    def load(kw):
+        return AutoModelForCausalLM.from_pretrained(
             args.model, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, **kw).to(device).eval()
-        rows[which] = profile(model, which, args.phase, args.length, args.steps, device, args.batch)
-        del model
+
+    # both models timed before the profiler has run in this process, so nothing it set up is in the timed steps (one
+    # 4k run timing after it gave the demo's model 163 ms a step, against 124-128 ms timed before it in two later
+    # runs; at 16k the later run was the slower one, 218 against 170 ms: this 2-core CPU varies that much between
+    # runs, so compare the two models within one run)
+    parts = {}
+    if args.phase == "decode" and device.type == "cpu":
+        for which, kw in models:
+            parts[which] = time_parts(load(kw), which, args.length, args.timed_steps, args.batch)
+    rows = {}
+    for which, kw in models:
+        rows[which] = profile(load(kw), which, args.phase, args.length, args.steps, device, args.batch)
+        if which in parts:
+            rows[which]["parts"] = parts[which]
     r, b = rows["retrofit"], rows["base"]
     diff = sorted(set(r["calls"]) | set(b["calls"]), key=lambda k: b["calls"].get(k, 0) - r["calls"].get(k, 0))
     where = (f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}" if device.type == "cuda"
@@ -106,6 +187,20 @@ def main(argv=None) -> int:
              f"| everything (ms, host self time) | {r['self_ms']:.1f} | {b['self_ms']:.1f} |"]
     if "gpu_ms" in r:
         lines.append(f"| GPU kernels (ms) | {r['gpu_ms']:.2f} | {b['gpu_ms']:.2f} |")
+    if "parts" in r:
+        rp, bp = r["parts"], b["parts"]
+        lines += ["", f"Wall time of a decoding step, median of {args.timed_steps} steps outside the profiler (ms):",
+                  "", "| part | retrofit | base |", "|---|---:|---:|"]
+        for key, label in (("step", "the whole step"), ("attention", "attention calls (every layer)"),
+                           ("update", "cache update (every layer)")):
+            lines.append(f"| {label} | {rp[key + '_ms']:.1f} | {bp[key + '_ms']:.1f} |")
+        lines.append(f"| the rest (weights' matmuls, norms, RoPE) | "
+                     f"{rp['step_ms'] - rp['attention_ms'] - rp['update_ms']:.1f} | "
+                     f"{bp['step_ms'] - bp['attention_ms'] - bp['update_ms']:.1f} |")
+        lines += ["", "| attention module (model) | layers | median ms per call |", "|---|---:|---:|"]
+        for which in ("retrofit", "base"):
+            for name, c in rows[which]["parts"]["classes"].items():
+                lines.append(f"| {name} ({which}) | {c['layers']} | {c['median_call_ms']:.3f} |")
     lines += ["", "| op | retrofit calls / step | base calls / step |", "|---|---:|---:|"]
     lines += [f"| {k} | {r['calls'].get(k, 0):.0f} | {b['calls'].get(k, 0):.0f} |" for k in diff[:15]]
     for which in ("retrofit", "base") if "gpu_ms" in r else ():
@@ -118,8 +213,8 @@ def main(argv=None) -> int:
     (args.out / f"{tag}.md").write_text(text)
     (args.out / f"{tag}.json").write_text(json.dumps(
         {"model": str(args.model), "phase": args.phase, "length": args.length, "batch": args.batch, "steps": args.steps,
-         "threads": args.threads, "device": where, "dtype": dtype, "torch": torch.__version__,
-         "load_before": load_before, "rows": rows}, indent=1))
+         "timed_steps": args.timed_steps, "threads": args.threads, "device": where, "dtype": dtype,
+         "torch": torch.__version__, "load_before": load_before, "rows": rows}, indent=1))
     return 0
 
 

@@ -24,9 +24,12 @@ def test_decode_and_prefill_profiles_name_both_models(tmp_path):
     model.save_pretrained(tmp_path / "retrofit")
     for phase in ("decode", "prefill"):
         done = subprocess.run([sys.executable, RECIPE, str(tmp_path / "retrofit"), "--phase", phase, "--length", "40",
-                               "--steps", "2", "--out", str(tmp_path / "out")], capture_output=True, text=True)
+                               "--steps", "2", "--timed-steps", "3", "--out", str(tmp_path / "out")],
+                              capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         record = json.loads((tmp_path / "out" / f"profile_{phase}-cpu.json").read_text())
+        if phase == "decode":
+            record_decode = record
         assert record["phase"] == phase and set(record["rows"]) == {"retrofit", "base"}
         for row in record["rows"].values():
             # a step of a 2-layer model: its matmuls (q, k, v, o, 3 MLP per layer, the head) and far more calls
@@ -35,6 +38,17 @@ def test_decode_and_prefill_profiles_name_both_models(tmp_path):
         assert record["rows"]["retrofit"]["calls"].get("aten::elu", 0) > 0
         assert "aten::elu" not in record["rows"]["base"]["calls"]
         assert f"per {phase} step (1 x 40 tokens)" in (tmp_path / "out" / f"profile_{phase}-cpu.md").read_text()
+    # the decoding step split by wall time: every layer's attention call timed, by the class that ran it (layer 0
+    # the kind's module, layer 1 hybrid for its softmax head; the base's two LlamaAttention layers), the parts
+    # within the step
+    parts = {which: row["parts"] for which, row in record_decode["rows"].items()}
+    assert set(parts["retrofit"]["classes"]) == {"HFLinearAttention", "HFHybridAttention"}
+    assert parts["base"]["classes"] == {"LlamaAttention": parts["base"]["classes"]["LlamaAttention"]}
+    assert parts["base"]["classes"]["LlamaAttention"]["layers"] == 2
+    for p in parts.values():
+        assert 0 < p["attention_ms"] and 0 < p["update_ms"] and p["attention_ms"] + p["update_ms"] < p["step_ms"]
+    assert "| attention calls (every layer) |" in (tmp_path / "out" / "profile_decode-cpu.md").read_text()
+    assert "parts" not in json.loads((tmp_path / "out" / "profile_prefill-cpu.json").read_text())["rows"]["base"]
     # a batch of sequences: its own files, the batch recorded; a batch of 0 refused by name
     done = subprocess.run([sys.executable, RECIPE, str(tmp_path / "retrofit"), "--phase", "prefill", "--length", "24",
                            "--batch", "3", "--steps", "1", "--out", str(tmp_path / "out")], capture_output=True,
