@@ -240,6 +240,10 @@ class SparseMixin:
         own (the state keeps them raw)."""
         cfg = self.config
         w, chunk, budget = cfg.window, cfg.sparse_chunk, cfg.sparse_cache
+        if self.observe_keys is not None and self.observe_keys < budget:
+            raise ValueError(f"observe_keys={self.observe_keys} (a diagnostic: the re-chosen keys sparse_observe's "
+                             f"rows read) must be None or >= sparse_cache={budget}: its rows would read fewer keys "
+                             "than the state they leave keeps")
         b, hkv, g, lq = q5.shape[:4]
         lk = k5.shape[3]
         device = q5.device

@@ -421,6 +421,14 @@ def test_observe_refusals():
         PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_observe=-1)
     with pytest.raises(ValueError, match="does not read sparse_observe"):
         PolyAttnConfig(kind="sliding_window", window=8, sparse_observe=4)
+    # the diagnostic's count below the cache (probe_observe_wide.py --keys): refused by name at the call
+    pa = _module(OBSERVE["linear-elu"])
+    pa.observe_keys = OBSERVE["linear-elu"]["sparse_cache"] - 1
+    with torch.no_grad(), pytest.raises(ValueError, match=r"observe_keys=2 .* must be None or >= sparse_cache=3"):
+        pa(*_inputs(), causal=True, state=pa.init_state())
+    pa.observe_keys = 3  # at the cache's size: the library's own choice, accepted
+    with torch.no_grad():
+        pa(*_inputs(), causal=True, state=pa.init_state())
 
 
 def _recall_inputs(n: int, needle_at: int, seed: int):

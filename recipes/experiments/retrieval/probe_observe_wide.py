@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_polyattn.cli import main as cli_main
     from hf_polyattn.ops.sparse import SparseMixin
 
-    if args.keys < 1:
+    if args.keys < 1:  # below the model's sparse_cache: refused by the layers (SparseMixin.observe_keys)
         raise SystemExit(f"--keys must be >= 1, got {args.keys}")
     SparseMixin.observe_keys = args.keys
     return cli_main(["eval", *rest])
