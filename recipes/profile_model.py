@@ -14,11 +14,10 @@ whose host time far exceeds its GPU time is bound by launching work, not by doin
 each model's heaviest GPU kernels.
 
 ``decode`` on the CPU also splits the step's wall time, outside the profiler (``--timed-steps`` steps, timed before
-it runs): the
-layers' attention calls (transformers' attention function for the model's implementation, timed per call) and the
-cache's ``update`` (where a ``DynamicCache`` concatenates every layer's keys and values), the rest being the
-weights' matmuls, norms and RoPE; and each attention module class's median call. Which part of a step the retrofit
-saves or adds, per layer: what the decoding targets turn on.
+it runs): the layers' attention calls (transformers' attention function for the model's implementation, timed per
+call) and the cache's ``update`` (where a ``DynamicCache`` concatenates every layer's keys and values), the rest
+being the weights' matmuls, norms and RoPE; and each attention module class's median call. Which part of a step
+the retrofit saves or adds, per layer: what the decoding targets turn on.
 """
 
 from __future__ import annotations
@@ -31,11 +30,10 @@ from pathlib import Path
 MATMULS = ("aten::mm", "aten::addmm")
 
 
-def profile(model, which: str, phase: str, length: int, steps: int, device, batch: int = 1) -> dict:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    from hf_polyattn.bench_model import _new_cache, _step, _sync, prompt
+def _prompted(model, which: str, phase: str, length: int, batch: int, device):
+    """(the prompt ids, the cache ``generate()`` gives the model, the next token) after the prompt's prefill, and for
+    ``decode`` 3 untimed decoding steps."""
+    from hf_polyattn.bench_model import _new_cache, _step, prompt
 
     ids = prompt(batch, length, model.get_input_embeddings().num_embeddings, device)
     cache = _new_cache(which, model)
@@ -43,6 +41,16 @@ def profile(model, which: str, phase: str, length: int, steps: int, device, batc
     if phase == "decode":
         for _ in range(3):
             token = _step(model, token, cache)
+    return ids, cache, token
+
+
+def profile(model, which: str, phase: str, length: int, steps: int, device, batch: int = 1) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from hf_polyattn.bench_model import _new_cache, _step, _sync
+
+    ids, cache, token = _prompted(model, which, phase, length, batch, device)
     _sync(device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -74,13 +82,9 @@ def time_parts(model, which: str, length: int, steps: int, batch: int = 1) -> di
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from hf_polyattn.bench_model import _new_cache, _step, prompt
+    from hf_polyattn.bench_model import _step
 
-    ids = prompt(batch, length, model.get_input_embeddings().num_embeddings, "cpu")
-    cache = _new_cache(which, model)
-    token = _step(model, ids, cache)
-    for _ in range(3):
-        token = _step(model, token, cache)
+    _, cache, token = _prompted(model, which, "decode", length, batch, "cpu")
     impl = model.config._attn_implementation
     attend = ALL_ATTENTION_FUNCTIONS[impl]
     calls, spent = {}, {"attention": 0.0, "update": 0.0}
