@@ -471,8 +471,8 @@ def run_cell(kind: str, n: int, args) -> dict:
               *(["--bidirectional"] if args.bidirectional else [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     try:
-        res = subprocess.run([sys.executable, "-m", "hf_polyattn.bench", "--worker", kind, str(n), *common], env=env,
-                             capture_output=True, text=True, timeout=args.timeout)
+        res = run_worker([sys.executable, "-m", "hf_polyattn.bench", "--worker", kind, str(n), *common], env=env,
+                         timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"kind": kind, "n": n, "error": f"timeout (> {args.timeout} s)"}
     if res.returncode != 0:
@@ -484,6 +484,55 @@ def run_cell(kind: str, n: int, args) -> dict:
             row["oom"] = True
         return row
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_worker(argv: list[str], *, env: dict, timeout: float | None) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True)``, with Ctrl-C and SIGTERM held while the worker
+    starts: arriving between Popen's fork and its return, either raised there, before anything owned the worker,
+    which then ran on after the benchmark had stopped (seen once in the whole suite under load: a killed run's
+    worker still alive). Held, it is raised once the worker is owned, and the worker is killed as on any stop."""
+    held = _hold_stop_signals()
+    try:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except BaseException:
+        _release_stop_signals(held)
+        raise
+    with proc:
+        try:
+            _release_stop_signals(held)  # a stop that came while the worker started is raised here
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        except BaseException:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _hold_stop_signals():
+    """(the previous handlers, the signals that arrive from now on) or None outside the main thread, which
+    receives no signals."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    pending: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in _STOP_SIGNALS}
+    return previous, pending
+
+
+def _release_stop_signals(held) -> None:
+    """The previous handlers back, then each held signal delivered to them (in the order it came)."""
+    if held is None:
+        return
+    previous, pending = held
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+    for s in pending:
+        signal.raise_signal(s)
 
 
 def run_grid(args, cell=None, progress: bool = True, after_cell=None) -> list[dict]:
@@ -623,7 +672,7 @@ def completion(done: int, planned: int) -> tuple[dict, str | None]:
 @contextlib.contextmanager
 def sigterm_exits():
     """While the block runs, SIGTERM (what ``timeout`` and job schedulers send) raises SystemExit(143) in the main
-    thread instead of killing the process outright, so it unwinds as Ctrl-C does: ``subprocess.run`` kills the
+    thread instead of killing the process outright, so it unwinds as Ctrl-C does: ``run_worker`` kills the
     running cell's worker (else it would run on, holding the GPU), an interrupted file write removes its temporary
     file, and the process still exits non-zero (143 = 128 + SIGTERM, as a shell reports a killed process). The
     previous handler is restored after; outside the main thread nothing changes (signals go to the main thread)."""

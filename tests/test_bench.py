@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -332,3 +334,44 @@ def test_the_machine_line_states_the_allocator(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "68719476736")
     assert bench.machine(args).endswith("; allocator: MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=68719476736")
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_stop_while_the_worker_starts_kills_the_worker(monkeypatch, signum):
+    """A SIGTERM or Ctrl-C that arrives while Popen starts the worker (here: right after the real Popen, before it
+    returns) stops the run once the worker is owned, and the worker goes with it instead of running on."""
+    import signal
+    import sys
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*a, **kw):
+        proc = real_popen(*a, **kw)
+        started.append(proc)
+        signal.raise_signal(getattr(signal, signum))  # what the OS delivers in that window
+        return proc
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    expected = SystemExit if signum == "SIGTERM" else KeyboardInterrupt
+    with bench.sigterm_exits(), pytest.raises(expected) as info:
+        bench.run_worker([sys.executable, "-c", "import time; time.sleep(120)"], env=dict(os.environ), timeout=200)
+    if signum == "SIGTERM":
+        assert info.value.code == 128 + signal.SIGTERM
+    (proc,) = started
+    assert proc.wait(timeout=30) == -signal.SIGKILL  # killed, not left to sleep its 120 s
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+
+
+def test_run_worker_returns_what_subprocess_run_returns():
+    import sys
+
+    res = bench.run_worker([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); "
+                            "sys.exit(3)"], env=dict(os.environ), timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (3, "out\n", "err\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench.run_worker([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ), timeout=1)

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -757,7 +758,11 @@ class Retrofit:
         task_type = "CAUSAL_LM" if a.model.task == "causal_lm" else "SEQ_CLS"
         config = LoraConfig(r=a.train.lora_r, lora_alpha=a.train.lora_alpha, target_modules=_lora_targets(model),
                             task_type=task_type, lora_dropout=0.0)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # PEFT (0.21.2) reads model.is_gradient_checkpointing, deprecated in transformers 5.24 with a FutureWarning
+            # that names a property the user never touched; only that warning is silenced
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
             torch.manual_seed(a.train.seed)
             return get_peft_model(model, config)
 

@@ -28,26 +28,32 @@ def _losses(folder: Path, stage: str) -> list[float]:
     return [h["loss"] for h in json.loads((folder / f"{stage}_metrics.json").read_text())["history"]]
 
 
+DDP_MODES = ["full", "two_stage", "hybrid", "window_covers"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["full", "two_stage", "hybrid", "window_covers"])
-def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path, mode):
+def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path):
     """accelerate launch --multi_gpu --num_processes 2 (gloo DDP on CPU): both ranks end with the same weights,
     for full fine-tuning, for the two-stage recipe (window + projection transfer, then LoRA) and with softmax heads
-    (DDP fails on a trainable parameter that gets no gradient)."""
+    (DDP fails on a trainable parameter that gets no gradient). The four modes run one after the other in the same
+    two processes (one test, not four: pytest-xdist would give a shared launch to each of its workers)."""
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     assert launcher, "accelerate CLI not found"
     cmd = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-           str(ROOT / "tests" / "training" / "ddp_worker.py"), tiny_dirs["llama"], text_file, str(tmp_path), mode]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+           str(ROOT / "tests" / "training" / "ddp_worker.py"), tiny_dirs["llama"], text_file, str(tmp_path),
+           ",".join(DDP_MODES)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
-    assert [r["world"] for r in ranks] == [2, 2]
-    assert ranks[0]["sha"] == ranks[1]["sha"], ranks
-    metrics = json.loads((tmp_path / "finetune_metrics.json").read_text())
-    assert metrics["num_processes"] == 2 and metrics["steps"] == 2
-    transfer = json.loads((tmp_path / "transfer_metrics.json").read_text())
-    assert transfer["steps"] == 3
+    for mode in DDP_MODES:
+        folder = tmp_path / mode
+        ranks = [json.loads((folder / f"rank{i}.json").read_text()) for i in (0, 1)]
+        assert [r["world"] for r in ranks] == [2, 2], mode
+        assert ranks[0]["sha"] == ranks[1]["sha"], (mode, ranks)
+        metrics = json.loads((folder / "finetune_metrics.json").read_text())
+        assert metrics["num_processes"] == 2 and metrics["steps"] == 2, mode
+        transfer = json.loads((folder / "transfer_metrics.json").read_text())
+        assert transfer["steps"] == 3, mode
 
 
 @pytest.mark.slow

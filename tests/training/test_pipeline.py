@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import pytest
 import torch
@@ -43,8 +44,12 @@ def test_causal_lm_lora_softmax_and_evaluate_only(tiny_dirs, text_file, tmp_path
 
     common = dict(model=tiny_dirs["llama"], data=text_file, context=32, eval_context=32, eval_stride=16,
                   max_eval_tokens=256, progress=False)
-    res = run(build(**common, attention="softmax", finetune_steps=3, lora=True, lora_r=4,
-                    output_dir=str(tmp_path / "soft")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run(build(**common, attention="softmax", finetune_steps=3, lora=True, lora_r=4,
+                        output_dir=str(tmp_path / "soft")))
+    # PEFT's read of a property transformers 5.24 deprecated is not the user's to act on (pipeline._add_lora)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
     ft = res["stages"]["finetune"]
     assert ft["steps"] == 3 and ft["fingerprint"]["num_trainable"] < 20_000  # LoRA adapters only
     before, after = res["evaluations"]["before"]["perplexity"], res["evaluations"]["after_finetune"]["perplexity"]
