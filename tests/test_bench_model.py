@@ -82,6 +82,7 @@ def test_without_base_the_same_weights_run_softmax(dirs, tmp_path, capsys):
     assert row["base"]["cache_bytes"] == 2 * LAYERS * KV_HEADS * HEAD_DIM * 4 * 16
 
 
+@pytest.mark.slow(seconds=49)  # torch.compile of the decoding step
 def test_compile_decode_runs_the_retrofit_compiled_and_says_so(dirs, tmp_path, capsys):
     from torch._dynamo.utils import counters
 

@@ -87,7 +87,7 @@ def test_the_wheel_carries_the_package_data(installed):
     assert all(str(Path(p).resolve()).startswith(venv) for p in out), out  # the wheel's copy, not the checkout
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=272)
 def test_retrofit_and_eval_from_a_pip_install_offline(installed):
     """The issue's target, with the preset's transfer cut to 2 steps and its LoRA stage to 2 steps at 1k tokens
     (the preset's 40 LoRA steps at 1k-2k tokens alone take longer than this test may; its step at 2k about 20 s of

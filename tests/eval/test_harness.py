@@ -63,6 +63,7 @@ def _cli_scores(out: Path) -> dict[str, float]:
     return {k: v for k, v in values.items() if "," in k and "_stderr" not in k}
 
 
+@pytest.mark.slow(seconds=68)  # two lm-eval CLI processes
 def test_lm_eval_cli_scores_a_saved_folder_like_the_plugin_in_process(saved_model, tmp_path):
     """lm-eval's own CLI with trust_remote_code=True on the saved folder gives the number lm-eval gives in this
     process on the model loaded with the plugin; without trust_remote_code (and no import) it refuses to load."""

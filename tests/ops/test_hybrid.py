@@ -204,20 +204,10 @@ def test_softmax_attention_against_naive_and_empty_rows():
                                                                       key_padding_mask=mask), (q, k, v))
 
 
-@pytest.mark.parametrize("lq", [1, 3, 8, 9])
-def test_softmax_attention_few_queries_of_one_head(monkeypatch, lq):
-    """One query head of one sequence, at most 8 queries (a decoding step over a cache): the explicit
-    q k^T -> softmax -> v path that replaces CPU SDPA there, against the naive reference with a padded key and a
-    row that sees no key, gradients included; at 9 queries SDPA serves again. SDPA's calls are counted, so a lost
-    route fails the test."""
+def _count_sdpa(monkeypatch) -> list:
+    """A list that gets an item for every SDPA call softmax_attention makes from now on (in this test)."""
     from hf_polyattn.ops import hybrid
 
-    lk = 37
-    q, k, v = _inputs(1, 1, 1, lq, lk)
-    mask = torch.ones(1, lk, dtype=torch.bool)
-    mask[0, 2] = False
-    if lq > 1:  # the first query's causal keys (positions 0 .. lk - lq) all padded: it sees none
-        mask[0, : lk - lq + 1] = False
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = []
 
@@ -226,6 +216,23 @@ def test_softmax_attention_few_queries_of_one_head(monkeypatch, lq):
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(hybrid.F, "scaled_dot_product_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("lq", [1, 3, 8, 9])
+def test_softmax_attention_few_queries_of_one_head(monkeypatch, lq):
+    """One query head of one sequence, at most 8 queries (a decoding step over a cache): the explicit
+    q k^T -> softmax -> v path that replaces CPU SDPA there, against the naive reference with a padded key and a
+    row that sees no key, gradients included; at 9 queries SDPA serves again. SDPA's calls are counted, so a lost
+    route fails the test."""
+
+    lk = 37
+    q, k, v = _inputs(1, 1, 1, lq, lk)
+    mask = torch.ones(1, lk, dtype=torch.bool)
+    mask[0, 2] = False
+    if lq > 1:  # the first query's causal keys (positions 0 .. lk - lq) all padded: it sees none
+        mask[0, : lk - lq + 1] = False
+    calls = _count_sdpa(monkeypatch)
     out = softmax_attention(q, k, v, causal=True, scale=0.3, key_padding_mask=mask)
     assert len(calls) == (lq > 8)
     allowed = (torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + lk - lq)[None, None] & mask[:, None, None, :]
@@ -290,3 +297,85 @@ def test_half_softmax_heads_reach_sdpa_in_their_dtype_with_expanded_kv(monkeypat
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     if padded:
         assert out[0, :, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("hkv", [1, 3])
+@pytest.mark.parametrize("lk", [63, 64, 80, 83])
+def test_one_query_over_many_keys_is_split_in_chunks(monkeypatch, hkv, lk):
+    """A decoding query of one sequence over at least _SPLIT_MIN_KEYS keys (64 here, chunks of 16: whole chunks,
+    a tail, one key short of the threshold) runs the chunked path instead of SDPA (its calls counted), on keys that
+    are a view of a buffer with room after them (the cache's layout), and equals the naive softmax in float64 with
+    scores up to ~60 apart (one max over every chunk), gradients included."""
+    from hf_polyattn.ops import hybrid
+
+    monkeypatch.setattr(hybrid, "_SPLIT_MIN_KEYS", 64)
+    monkeypatch.setattr(hybrid, "_SPLIT_CHUNK", 16)
+    g, d = 3, 8
+    gen = torch.Generator().manual_seed(lk + hkv)
+    kbuf = torch.randn(1, hkv, lk + 20, d, generator=gen, dtype=torch.float64)
+    vbuf = torch.randn(1, hkv, lk + 20, d, generator=gen, dtype=torch.float64)
+    k, v = kbuf[:, :, :lk], vbuf[:, :, :lk]
+    q = 4 * torch.randn(1, hkv * g, 1, d, generator=gen, dtype=torch.float64)
+    calls = _count_sdpa(monkeypatch)
+    out = softmax_attention(q, k, v, causal=True, scale=0.9)
+    assert len(calls) == (lk < 64)
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    x = q @ kk.transpose(-1, -2) * 0.9
+    assert (x.amax(-1) - x.amin(-1)).max() > 30
+    torch.testing.assert_close(out, torch.softmax(x, -1) @ vv, rtol=1e-12, atol=1e-12)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: softmax_attention(a, b, c, causal=True, scale=0.9), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_keys_from_half_inputs_work_in_float32(monkeypatch, dtype):
+    """bf16 / fp16 keys of a long cache: the chunked path runs in float32 (softmax_attention's to_work) and returns
+    q's dtype, finite and as close to the float32 result as the inputs' rounding allows, with scores large enough
+    that exp of an unshifted score would overflow fp16."""
+    from hf_polyattn.ops import hybrid
+
+    monkeypatch.setattr(hybrid, "_SPLIT_MIN_KEYS", 64)
+    monkeypatch.setattr(hybrid, "_SPLIT_CHUNK", 16)
+    gen = torch.Generator().manual_seed(3)
+    q = 6 * torch.randn(1, 6, 1, 16, generator=gen)
+    k, v = torch.randn(1, 2, 90, 16, generator=gen), torch.randn(1, 2, 90, 16, generator=gen)
+    qh, kh, vh = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = softmax_attention(qh, kh, vh, causal=True, scale=1.0)
+    ref = softmax_attention(qh.float(), kh.float(), vh.float(), causal=True, scale=1.0)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert (q @ k.repeat_interleave(3, 1).transpose(-1, -2)).max() > 11.1  # exp of it overflows fp16 (ln 65504)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("split", [SPLITS[0], SPLITS[2]], ids=[SPLITS[0][0], SPLITS[2][0]])
+def test_decoding_steps_over_a_long_cache_split_the_keys(monkeypatch, split):
+    """A hybrid layer decoding token by token after a prompt, with the split threshold at 8 keys (chunks of 4):
+    every step's softmax heads take the chunked path over the state's buffer (counted) and the outputs equal the
+    full causal call. (A single softmax query head takes the explicit product first: test_softmax_attention_few_
+    queries_of_one_head.)"""
+    from hf_polyattn.ops import hybrid
+
+    monkeypatch.setattr(hybrid, "_SPLIT_MIN_KEYS", 8)
+    monkeypatch.setattr(hybrid, "_SPLIT_CHUNK", 4)
+    taken = []
+    real = hybrid._split_key_softmax
+
+    def counted(*args, **kwargs):
+        taken.append(args[1].shape[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "_split_key_softmax", counted)
+    _, soft, heads, kv_heads = split
+    mod = _module(KINDS[1][1], soft, heads, kv_heads)
+    n = 19
+    q, k, v = _inputs(1, heads, kv_heads, n, n)
+    full = mod(q, k, v, causal=True)
+    assert taken == []  # a prompt's queries are not one
+    o, state = mod(q[:, :, :7], k[:, :, :7], v[:, :, :7], causal=True, state=mod.init_state())
+    outs = [o]
+    with torch.no_grad():
+        for i in range(7, n):
+            o, state = mod(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], causal=True, state=state)
+            outs.append(o)
+    assert taken == list(range(8, n + 1))  # from the step with 8 keys on, every one
+    torch.testing.assert_close(torch.cat(outs, dim=2), full.detach(), rtol=1e-10, atol=1e-11)

@@ -21,7 +21,7 @@ LONG_KINDS = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=2)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind", LONG_KINDS, ids=[k[0] for k in LONG_KINDS])
 def test_no_nan_or_inf_at_16k(kind, dtype):

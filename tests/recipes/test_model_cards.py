@@ -26,7 +26,7 @@ def test_committed_cards_parse_and_name_no_local_path():
         assert_no_local_path(card.content, ROOT)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=13)
 def test_cards_regenerate_byte_identical(tmp_path):
     pytest.importorskip("matplotlib")
     from hf_polyattn.checkpoints import package_dir

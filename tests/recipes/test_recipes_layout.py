@@ -22,11 +22,11 @@ RECIPES_WITH_DATA = ["train_gpt2_scratch", "paper_tables"]
 # retrofit / evaluate: the installed `hf-polyattn retrofit` (--data is the run's choice or its preset's); demo: the
 # demo preset through the Python API
 RECIPES_WITHOUT_DATA = ["retrofit", "evaluate", "demo", "thesis_reversal", "sketch_accuracy", "benchmark_decode",
-                        "benchmark_backends", "benchmark_attention", "inspect_triton_sm90", "memory_layers",
-                        "time_transfer_step"]
+                        "benchmark_split_keys", "benchmark_backends", "benchmark_attention", "inspect_triton_sm90",
+                        "memory_layers", "time_transfer_step"]
 # recipes whose --out default is their folder under recipes/results/ (e2e_speed picks it per device, tested apart)
-RESULTS_WRITERS = ["benchmark_attention", "benchmark_decode", "benchmark_backends", "paper_tables", "thesis_reversal",
-                   "sketch_accuracy", "inspect_triton_sm90", "memory_layers"]
+RESULTS_WRITERS = ["benchmark_attention", "benchmark_decode", "benchmark_split_keys", "benchmark_backends",
+                   "paper_tables", "thesis_reversal", "sketch_accuracy", "inspect_triton_sm90", "memory_layers"]
 
 
 @pytest.fixture(scope="module")

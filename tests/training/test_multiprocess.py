@@ -31,7 +31,7 @@ def _losses(folder: Path, stage: str) -> list[float]:
 DDP_MODES = ["full", "two_stage", "hybrid", "window_covers"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=32)
 def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path):
     """accelerate launch --multi_gpu --num_processes 2 (gloo DDP on CPU): both ranks end with the same weights,
     for full fine-tuning, for the two-stage recipe (window + projection transfer, then LoRA) and with softmax heads
@@ -56,7 +56,7 @@ def test_two_process_ddp_ranks_agree(tiny_dirs, text_file, tmp_path):
         assert transfer["steps"] == 3, mode
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=56)
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_fsdp_two_processes_match_one_process(tiny_dirs, text_file, tmp_path, mode):
     """torchrun --nproc_per_node 2 with --fsdp (FSDP2 over gloo: each decoder layer and the model sharded, the
@@ -99,7 +99,7 @@ def test_fsdp_two_processes_match_one_process(tiny_dirs, text_file, tmp_path, mo
             res["evaluations"]["after_finetune"]["perplexity"], rel=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=21)
 def test_accelerate_fsdp_launch_without_fsdp_is_refused(tiny_dirs, text_file, tmp_path):
     """`accelerate launch --use_fsdp --fsdp_version 2` on CPUs gives MULTI_CPU (plain data parallel: every process the
     whole model): without --fsdp the run is refused, by name, before any training."""
