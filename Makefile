@@ -5,9 +5,10 @@ BIN := $(VENV)/bin
 # transformers' pinned minimum (pyproject.toml): a second venv runs the integration tests against it, so that a
 # change that only works on the newest release (what `install` picks) shows up in CI
 TRANSFORMERS_MIN := 5.23.0
-# pytest-xdist workers: the whole suite took 22.0 min on 2 workers on the project's 2-core CPU (3,953 tests, nothing
-# else running; 34.5 min before the pip-install test held out fewer tokens), against a CI of 33 min for it and the
-# integration tests on TRANSFORMERS_MIN one at a time
+# pytest-xdist workers: the whole suite took 23.0 min on 2 workers on the project's 2-core CPU (3,967 tests, nothing
+# else running; 2,676 worker-seconds, 3,071 before the pip-install, import and DDP tests were cut down; CI, with the
+# installs and the integration tests on TRANSFORMERS_MIN, took 34 min on the suite before). One thread a worker
+# (OMP_NUM_THREADS=1) measured no faster for the whole suite (23.5 min), though twice as fast for the small-op files
 TEST_WORKERS ?= 2
 VENV_MIN := .venv-min
 BIN_MIN := $(VENV_MIN)/bin
