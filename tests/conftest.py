@@ -35,8 +35,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """The tests marked slow first, the longest first (``slow(seconds=N)``: N measured on the 2-core CPU, in a whole
-    suite on 2 workers), the order otherwise kept: pytest-xdist hands tests out in this order, and the pip-install
-    test (272 s) drawn last kept one of 2 workers busy for minutes after the other had finished."""
+    suite on 2 workers), the order otherwise kept: pytest-xdist hands tests out in this order, and a test of minutes
+    (the pip-install test: 272 s) drawn near the end keeps one worker busy after the other has run out of tests."""
     def rank(item):
         slow = item.get_closest_marker("slow")
         return 0.0 if slow is None else -float(slow.kwargs.get("seconds", 1.0))
