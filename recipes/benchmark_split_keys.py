@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn import functional as F
 
     from hf_polyattn import machine
-    from hf_polyattn.ops.hybrid import _SPLIT_CHUNK, _SPLIT_MIN_KEYS, _split_key_softmax
+    from hf_polyattn.ops.hybrid import _SPLIT_CHUNK, _SPLIT_MIN_KEYS, _split_key_softmax, buffer_length
 
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in args.lengths:
         for hkv in args.kv_heads:
-            room = n + max(256, n // 8)  # hybrid.buffer_length's rule
+            room = buffer_length(n)  # what a HybridState's buffer holds after n tokens
             kbuf, vbuf = (torch.randn(1, hkv, room, d, generator=gen) for _ in range(2))
             k, v = kbuf[:, :, :n], vbuf[:, :, :n]
             q = torch.randn(1, hkv * g, 1, d, generator=gen)

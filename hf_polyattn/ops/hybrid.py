@@ -143,17 +143,16 @@ def _split_keys(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.device.type == "cpu" and b == 1 and lq == 1 and k.shape[2] >= _SPLIT_MIN_KEYS
 
 
-def _split_key_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       chunk: int | None = None) -> torch.Tensor:
+def _split_key_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T scale) v of one sequence's single query (q (1, Hkv G, 1, d), k, v (1, Hkv, Lk, d), float32 or
-    float64) with each kv head's keys as Lk // chunk chunks of one batched product, so both threads read keys: the
-    chunks' scores (n, G, chunk), one max over all of them (exact: no rescaling between chunks), their weighted
-    values summed over the chunks, the last Lk % chunk keys as one more product. A kv head's keys are read as a
-    view of its rows (the cache's buffer keeps room after them, so the heads of a layer are not one batch without a
-    copy): a loop over the kv heads (1-3 per layer here)."""
+    float64) with each kv head's keys as Lk // _SPLIT_CHUNK chunks of one batched product, so both threads read
+    keys: the chunks' scores (n, G, chunk), one max over all of them (exact: no rescaling between chunks), their
+    weighted values summed over the chunks, the last Lk % _SPLIT_CHUNK keys as one more product. A kv head's keys
+    are read as a view of its rows (the cache's buffer keeps room after them, so the heads of a layer are not one
+    batch without a copy): a loop over the kv heads (1-3 per layer here)."""
     hkv, lk, d = k.shape[1], k.shape[2], k.shape[3]
     g = q.shape[1] // hkv
-    chunk = chunk or _SPLIT_CHUNK
+    chunk = _SPLIT_CHUNK
     n = lk // chunk
     main = n * chunk
     outs = []
