@@ -3,6 +3,7 @@ one model card, sections that regenerate byte for byte from the recorded results
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,11 +30,7 @@ RESULTS_WRITERS = ["benchmark_attention", "benchmark_decode", "benchmark_split_k
                    "paper_tables", "thesis_reversal", "sketch_accuracy", "inspect_triton_sm90", "memory_layers"]
 
 
-@pytest.fixture(scope="module")
-def helps(tmp_path_factory):
-    """`python <repo>/recipes/NAME.py --help` for every recipe, all started at once from an unrelated directory."""
-    pytest.importorskip("transformers")
-    cwd = tmp_path_factory.mktemp("elsewhere")
+def _helps(cwd: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
     procs = {name: subprocess.Popen([sys.executable, str(RECIPES / f"{name}.py"), "--help"], cwd=cwd, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -42,7 +39,27 @@ def helps(tmp_path_factory):
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
         out[name] = (proc.returncode, stdout, stderr)
-    return cwd, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory):
+    """`python <repo>/recipes/NAME.py --help` for every recipe, all started at once from an unrelated directory;
+    under pytest-xdist run by the first worker that needs them and read by the other from the session's shared
+    folder (each --help imports torch: the 14 took 35 s of each worker's time)."""
+    pytest.importorskip("transformers")
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        cwd = tmp_path_factory.mktemp("elsewhere")
+        return cwd, _helps(cwd)
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, above each worker's own
+    cwd, record = shared / "recipe_helps", shared / "recipe_helps.json"
+    with FileLock(str(record) + ".lock"):
+        if not record.exists():
+            cwd.mkdir()
+            record.write_text(json.dumps(_helps(cwd)))
+    return cwd, {name: tuple(v) for name, v in json.loads(record.read_text()).items()}
 
 
 def _option_default(help_text: str, option: str) -> str:
