@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 TRANSFORMERS_MIN := 5.23.0
 # pytest-xdist workers: the whole suite took 23.0 min on 2 workers on the project's 2-core CPU (3,967 tests, nothing
 # else running; 2,676 worker-seconds, 3,071 before the pip-install, import and DDP tests were cut down; CI, with the
-# installs and the integration tests on TRANSFORMERS_MIN, took 34 min on the suite before). One thread a worker
+# installs and the integration tests on TRANSFORMERS_MIN, took 32.6 min with it, before the minimum's venv below
+# stopped installing everything a second time). One thread a worker
 # (OMP_NUM_THREADS=1) measured no faster for the whole suite (23.5 min), though twice as fast for the small-op files
 TEST_WORKERS ?= 2
 VENV_MIN := .venv-min

@@ -80,6 +80,7 @@ from .local import far_scale
 from .sketches import symmetric_square
 from .state import RecurrentState
 from .window import OUTSIDE, Sinks, first_true, gather_keys, keep_sinks, slot_scores
+from .window_flash import flash_window_available, rows_flash
 
 __all__ = ["SparseMixin", "choose_kept", "fold_evicted", "pending_log", "recall_error", "ring_leave", "select_and_fold",
            "sparse_from_recurrent", "sparse_to_recurrent"]
@@ -227,6 +228,9 @@ class SparseMixin:
     # sinks scored where sink_position puts them)
     # (recipes/experiments/retrieval/probe_observe_wide.py: whether the choice or the streamed rows lose a needle)
     observe_keys: int | None = None
+    # a diagnostic, not a setting (never saved): False keeps a float32 CPU call without gradients on the rows as
+    # tensors instead of the fused kernel (recipes/experiments/retrieval/fused_rows_cost.py times the two)
+    fused_rows: bool = True
 
     def _full_features(self, side: torch.Tensor) -> torch.Tensor:
         return symmetric_square(side) if self.feature_map.squares else side
@@ -464,9 +468,42 @@ class SparseMixin:
         """Outputs (B, Hkv, G, end - a, d) of the aligned queries a .. end - 1 of one epoch: exactly on the keys ks ..
         their own (the pending block and the window), the sinks and the sparse cache (ck, cv (B, Hkv, lambda, .)),
         through the features on the state kv (B, Hkv, F, e) referenced at G = g_ref (B, Hkv)."""
+        if (self.fused_rows and not torch.is_grad_enabled() and flash_window_available(qa)
+                and self.config.resolved_local_kernel == "softmax" and self.softcap is None):
+            # inference on the CPU: the exact part through the fused kernel (window_flash.rows_flash; a capped
+            # layer's scores need their cap, which the kernel does not take)
+            loc, log_far = rows_flash(qa[..., a:end, :], torch.cat([ka[:, :, 0, ks:end], ck], dim=2),
+                                      torch.cat([vexta[:, :, 0, ks:end, :-1], cv[..., :-1]], dim=2),
+                                      self._sparse_allowed(valid_a, a, end, ks, c_valid), scale,
+                                      torch.arange(a, end, device=qa.device), sinks,
+                                      None if sinks is None or sinks.q is None else sinks.q[..., a:end, :])
+            far, scale_far = self._sparse_far(fqa, qls, ga, a, end, kv, g_ref, log_far)
+            return normalised_sum(far, loc, scale_far, self.config.denominator_offset, far.dtype)
         parts = self._sparse_parts(qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid,
                                    kv, g_ref)
         return normalised_sum(parts.far, parts.loc, parts.scale_far, self.config.denominator_offset, parts.far.dtype)
+
+    @staticmethod
+    def _sparse_allowed(valid_a, a, end, ks, c_valid):
+        """(B, Hkv, end - a, n_loc + lambda) bool: the keys ks .. end - 1 each aligned query a .. end - 1 reads
+        (causal, real), then the cache's valid slots."""
+        qpos = torch.arange(a, end, device=c_valid.device)
+        kpos = torch.arange(ks, end, device=c_valid.device)
+        b, hkv, lam = c_valid.shape
+        own = ((kpos[None, :] <= qpos[:, None]) & valid_a[:, None, None, ks:end]).expand(b, hkv, end - a, end - ks)
+        return torch.cat([own, c_valid[:, :, None, :].expand(b, hkv, end - a, lam)], dim=-1)
+
+    def _sparse_far(self, fqa, qls, ga, a, end, kv, g_ref, log_far):
+        """(far (B, Hkv, G, rows, e), its factor or None) of the aligned queries a .. end - 1: the kernel part on the
+        state kv referenced at G = g_ref, on the exact part's scale exp(log_far), FAVOR+'s and window_mix's."""
+        far = torch.matmul(self._full_features(fqa[..., a:end, :]), kv.unsqueeze(2))
+        if ga is not None:
+            far = far * torch.exp(ga[..., a:end] - g_ref[..., None, None]).unsqueeze(-1)
+        scale_far = far_scale(log_far, None if qls is None else qls[..., a:end, :])
+        if self.config.window_mix:
+            mix = self.window_mix.abs().to(far.dtype)
+            scale_far = mix if scale_far is None else scale_far * mix
+        return far, scale_far
 
     def _sparse_parts(self, qa, fqa, qls, ka, vexta, valid_a, ga, sinks, a, end, ks, scale, ck, cv, c_valid, kv,
                       g_ref) -> SparseRows:
@@ -475,7 +512,6 @@ class SparseMixin:
         q = qa[..., a:end, :] * scale
         b, hkv, g, r, d = q.shape
         qpos = torch.arange(a, end, device=q.device)
-        kpos = torch.arange(ks, end, device=q.device)
         n_loc, n_main = end - ks, end - ks + ck.shape[2]
         # the row's own keys and the cache in one product per kv head, its G query heads' rows stacked (G r rows):
         # a product broadcast over G copied the cache G times, and two products' scores were concatenated. With
@@ -484,25 +520,17 @@ class SparseMixin:
         keys = torch.cat([ka[:, :, 0, ks:end], ck], dim=2)
         vals = torch.cat([vexta[:, :, 0, ks:end], cv], dim=2)
         x = torch.matmul(q.reshape(b, hkv, g * r, d), keys.transpose(-1, -2)).view(b, hkv, g, r, n_main)
-        shape = (b, hkv, 1, r)
-        allowed = [((kpos[None, :] <= qpos[:, None]) & valid_a[:, None, None, None, ks:end]).expand(*shape, n_loc),
-                   c_valid[:, :, None, None, :].expand(*shape, ck.shape[2])]
+        allowed = [self._sparse_allowed(valid_a, a, end, ks, c_valid).unsqueeze(2)]  # (B, Hkv, 1, r, n_main)
         if sinks is not None:
             x = torch.cat([x, slot_scores(q, sinks.k, None if sinks.q is None else sinks.q[..., a:end, :] * scale,
                                           sinks.learned)], dim=-1)
-            allowed.append(sinks.visible(qpos).expand(*shape, sinks.k.shape[-2]))
+            allowed.append(sinks.visible(qpos).expand(b, hkv, 1, r, sinks.k.shape[-2]))
         weights, log_far = self.exact_weights(x, torch.cat(allowed, dim=-1), cfg.resolved_local_kernel)
         main = weights[..., :n_main]  # rows of stride n_main + E: (G r) rows view without a copy
         loc = torch.matmul(main.reshape(b, hkv, g * r, n_main), vals).view(b, hkv, g, r, vals.shape[-1])
         if sinks is not None:
             loc = loc + torch.matmul(weights[..., n_main:], sinks.v)
-        far = torch.matmul(self._full_features(fqa[..., a:end, :]), kv.unsqueeze(2))
-        if ga is not None:
-            far = far * torch.exp(ga[..., a:end] - g_ref[..., None, None]).unsqueeze(-1)
-        scale_far = far_scale(log_far, None if qls is None else qls[..., a:end, :])
-        if cfg.window_mix:
-            mix = self.window_mix.abs().to(far.dtype)
-            scale_far = mix if scale_far is None else scale_far * mix
+        far, scale_far = self._sparse_far(fqa, qls, ga, a, end, kv, g_ref, log_far)
         return SparseRows(weights, loc, far, scale_far, n_loc)
 
     def _sparse_state(self, state, key, value, pad_mask, mask, lead, count, sinks, kv, g_ref, cache_idx, cache_valid,

@@ -410,6 +410,73 @@ def test_observe_reading_every_key_is_softmax_and_leaves_the_same_state(name):
     torch.testing.assert_close(wide_step, step, rtol=0, atol=0)
 
 
+# every config whose exact part is softmax, with and without sparse_observe: what the fused rows serve
+FUSED = {**{n: c for n, c in CONFIGS.items() if c.get("local_kernel") != "polynomial"},
+         **{f"observe:{n}": c for n, c in OBSERVE.items()}}
+
+
+def _count_fused(monkeypatch) -> list:
+    from hf_polyattn.ops import sparse
+
+    calls, fused = [], sparse.rows_flash
+    monkeypatch.setattr(sparse, "rows_flash", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_cpu_inference_reads_the_rows_through_the_fused_kernel(name, monkeypatch):
+    """float32 without gradients on the CPU: each block's exact part goes through PyTorch's fused flash kernel
+    (``window_flash.rows_flash``, its calls counted) and is as close to float64 as the unfused float32 rows (the
+    same module with gradients on): within 2x their error, or 1e-5 of the largest output. One call and the chunked
+    prefill with the steps after it (sparse_observe chooses again at the end of each call, so each is compared with
+    itself); left padding gives rows that see no key (zeroed, not NaN)."""
+    import copy
+
+    calls = _count_fused(monkeypatch)
+    pa = _module(FUSED[name])
+    pa32 = copy.deepcopy(pa).float()
+    q, k, v = _inputs()
+    x32 = [t.float() for t in (q, k, v)]
+
+    def whole(module, x, m, grad):
+        with torch.set_grad_enabled(grad):
+            return module(*x, causal=True, key_padding_mask=m)
+
+    def chunked(module, x, m, grad):
+        return _steps(module, *x, mask=m, grad=grad)[0]
+
+    for m in (None, _left_padded()):
+        for run in (whole, chunked):
+            want = run(pa, (q, k, v), m, False)  # float64: the rows as tensors
+            calls.clear()
+            plain = run(pa32, x32, m, True)
+            assert not calls
+            got = run(pa32, x32, m, False)
+            assert calls, "the fused rows were not used"
+            assert torch.isfinite(got).all()
+            bound = 2 * (plain.double() - want).abs().max() + 1e-5 * want.abs().max()
+            assert (got.double() - want).abs().max() <= bound, run.__name__
+
+
+def test_polynomial_rows_and_capped_scores_keep_the_unfused_rows(monkeypatch):
+    """The fused kernel computes softmax over uncapped scores: a polynomial exact part and a soft-capped layer
+    (Gemma 2) keep the rows as tensors, float32 without gradients included (their results are the definition's in
+    float64: test_forward_equals_the_naive_definition); so does a layer whose ``fused_rows`` diagnostic is off, with
+    the output of the rows as tensors to the bit."""
+    calls = _count_fused(monkeypatch)
+    q, k, v = (t.float() for t in _inputs())
+    capped = _module({**CONFIGS["linear-sinks-gate-mix"], "softcap_mode": "exact_parts"}, dtype=torch.float32)
+    capped.softcap = 30.0
+    off = _module(CONFIGS["linear-sinks-gate-mix"], dtype=torch.float32)
+    off.fused_rows = False
+    with torch.no_grad():
+        for pa in (_module(CONFIGS["polynomial-window"], dtype=torch.float32), capped, off):
+            assert torch.isfinite(pa(q, k, v, causal=True)).all()
+        got = off(q, k, v, causal=True)
+    assert not calls
+    torch.testing.assert_close(got, off(q, k, v, causal=True), rtol=0, atol=0)  # gradients on: as tensors
+
+
 def test_observe_refusals():
     with pytest.raises(ValueError, match="sparse_observe=4 needs sparse_cache > 0"):
         PolyAttnConfig(kind="linear", window=8, sparse_observe=4)

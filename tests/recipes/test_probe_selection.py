@@ -48,7 +48,8 @@ def test_variants_keep_the_selection_contract(restored, variant):
 
 def test_rows_with_mass_give_the_library_rows(monkeypatch):
     """The probe's prefill rows (``_rows_with_mass``, on ``SparseMixin._sparse_parts``) give the library's output,
-    with and without a running prefill's mass bookkeeping."""
+    with and without a running prefill's mass bookkeeping: the library's rows as tensors (gradients on; without
+    them a float32 CPU call fuses the rows, test_sparse_cache.py)."""
     from hf_polyattn import PolyAttnConfig
     from hf_polyattn.ops import PolyAttention
 
@@ -56,7 +57,7 @@ def test_rows_with_mass_give_the_library_rows(monkeypatch):
     mod = PolyAttention(cfg, 4, 8, 2)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, h, 40, 8, generator=g) for h in (4, 2, 2))
+    ref = mod(q, k, v, causal=True).detach()
     with torch.no_grad():
-        ref = mod(q, k, v, causal=True)
         monkeypatch.setattr(sparse.SparseMixin, "_sparse_rows", probe_selection._rows_with_mass)
         torch.testing.assert_close(mod(q, k, v, causal=True), ref, rtol=0, atol=0)
