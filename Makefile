@@ -18,7 +18,7 @@ BIN_MIN := $(VENV_MIN)/bin
 # requirements (extras aside) is installed at a version it allows; exits 1 naming what is not
 define REQUIREMENTS_MET
 import importlib, sys
-from importlib.metadata import requires, version
+from importlib.metadata import PackageNotFoundError, requires, version
 from packaging.requirements import Requirement
 name, want = sys.argv[1:]
 got = importlib.import_module(name).__version__
@@ -27,7 +27,7 @@ for req in map(Requirement, requires(name) or []):
     if req.marker is None or req.marker.evaluate({"extra": ""}):
         try:
             have = version(req.name)
-        except Exception:
+        except PackageNotFoundError:
             have = None
         if have is None or not req.specifier.contains(have, prereleases=True):
             bad.append(f"{name} requires {req}, found {have}")

@@ -70,6 +70,13 @@ def far_scale(log_far: torch.Tensor | None, q_log_scale: torch.Tensor | None) ->
 class LocalExactMixin:
     """Methods of ``PolyAttention`` for the exact local part (blocks and window)."""
 
+    def _fused_exact(self, q: torch.Tensor) -> bool:
+        """Whether this call's exact softmax part may go through PyTorch's fused CPU kernel (ops/window_flash.py):
+        inference (no gradient recorded), float32 on the CPU, a softmax exact part and no soft-cap (the kernel takes
+        no score_mod: a capped layer's scores keep their tensors)."""
+        return (not torch.is_grad_enabled() and flash_window_available(q)
+                and self.config.resolved_local_kernel == "softmax" and self.softcap is None)
+
     def exact_weights(self, x: torch.Tensor, allowed: torch.Tensor | None, kernel: str):
         """(weights, log_far) of the exact local part from scores x = s q.k, ``allowed`` a bool mask
         broadcastable to x (None: all). softmax: exp(x - m) with m = the row max clamped at 0, detached
@@ -147,9 +154,7 @@ class LocalExactMixin:
         if triton is not None:
             return triton
         qs, ks, vext = to_work(qs, ks, vext)  # half inputs (the Triton path's) compute in fp32 here
-        if (not torch.is_grad_enabled() and causal and q_log_scale is None and flash_window_available(qs)
-                and self.config.resolved_local_kernel == "softmax" and self.softcap is None):
-            # (the fused kernel takes no score_mod: a capped layer's window takes _window_exact below)
+        if causal and q_log_scale is None and self._fused_exact(qs):
             # inference on the CPU: the fused kernel on the window's tiles (ops/window_flash.py)
             sink_q = None if sinks is None or sinks.q is None else to_work(_aligned(sinks.q, qs))[0]
             if sinks is not None:

@@ -80,7 +80,7 @@ from .local import far_scale
 from .sketches import symmetric_square
 from .state import RecurrentState
 from .window import OUTSIDE, Sinks, first_true, gather_keys, keep_sinks, slot_scores
-from .window_flash import flash_window_available, rows_flash
+from .window_flash import rows_flash
 
 __all__ = ["SparseMixin", "choose_kept", "fold_evicted", "pending_log", "recall_error", "ring_leave", "select_and_fold",
            "sparse_from_recurrent", "sparse_to_recurrent"]
@@ -468,10 +468,8 @@ class SparseMixin:
         """Outputs (B, Hkv, G, end - a, d) of the aligned queries a .. end - 1 of one epoch: exactly on the keys ks ..
         their own (the pending block and the window), the sinks and the sparse cache (ck, cv (B, Hkv, lambda, .)),
         through the features on the state kv (B, Hkv, F, e) referenced at G = g_ref (B, Hkv)."""
-        if (self.fused_rows and not torch.is_grad_enabled() and flash_window_available(qa)
-                and self.config.resolved_local_kernel == "softmax" and self.softcap is None):
-            # inference on the CPU: the exact part through the fused kernel (window_flash.rows_flash; a capped
-            # layer's scores need their cap, which the kernel does not take)
+        if self.fused_rows and self._fused_exact(qa):
+            # inference on the CPU: the exact part through the fused kernel (window_flash.rows_flash)
             loc, log_far = rows_flash(qa[..., a:end, :], torch.cat([ka[:, :, 0, ks:end], ck], dim=2),
                                       torch.cat([vexta[:, :, 0, ks:end, :-1], cv[..., :-1]], dim=2),
                                       self._sparse_allowed(valid_a, a, end, ks, c_valid), scale,
