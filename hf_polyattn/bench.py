@@ -113,7 +113,7 @@ def causal_flops(row: dict, n: int, heads: int, d: int) -> float | None:
 
     Elementwise work (the features' tensor square, exp, masks, decay factors, q/k LayerNorms, window_mix) is not
     counted, nor the projection a backward pass recomputes: a lower bound of the work done, so the achieved GFLOP/s
-    are too. Where 'auto' runs other kernels for the layer (backend 'fla' on CUDA) the same count over their time is
+    are too. Where a layer runs other kernels (backend 'fla', asked for by name) the same count over their time is
     an effective rate. Not counted (None): a short convolution, the cumsum algorithm, other kinds and feature maps.
     """
     from .config import PolyAttnConfig

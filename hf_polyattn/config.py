@@ -281,8 +281,8 @@ class PolyAttnConfig:
     backend: str = field(
         default="auto",
         metadata={
-            "help": "causal product implementation: 'auto' (on CUDA 'fla' for the layers it covers when fla-core "
-            "is installed, else triton when installed; batched on other accelerators, loop on CPU), 'loop', "
+            "help": "causal product implementation: 'auto' (on CUDA triton when installed; batched on other "
+            "accelerators, loop on CPU), 'loop', "
             "'batched', 'triton' or 'fla' (CUDA: fla-core's chunk kernels for the kernel part, decayed or not, of "
             "identity features (linear / performer), FlexAttention for a softmax window) forces one; env "
             "HF_POLYATTN_BACKEND overrides 'auto'"

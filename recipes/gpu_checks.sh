@@ -16,6 +16,8 @@
 #   bash recipes/gpu_checks.sh targets   # issue 33's GPU targets in one bounded run (CONFIGS: retrofits' configs)
 #   bash recipes/gpu_checks.sh verify    # what the second targets run left open: the composition's CUDA tests, then
 #                                        # linear-elu beside fla-core's chunk_linear_attn at 32k
+#   bash recipes/gpu_checks.sh auto      # linear-elu on 'fla' beside fla-core's kernel; 'auto' (triton) rows;
+#                                        # profiles of linear-elu and the long-context default on 'fla' / 'triton'
 #   bash recipes/gpu_checks.sh graphs    # decoding from CUDA graphs (hf_polyattn.capture_decode): its CUDA tests, the
 #                                        # whole-model bench of each CONFIGS model with and without it, then the
 #                                        # 32k kernel rows against fla-core's chunk_linear_attn
@@ -26,8 +28,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
-  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs) ;;
-  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs" >&2
+  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto" >&2
      exit 2 ;;
 esac
 OUT="${OUT:-recipes/results/gpu_run}"
@@ -67,15 +69,15 @@ case "${1:-}" in
 
   # ---------------------------------------------------------------------------------------------------------------
   # backend 'fla' for whole layers (hf_polyattn/ops/flex.py): a softmax window (+ sinks) on FlexAttention, the
-  # kernel state (gated or not) on fla-core's chunk kernels, one normaliser; 'auto' takes it on CUDA when fla-core
-  # imports. Targets (issue 33): the long-context default (linear-elu-window128-gate) >= 3x SDPA at 32k
-  # forward+backward; linear-elu (now on fla-core) at least as fast as fla-linear-elu. Needs fla-core.
+  # kernel state (gated or not) on fla-core's chunk kernels, one normaliser; asked for by name ('auto' does not take
+  # it since the 'auto' stage's run). Targets (issue 33): the long-context default (linear-elu-window128-gate) >= 3x
+  # SDPA at 32k forward+backward; linear-elu at least as fast as fla-linear-elu. Needs fla-core.
   flex)
     python -m pytest -q -p no:cacheprovider tests/ops/test_flex_fla.py tests/ops/test_fla_backend.py \
       2>&1 | tee "$OUT/flex_tests.txt" | tail -20
-    # one run: SDPA, fla-core's own kernel and the rows 'auto' now sends to backend 'fla' (compiles FlexAttention
-    # and autotunes fla-core on first use: a long timeout per cell)
-    python recipes/benchmark_attention.py --device cuda --kinds sdpa fla-linear-elu linear-elu \
+    # one run: SDPA, fla-core's own kernel and the rows on backend 'fla' (compiles FlexAttention and autotunes
+    # fla-core on first use: a long timeout per cell)
+    HF_POLYATTN_BACKEND=fla python recipes/benchmark_attention.py --device cuda --kinds sdpa fla-linear-elu linear-elu \
       linear-elu-window128-gate --lengths 8192 32768 --repeats 5 --timeout 100 --out "$OUT/flex_auto" \
       2>&1 | tail -20
     # the same rows on the project's Triton kernels (the path before), SDPA again in that run
@@ -169,4 +171,17 @@ case "${1:-}" in
     done
     timeout "${KERNEL_S:-240}" python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu \
       fla-linear-elu --lengths 32768 --repeats 5 --timeout 230 --out "$OUT/kernels" 2>&1 | tail -8 ;;
+
+  # 'auto' against 'fla' (run 2026-11-27 on one H100, SECTION_gpu_h100_auto.md: 'auto' no longer takes 'fla'):
+  # 1. linear-elu on 'fla' beside fla-core's own chunk_linear_attn, one run;
+  # 2. linear-elu and the long-context default as 'auto' runs them ('triton'), SDPA in the same run;
+  # 3. both rows on 'fla' and on 'triton' in one process with a torch.profiler table each (profile_kinds).
+  auto)
+    HF_POLYATTN_BACKEND=fla timeout "${STEP_S:-200}" python recipes/benchmark_attention.py --device cuda --kinds sdpa \
+      linear-elu fla-linear-elu --lengths 32768 --repeats 5 --timeout 190 --out "$OUT/fla" 2>&1 | tail -6
+    timeout "${STEP_S:-200}" python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu \
+      linear-elu-window128-gate --lengths 32768 --repeats 5 --timeout 100 --out "$OUT/auto" 2>&1 | tail -6
+    timeout "${STEP_S:-200}" python recipes/profile_gpu_kernels.py profile_kinds --out "$OUT" \
+      > "$OUT/profile_kinds.txt" 2>&1
+    grep '"what"' "$OUT/profile_kinds.txt" ;;
 esac

@@ -19,6 +19,8 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
   as before its map moved into the kernels (backend ``triton-mapped``: ``attention.KERNEL_ACTIVATIONS = False``,
   elu + 1 applied in PyTorch to fp32 copies of q, k), and ``polysketch-local`` also with its recomputed
   features in one chunk of rows (backend ``triton-1chunk``: ``attention.FEATURE_CHUNKS = 1``, as before);
+* ``profile_kinds``: linear-elu and the long-context default as the bench builds them, on 'fla' and on
+  'triton': forward+backward time and a torch.profiler table each (n = 32k);
 * ``fla_rows``: fla-core's ``chunk_linear_attn`` with elu+1 features, when fla-core is installed
   (its autotuning takes minutes on the first call of each shape).
 
@@ -222,6 +224,36 @@ def profile_layer():
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
 
 
+def profile_kinds():
+    """Two benchmark rows as ``hf-polyattn bench --device cuda`` builds them (bf16 module, n = 32k): linear-elu and
+    the long-context default (linear-elu-window128-gate), each on 'fla' (where it runs: fla-core refuses the
+    default's gated backward on Hopper with Triton < 3.7.1, and the row says so) and on 'triton': forward+backward
+    time and a torch.profiler table of one forward+backward (top 15 by CUDA time)."""
+    from hf_polyattn.bench import kind_rows
+
+    rows = kind_rows()
+    for label in ("linear-elu", "linear-elu-window128-gate"):
+        for backend in ("fla", "triton"):
+            pa = PolyAttention(PolyAttnConfig(**{**rows[label], "backend": backend}), H, 64).to(dev).to(torch.bfloat16)
+            q, k, v = (torch.randn(1, H, 32768, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            f = fb(lambda pa=pa, q=q, k=k, v=v: pa(q, k, v, causal=True), q, k, v)
+            try:
+                rec(what="kind", kind=label, backend=backend, n=32768, fb_ms=do_bench(f))
+            except ValueError as err:  # refused by name (the gated layer on 'fla', above)
+                rec(what="kind", kind=label, backend=backend, n=32768, refused=str(err)[:300])
+                continue
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                    torch.profiler.ProfilerActivity.CPU]) as prof:
+                f()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70),
+                  flush=True)
+            del q, k, v, pa
+            torch.cuda.empty_cache()
+
+
 def fla_rows():
     from fla.ops.linear_attn import chunk_linear_attn
     for n in (8192, 32768):
@@ -232,7 +264,8 @@ def fla_rows():
         rec(what="fla_linear_elu", n=n, fwd_ms=do_bench(f), fb_ms=do_bench(fb(f, q, k, v)))
 
 
-SECTIONS = ["sdpa_rows", "lt_rows", "local_rows", "profile_lt", "layer_rows", "profile_layer", "fla_rows"]
+SECTIONS = ["sdpa_rows", "lt_rows", "local_rows", "profile_lt", "layer_rows", "profile_layer", "fla_rows",
+            "profile_kinds"]
 
 
 def main(argv=None) -> int:

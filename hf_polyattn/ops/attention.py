@@ -491,10 +491,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
 
     def _layer_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         """The backend of this layer's products and exact window on ``device`` for inputs of ``dtype``: 'fla' where
-        'auto' covers the layer or 'fla' is asked for, else the config's (``flex.layer_backend``)."""
-        own = type(self).run_path is not PolyAttention.run_path
-        own = own or type(self).path_inputs is not PolyAttention.path_inputs
-        return layer_backend(self.config, self.feature_map, device, dtype, own)
+        it is asked for, else the config's (``flex.layer_backend``)."""
+        return layer_backend(self.config, device, dtype)
 
     def kernel_inputs(self, q5: torch.Tensor, k5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k as the kernel sees them: the learnable projection (feature_proj), then the q/k

@@ -15,12 +15,10 @@ Three implementations of one algorithm (PolySketchFormer Section 3), one naive t
   for identity features with the diagonal included: the linear and performer kinds without
   ``local_exact`` (their plain product and a window's far part); a decayed product on its
   ``chunk_simple_gla`` (one log-decay per key and head), and a layer's sliding window through
-  FlexAttention (``ops/flex.py``, which also says which layers 'auto' runs on it). Measured on one H100 (bf16,
-  H=16, d=64, elu+1 features, causal forward+backward, n = 32k): 3.8 ms (issue 11's table), where
-  the whole ``triton`` linear elu+1 layer took 9.75 ms (``profile_gpu_kernels/h100-bf16.jsonl``;
-  not the same run, and before the Triton product's side column and 64-row chunks). 'auto' takes it
-  for the layers it covers, as a kernel its maintainers keep fast; the run that compares them in one
-  process is ``recipes/gpu_checks.sh flex`` (pending: no GPU measured it yet). Its dots follow
+  FlexAttention (``ops/flex.py``). Asked for by name (``backend='fla'`` or the environment variable); 'auto'
+  does not take it: on one H100 (bf16, H=16, d=64, causal forward+backward, n = 32k, one process) fla-core's
+  kernel alone took 3.7 ms, a linear elu+1 layer on 'fla' 10.1 ms and the same layer on 'triton' 5.5 ms
+  (``recipes/results/SECTION_gpu_h100_auto.md``). Its dots follow
   fla-core (tf32 for fp32 inputs: ~2^-10 relative, as ``triton`` in a half-precision model);
   squared features (polysketch) and dropped diagonal blocks are refused by name.
 
@@ -35,9 +33,8 @@ product (``decay='scalar'`` or ``'gate'``, the long-context default): the loop's
 small exps and scalings per block, forward and twice backward) cost more than the batched path's materialised
 states, so 'auto' takes ``batched`` for it on the CPU (``recipes/results/benchmark_backends/cpu-fp32-decay.md``).
 ``PolyAttnConfig.backend`` forces one; so does the environment variable ``HF_POLYATTN_BACKEND`` when the
-config says ``auto`` (handy for benchmarks and CI without touching saved configs). 'auto' takes ``fla`` for
-a whole layer, on CUDA with fla-core installed, where it covers the layer (``flex.layer_backend``); this module's
-'auto' (a product alone) never picks it.
+config says ``auto`` (handy for benchmarks and CI without touching saved configs). 'auto' never picks
+``fla``, for a product alone or a whole layer (``flex.layer_backend``).
 """
 
 from __future__ import annotations
@@ -242,9 +239,13 @@ def lt_multiply_fla(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
     out = back(out)
     if not tail:
         return out
-    # in float32: (..., n, r, t) running sums of b_j c_j^T, read by each a_i
-    sums = torch.cumsum(b.float().unsqueeze(-1) * c[..., e - tail :].float().unsqueeze(-2), dim=-3)
-    rest = torch.matmul(a.float().unsqueeze(-2), sums).squeeze(-2)  # (*lead, n, t)
+    # in float32: running sums of b_j c_j^T over the keys, laid (..., r, t, n) so that the scan runs along the
+    # innermost dim, and read as a product and a sum over r: a scan along dim -3 (stride r t) and 512k batched
+    # 1 x r x t matmuls made linear-elu take 34.4 ms against 10.1 ms this way (H100, bf16, 32k, forward + backward,
+    # SECTION_gpu_h100_auto.md)
+    terms = (b.float().unsqueeze(-1) * c[..., e - tail :].float().unsqueeze(-2)).movedim(-3, -1)  # (..., r, t, n)
+    sums = torch.cumsum(terms.contiguous(), dim=-1).movedim(-1, -3)  # (..., n, r, t)
+    rest = (a.float().unsqueeze(-1) * sums).sum(-2)  # (*lead, n, t)
     return torch.cat([out, rest.expand(*lead, n, tail)], dim=-1)
 
 

@@ -20,11 +20,14 @@ the key padding (the sinks leave the window as padding, ``Sinks.rest``). On CUDA
 (``torch.compile(flex_attention)``: without it FlexAttention materialises the n x n scores); elsewhere eagerly,
 which PyTorch 2.13 allows on the CPU in forward only (tests).
 
-``layer_backend``: 'auto' takes 'fla' on CUDA when fla-core imports, for the layers it covers: this class's kernel
-product path with identity features (linear, performer up to 256 features), no exact diagonal blocks, and a window,
-if any, with softmax weights; everything else keeps today's choice (``backend.resolve_backend``), and so does a
-decayed layer where fla-core refuses its gated backward (``backend.fla_gated_refusal``: Hopper, Triton 3.4.0 - 3.7.0,
-no tilelang; seen on an H200 with Triton 3.6.0). First GPU figures: recipes/results/SECTION_gpu_h200.md.
+``layer_backend``: a layer runs on 'fla' where its config or the environment variable asks for it: the linear and
+performer kinds with identity features (up to 256), no exact diagonal blocks and a window, if any, with softmax
+weights; other layers are refused by name, and so is a decayed layer where fla-core refuses its gated backward
+(``backend.fla_gated_refusal``: Hopper, Triton 3.4.0 - 3.7.0, no tilelang; seen on an H200 with Triton 3.6.0).
+'auto' does not take 'fla': on one H100 (bf16, n = 32k, H = 16, d = 64, forward + backward, one process;
+recipes/results/SECTION_gpu_h100_auto.md) a linear elu + 1 layer took 10.1 ms on 'fla' against 5.5 ms on 'triton'
+(fla-core's kernel alone: 3.7 ms; the layer's float32 feature maps, their recomputation and the layout copies
+around the kernel cost the rest).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import os
 import torch
 
 from ..config import BACKENDS
-from .backend import ENV_VAR, FLA_MAX_FEATURES, fla_available, fla_gated_refusal, resolve_backend
+from .backend import ENV_VAR, fla_gated_refusal, resolve_backend
 from .common import soft_cap, to_work
 from .window import Sinks, slot_scores
 
@@ -46,42 +49,20 @@ __all__ = ["FLEX_BLOCK", "flex_window", "layer_backend", "window_blocks"]
 FLEX_BLOCK = 128
 
 
-@functools.cache
-def _auto_fla() -> bool:
-    """Whether 'auto' may take 'fla': fla-core and FlexAttention import (asked once per process: a failing import
-    scans sys.path again on every call, and 'auto' asks on every layer's forward)."""
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return fla_available()
-
-
-def layer_backend(config, feature_map, device: torch.device, dtype: torch.dtype, own_path: bool = False) -> str:
-    """The backend a kernel layer's products and exact window run on: 'fla' (``config.backend`` or the environment
-    variable says so, or 'auto' on a layer 'fla' covers: module doc), else ``config.backend`` as it is (resolved
-    later, by ``backend.resolve_backend``, as before). ``own_path``: the kind runs its own algorithm (not covered)."""
+def layer_backend(config, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend a kernel layer's products and exact window run on: 'fla' where ``config.backend`` or the
+    environment variable asks for it (refused by name where it cannot run: module doc), else ``config.backend`` as it
+    is (resolved later, by ``backend.resolve_backend``); 'auto' never takes 'fla' (module doc)."""
     requested = config.backend
     env = os.environ.get(ENV_VAR, "").strip()
     if requested == "auto" and env in BACKENDS:  # an invalid value is refused by name in resolve_backend
         requested = env
-    gated = config.decay != "none"
     if requested == "fla":
         resolve_backend("fla", device, dtype)  # fla-core, CUDA, not float64: refused by name otherwise
-        why = fla_gated_refusal(device) if gated else None
+        why = fla_gated_refusal(device) if config.decay != "none" else None
         if why:
             raise ValueError(f"backend='fla' with decay={config.decay!r}: {why}; or use backend='triton'")
-        return "fla"
-    if requested != "auto" or device.type != "cuda" or dtype == torch.float64 or own_path:
-        return requested
-    covered = (feature_map is not None and not feature_map.squares and feature_map.num_features <= FLA_MAX_FEATURES
-               and config.causal_algorithm == "block"
-               and (config.resolved_local_kernel == "softmax" if config.window
-                    else config.resolved_local_kernel is None))
-    # a gated layer keeps today's path where fla-core would refuse its backward (a training step would stop there)
-    if gated and covered and fla_gated_refusal(device):
-        return requested
-    return "fla" if covered and _auto_fla() else requested
+    return requested
 
 
 @functools.lru_cache(maxsize=8)  # (1, 1, nb, nb) int32 each: 4 MiB at 128k keys
