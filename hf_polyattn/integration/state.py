@@ -147,14 +147,18 @@ def _cache_pre_hook(module, args, kwargs):
         if isinstance(cache, EncoderDecoderCache):
             cache = cache.self_attention_cache
         layer = polyattn_layer_of(cache, getattr(module, "layer_idx", None))
-    module._polyattn_cache_layer = layer
-    module._polyattn_cross_call = cross
+    # plain attributes (neither parameters, buffers nor modules) written to the instance directly: nn.Module's
+    # __setattr__ looks the name up in its parameters, modules and buffers first, four times per layer and token
+    state = module.__dict__
+    state["_polyattn_cache_layer"] = layer
+    state["_polyattn_cross_call"] = cross
     return None
 
 
 def _cache_post_hook(module, args, output):
-    module._polyattn_cache_layer = None  # never keep a cache alive through the module
-    module._polyattn_cross_call = False
+    state = module.__dict__
+    state["_polyattn_cache_layer"] = None  # never keep a cache alive through the module
+    state["_polyattn_cross_call"] = False
     return None
 
 

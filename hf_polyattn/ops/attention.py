@@ -49,7 +49,16 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     work_dtype,
 )
 from .conv import ShortConv
-from .decode import WindowRing, _plan, compiled_ring_step, from_recurrent, ring_step, ring_supported
+from .decode import (
+    WindowRing,
+    _plan,
+    compiled_ring_step,
+    from_recurrent,
+    fused_ready,
+    fused_step,
+    ring_step,
+    ring_supported,
+)
 from .feature_maps import FeatureMap
 from .flex import layer_backend
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
@@ -151,6 +160,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
     # a decoding step on a WindowRing runs ops.decode.compiled_ring_step instead of ring_step
     # (hf_polyattn.compile_decode; a runtime choice, not a setting: never saved)
     compile_decode: bool = False
+    # a decoding step that ops.decode.fused_step can take (one unpadded sequence, the ring steady) takes it; False:
+    # the general ring_step (the reference it is tested against; a diagnostic switch, never saved)
+    fused_decode: bool = True
 
     def __new__(cls, config=None, *args, **kwargs):
         if cls is PolyAttention and isinstance(config, PolyAttnConfig):
@@ -420,15 +432,41 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         k_out, k_inputs = self.conv_k(k5, None if state is None else state.conv_k)
         return q_out, k_out, (q_inputs, k_inputs, self.config.short_conv)
 
+    def decode_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                    state) -> tuple[torch.Tensor, object]:
+        """``forward(query, key, value, causal=True, scaling=scaling, state=state)`` for one unpadded token of a
+        call its caller has checked (``HybridAttention``'s decoding step, for the whole layer): the ring's step
+        straight away where it serves the state, without ``forward``'s checks of the call."""
+        if query.shape[2] == 1 and ring_supported(self, state):
+            scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+            return self._ring_decode(query, key, value, None, scale, state)
+        return self(query, key, value, causal=True, scaling=scaling, state=state)
+
     def _ring_decode(self, query, key, value, key_padding_mask, scale, state):
         """One token on a ``WindowRing`` (``ops/decode.py``): the generic step's arithmetic on buffers written in
         place; (output, the ring)."""
         bsz, work = query.shape[0], work_dtype(query.dtype)
-        q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, 1, self.head_dim)
         ring = state if isinstance(state, WindowRing) else from_recurrent(self, state, bsz, query.device, work,
                                                                           key.dtype)
         cfg = self.config
         shifted = bool(cfg.sinks) and cfg.sink_position == "window" and self.rope is not None
+        if key_padding_mask is None and self.fused_decode and not self.compile_decode and fused_ready(ring):
+            plan = _plan(self, work, query.device, scale)
+            if plan.fused:  # one unpadded token of one sequence, the ring steady (``ops.decode.fused_step``)
+                rot = None
+                if shifted:  # ``window.sink_shifts``' delta from the real keys before the query (as below)
+                    seen = ring.length if ring.seen is None else int(ring.seen)  # (1,): a left-padded prompt
+                    delta = min(0, cfg.window + cfg.sinks - 1 - seen)
+                    rot = self.rope.matrix_by(delta, self.head_dim, query.device, work) if delta else None
+                    if ring.seen is not None:
+                        ring.seen = ring.seen + 1  # a new tensor: ``to_recurrent`` hands the ring's on
+                out_dtype = query.dtype
+                if out_dtype != work:
+                    query, key, value = query.to(work), key.to(work), value.to(work)
+                out = fused_step(self, plan, query, key, value, scale, ring, rot).view(bsz, self.num_heads, 1,
+                                                                                      self.head_dim)
+                return (out if out_dtype == work else out.to(out_dtype)), ring
+        q5 = query.to(work).reshape(bsz, self.num_kv_heads, self.groups, 1, self.head_dim)
         if shifted and ring.at is not None:
             # a static ring (``WindowRing.make_static``): the delta from the real keys each row has seen, counted on
             # the device, so that a recorded step turns each later query by its own delta (``window.sink_shifts``)

@@ -24,8 +24,13 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def to_work(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``xs`` in their working dtype (``work_dtype``): half-precision tensors upcast, the others as they are."""
-    return tuple(x.to(work_dtype(x.dtype)) for x in xs)
+    """``xs`` in their working dtype (``work_dtype``): half-precision tensors upcast, the others as they are (not
+    passed to ``Tensor.to``, which returns them too but is a dispatched operation: 3 of a decoding step's softmax
+    heads per layer)."""
+    return tuple(x if x.dtype in _WORK else x.to(work_dtype(x.dtype)) for x in xs)
+
+
+_WORK = (torch.float32, torch.float64)
 
 
 def check_softcap(value) -> float | None:

@@ -26,6 +26,14 @@ the features: the same arithmetic as the generic step (tested to agree with it, 
 token), in about 30 operations a layer. Positions inside the ring do not matter: softmax (or the polynomial window)
 over a set of keys does not depend on their order, and RoPE was applied to each key before it arrived.
 
+One unpadded sequence whose ring is steady (full of real keys, every sink filled, no sparse cache: ``fused_ready``)
+takes ``fused_step`` instead, with a softmax window and an elementwise feature map (elu + 1, relu): the same
+arithmetic up to float rounding, the queries and the key leaving the window mapped as rows of one pass, the ring's
+buffers read through views made once, the sinks' query turned by a matrix (``RopeRotation.matrix_by``). On the demo's
+SmolLM2 layer (3 kv heads, window 128, 4 sinks, gate, projection to 64, q/k LayerNorm) it dispatches 48 top-level
+operations (108 with the ones they call) against ``ring_step``'s 93 (193), counted with the profiler inside the
+attention function (``PolyAttention.fused_decode`` switches it off: the general step is its reference in the tests).
+
 A state converts from and back to ``RecurrentState`` (``from_recurrent`` / ``to_recurrent``), so a multi-token call
 after decoding (a second prompt turn, speculative tokens) and a call with gradients take the generic path; the
 in-place writes are only made when no gradient is recorded (``torch.is_grad_enabled()`` False, as in ``generate()``).
@@ -42,11 +50,12 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .common import soft_cap
+from .feature_maps import EluFeatureMap, ReluFeatureMap
 from .sketches import project
 from .sparse import pending_log, ring_leave, sparse_from_recurrent, sparse_to_recurrent
 from .state import RecurrentState
 
-__all__ = ["WindowRing", "compiled_ring_step", "ring_decodes", "ring_supported"]
+__all__ = ["WindowRing", "compiled_ring_step", "fused_ready", "fused_step", "ring_decodes", "ring_supported"]
 
 
 # the fields ``make_static`` sets: copies of ``head`` and ``seen`` / ``length`` as device counters
@@ -86,6 +95,10 @@ class WindowRing:
     # the real keys each row has seen, counted on the device from then on (what ``seen`` / ``length`` count)
     at: torch.Tensor | None = None
     real: torch.Tensor | None = None
+    # the keys written since the last padded one (a ``mask`` given to the step): once it reaches the window, every
+    # ring slot holds a real key (a zero key and a zero [v, 1] row otherwise), so ``fused_step`` can leave the slot's
+    # 1 and ``valid`` as they are
+    real_run: int = 0
 
     def tensors(self) -> list[torch.Tensor]:
         """The state's tensors (not ``at``, a copy of ``head``)."""
@@ -140,6 +153,7 @@ class WindowRing:
         tensor work was replayed from a graph."""
         self.head = (self.head + 1) % self.window
         self.length += 1
+        self.real_run += 1  # a recorded step is replayed for unpadded tokens only (``integration/graphs.py``)
 
     def _ring_order(self) -> torch.Tensor | slice:
         """The ring slots from the oldest key to the newest."""
@@ -236,7 +250,9 @@ def from_recurrent(module, state: RecurrentState, batch: int, device, work: torc
         put(slice(s + extra, s + extra + count), k, v, real)
         if logg is not None:
             logg[..., :count] = module.log_gates(v.to(work).unsqueeze(2), m).squeeze(2)
-    ring = WindowRing(kv, keys, vext, valid, logg, filled, count % w, count, state.length, state.seen, s, key_dtype)
+    real_run = count if count and (state.mask is None or bool(real.all())) else 0  # one read, once per ring
+    ring = WindowRing(kv, keys, vext, valid, logg, filled, count % w, count, state.length, state.seen, s, key_dtype,
+                      real_run=real_run)
     if extra:
         sparse_from_recurrent(module, ring, state, held - count)
     return ring
@@ -282,12 +298,40 @@ class _StepPlan:
     offset: float
     window_mix: torch.Tensor | None
     smallest: float
+    # ``fused_step`` serves the layer: softmax window without a soft-cap, an elementwise feature map (elu + 1,
+    # relu) on unscaled inputs, the projection as one batched matmul, one LayerNorm eps for both sides; ``act_``
+    # the map applied in place
+    fused: bool = False
+    act_: object = None
+    zero: torch.Tensor | None = None  # (1, 1, 1): the input of a matmul with beta=0
 
 
 # the smallest positive float32 (float64): a denominator clamped to it is itself wherever it is > 0, and a row whose
 # denominator is 0 (every weight 0, hence every numerator 0: the weights and features are >= 0) reads 0 / it = 0,
 # as ``_safe_divide`` returns, in one operation instead of five
 _SMALLEST = {torch.float32: 2.0 ** -149, torch.float64: 2.0 ** -1074}
+
+
+def _elu_plus_one_(x: torch.Tensor) -> torch.Tensor:
+    # ``common.ACTIVATIONS['elu']`` (elu(x) + 1) in place; the 1 a 0-dim tensor (a Python number is wrapped into
+    # one at every call)
+    return torch.nn.functional.elu_(x).add_(_one(x.dtype, x.device))
+
+
+@functools.cache
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # read by later calls, which may run outside inference mode
+        return torch.ones((), dtype=dtype, device=device)
+
+
+@functools.cache
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.zeros(1, 1, 1, dtype=dtype, device=device)
+
+
+# the elementwise feature maps ``fused_step`` applies in place on its own rows (the same arithmetic as their forward)
+_IN_PLACE_MAPS = {EluFeatureMap: _elu_plus_one_, ReluFeatureMap: torch.relu_}
 
 
 def _plan(module, work: torch.dtype, device: torch.device, scale: float) -> _StepPlan:
@@ -332,11 +376,16 @@ def _plan(module, work: torch.dtype, device: torch.device, scale: float) -> _Ste
     if cfg.window_mix:
         mix = param(module, "window_mix").view(hkv, module.groups, 1)
     fmap = module.feature_map
-    plan = _StepPlan(key, cfg, tuple(owners), tuple(t.data_ptr() for _, _, t in owners), side(True), side(False),
+    q_side, k_side = side(True), side(False)
+    act_ = _IN_PLACE_MAPS.get(type(fmap))
+    fused = (act_ is not None and not fmap.scaled_inputs and not fmap.log_scaled
+             and cfg.resolved_local_kernel == "softmax" and module.softcap is None
+             and (q_side.proj is not None or not cfg.feature_proj) and q_side.eps == k_side.eps)
+    plan = _StepPlan(key, cfg, tuple(owners), tuple(t.data_ptr() for _, _, t in owners), q_side, k_side,
                      math.sqrt(scale) if fmap.scaled_inputs else None, fmap, fmap.log_scaled, gate_w, gate_b,
                      cfg.max_log_gate,
                      cfg.resolved_local_kernel == "softmax", module.softcap, float(cfg.denominator_offset), mix,
-                     _SMALLEST[work])
+                     _SMALLEST[work], fused, act_, _zero(work, device))
     if all(t.dtype == work and t.device == device for _, _, t in owners):
         module.__dict__["_ring_plan"] = plan
     return plan
@@ -463,6 +512,7 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ring.head = (ring.head + 1) % w
     ring.count = min(ring.count + 1, w)
     ring.length += 1
+    ring.real_run = ring.real_run + 1 if mask is None else 0
     return _read(module, plan, q5, scale, ring, sink_q)
 
 
@@ -504,6 +554,7 @@ def _static_step(module, plan: _StepPlan, q5: torch.Tensor, k_new: torch.Tensor,
     at.add_(1).remainder_(w)
     ring.head = (ring.head + 1) % w
     ring.length += 1
+    ring.real_run = ring.real_run + 1 if mask is None else 0
     return _read(module, plan, q5, scale, ring, sink_q)
 
 
@@ -557,3 +608,109 @@ def _read(module, plan: _StepPlan, q5: torch.Tensor, scale: float, ring: WindowR
     if plan.offset:
         den = den + plan.offset
     return num[..., :d] / den.clamp_min(plan.smallest)
+
+
+def fused_ready(ring: WindowRing) -> bool:
+    """Whether ``fused_step`` may take ``ring``'s next token: one sequence, not static, no sparse cache, every sink
+    filled and every ring slot holding a real key (``real_run``)."""
+    return (ring.at is None and not ring.extra and ring.filled is None and ring.count == ring.window
+            and ring.real_run >= ring.window and ring.keys.shape[0] == 1)
+
+
+@dataclass
+class _RingViews:
+    """The views of one sequence's ring buffers ``fused_step`` reads, made once per ring (each view is a dispatched
+    operation, 2-3 of them per ``narrow``): the buffers as (Hkv, rows, cols), the keys transposed, the sinks' part,
+    and per ring slot its key, [v, 1], v and log-gate; ``source`` the ring's key buffer they were made from."""
+
+    source: torch.Tensor
+    keys: torch.Tensor
+    kt: torch.Tensor
+    sink_kt: torch.Tensor
+    vext: torch.Tensor
+    kv: torch.Tensor
+    logg: torch.Tensor | None
+    slots: list
+
+
+def _ring_views(ring: WindowRing) -> _RingViews:
+    views = ring.__dict__.get("_views")
+    if views is not None and views.source is ring.keys:
+        return views
+    _, hkv, n, d = ring.keys.shape
+    s, w, e = ring.sinks, ring.window, d + 1
+    keys, vext = ring.keys.view(hkv, n, d), ring.vext.view(hkv, n, e)
+    logg = None if ring.logg is None else ring.logg.view(hkv, 1, w)
+    slots = []
+    for h in range(w):
+        vx = vext.narrow(1, s + h, 1)
+        slots.append((keys.narrow(1, s + h, 1), vx, vx.narrow(2, 0, d), None if logg is None else logg.narrow(2, h, 1)))
+    kt = keys.transpose(1, 2)
+    views = _RingViews(ring.keys, keys, kt, kt.narrow(2, 0, s), vext, ring.kv.view(hkv, -1, e), logg, slots)
+    ring.__dict__["_views"] = views  # not a field: ``map`` / ``replace`` make a ring without it
+    return views
+
+
+def fused_step(module, plan: _StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               ring: WindowRing, rot: torch.Tensor | None) -> torch.Tensor:
+    """``ring_step`` for the steady state of one unpadded sequence (``fused_ready``, ``plan.fused``): the same
+    arithmetic, up to float rounding, in about half the dispatched operations (module docstring); the (Hkv, G, d)
+    output and ``ring`` updated in place.
+
+    query (1, H, 1, d), key / value (1, Hkv, 1, d) the model's, in the working dtype; ``rot`` (d, d) the sinks'
+    query rotation as a matrix (``RopeRotation.matrix_by``: one matmul instead of a roll and three elementwise
+    operations) or None (the sinks score with the query itself). What it leaves out of the general step:
+
+    * the G queries and the key leaving the window take the projection, the LayerNorm and the feature map as the
+      rows of one pass (the two sides' affines written into its output), instead of one pass each;
+    * the new key's slot keeps its 1 in [v, 1] and its ``valid`` flag: a real key left it (``real_run``);
+    * the ring's buffers are read through views made once (``_RingViews``); the scores' scale is the alpha of
+      their matmul.
+    """
+    _, hkv, _, d = ring.keys.shape
+    g = query.shape[1] // hkv
+    views = _ring_views(ring)
+    head = ring.head
+    k_slot, vx_slot, v_slot, lg_slot = views.slots[head]
+    q3 = query.view(hkv, g, d)
+    x = torch.cat([q3, k_slot], 1)  # (Hkv, G + 1, d): the queries, then the key that leaves the window
+    if plan.q.proj is not None:  # the one projection of both sides (``_plan``: the module's feature_proj)
+        x = torch.bmm(x, plan.q.proj)
+    xq, xk = x.narrow(1, 0, g), x.narrow(1, g, 1)
+    if plan.q.norm_weight is not None:  # q_norm's affine on the query rows, k_norm's on the key row
+        y = torch.layer_norm(x, x.shape[-1:], None, None, plan.q.eps)
+        torch.addcmul(plan.q.norm_bias, y.narrow(1, 0, g), plan.q.norm_weight, out=xq)
+        torch.addcmul(plan.k.norm_bias, y.narrow(1, g, 1), plan.k.norm_weight, out=xk)
+    plan.act_(x)  # x is this step's own tensor: the feature map in place (xq, xk: the features)
+    if lg_slot is not None:  # the state decays by the leaving key's gate, then takes it (``_fold``)
+        views.kv.mul_(lg_slot.exp())
+    views.kv.baddbmm_(xk.transpose(1, 2), vx_slot)
+    v3 = value.view(hkv, 1, d)
+    k_slot.copy_(key.view(hkv, 1, d))
+    v_slot.copy_(v3)
+    if lg_slot is not None:
+        if plan.gate_weight is not None:  # ``_log_gate``'s batched multiply-add over the kv heads
+            lg = torch.nn.functional.logsigmoid(torch.baddbmm(plan.gate_bias, v3, plan.gate_weight))
+            lg_slot.copy_(lg if plan.gate_cap is None else lg.clamp_(max=plan.gate_cap))
+        else:
+            lg_slot.copy_(_log_gate(module, plan, value, None).view(hkv, 1, 1))
+    ring.head = (head + 1) % ring.window
+    ring.length += 1
+    ring.real_run += 1
+    # ``_read``: the sinks and the window exactly, one normaliser, the state through the query features
+    zero = plan.zero
+    x = torch.baddbmm(zero, q3, views.kt, beta=0.0, alpha=scale)  # (Hkv, G, S + W) scaled scores
+    if rot is not None and ring.sinks:
+        sq = torch.mm(query.view(hkv * g, d), rot).view(hkv, g, d)
+        x.narrow(2, 0, ring.sinks).copy_(torch.baddbmm(zero, sq, views.sink_kt, beta=0.0, alpha=scale))
+    m = x.amax(dim=-1, keepdim=True).clamp_min_(0.0)
+    num = torch.bmm(x.sub_(m).exp_(), views.vext)  # (Hkv, G, d + 1)
+    far = torch.bmm(xq, views.kv)
+    factor = (m.neg() if views.logg is None else views.logg.sum(-1, keepdim=True) - m).exp_()
+    if plan.window_mix is not None:
+        factor.mul_(plan.window_mix.abs())
+    num.addcmul_(far, factor)
+    den = num.narrow(-1, d, 1)
+    if plan.offset:
+        den = den + plan.offset
+    return num.narrow(-1, 0, d) / den.clamp_min_(plan.smallest)  # den: this step's own tensor

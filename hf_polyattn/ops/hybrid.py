@@ -75,12 +75,13 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     if key_padding_mask is None and (not causal or lq == lk or lq == 1):
         # one causal query after a past (a decoding step) sees every key: no mask to build
         if lq < lk and _explicit_small_query(qw):
-            return _explicit_softmax(qw, kw, vw, None, scale).to(q.dtype)
-        if _split_keys(qw, kw):
-            return _split_key_softmax(qw, kw, vw, scale).to(q.dtype)
-        out = F.scaled_dot_product_attention(qw, kw, vw, is_causal=causal and lq == lk and lq > 1, scale=scale,
-                                             enable_gqa=gqa)
-        return out.to(q.dtype)
+            out = _explicit_softmax(qw, kw, vw, None, scale)
+        elif _split_keys(qw, kw):
+            out = _split_key_softmax(qw, kw, vw, scale)
+        else:
+            out = F.scaled_dot_product_attention(qw, kw, vw, is_causal=causal and lq == lk and lq > 1, scale=scale,
+                                                 enable_gqa=gqa)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
     allowed = None
     if causal:
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)[None, None]
@@ -435,7 +436,8 @@ class HybridAttention(AttentionBase):
         """The layer's (B, H, Lq, D) output in head order from the softmax heads' and the kernel heads' outputs."""
         if kernel is None:
             return exact
-        kernel = kernel.to(exact.dtype)
+        if kernel.dtype != exact.dtype:
+            kernel = kernel.to(exact.dtype)
         if self._softmax_first is not None and exact.shape[2] == 1:  # ``split``'s views
             return torch.cat([exact, kernel] if self._softmax_first else [kernel, exact], dim=1)
         return torch.cat([exact, kernel], dim=1).index_select(1, self.index("merge", exact.device))
@@ -448,6 +450,10 @@ class HybridAttention(AttentionBase):
         if state is not None and not isinstance(state, HybridState):
             raise TypeError(f"state must be a HybridState (this layer's init_state()), got {type(state).__name__}")
         scale = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        if (state is not None and state.at is None and lk == 1 and key_padding_mask is None and state.mask is None
+                and state.k is not None and state.length < state.k.shape[2] and not torch.is_grad_enabled()
+                and (self.kernel is None or self._softmax_first is not None)):
+            return self._decode_step(query, key, value, scaling, scale, state)
         if state is not None and state.at is not None:
             if (lk == 1 and key_padding_mask is None and not torch.is_grad_enabled()
                     and state.length < state.k.shape[2]):
@@ -484,6 +490,27 @@ class HybridAttention(AttentionBase):
         new_state.kernel = kernel_state
         return out, new_state
 
+
+    def _decode_step(self, query, key, value, scaling, scale: float, state: HybridState):
+        """One unpadded token after unpadded ones, no gradient recorded, room in the softmax heads' buffers and the
+        heads split as views (``split``): ``forward``'s decoding arithmetic with its branches decided, the kernel
+        heads' step without their module's call checks (``PolyAttention.decode_step``: this call was checked for
+        the whole layer); (output, new state)."""
+        (qs, ks, vs), kernel_inputs = self.split(query, key, value)
+        past = state.length
+        state.k.narrow(2, past, 1).copy_(ks)  # ``_append`` in place
+        state.v.narrow(2, past, 1).copy_(vs)
+        exact = softmax_attention(qs, state.k.narrow(2, 0, past + 1), state.v.narrow(2, 0, past + 1), causal=True,
+                                  scale=scale, softcap=self.softcap)
+        kernel_out = kernel_state = None
+        if kernel_inputs is not None:
+            step = getattr(self.kernel, "decode_step", None)
+            if step is None:
+                kernel_out, kernel_state = self.kernel(*kernel_inputs, causal=True, scaling=scaling,
+                                                       state=state.kernel)
+            else:
+                kernel_out, kernel_state = step(*kernel_inputs, scaling, state.kernel)
+        return self.merge(exact, kernel_out), HybridState(kernel_state, state.k, state.v, None, past + 1)
 
     def _static_step(self, query, key, value, scaling, scale: float, state: HybridState):
         """One token on a static state (``HybridState.make_static``): the softmax heads' key and value written at

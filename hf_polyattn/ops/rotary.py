@@ -106,6 +106,48 @@ class RopeRotation:
         partner = xw.roll(d // 2, -1) if self.pairs is None and self.rotary_dim == d else xw.index_select(-1, perm)
         return (xw * c + partner * s).to(x.dtype)
 
+    def matrix_by(self, delta: int, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """R(delta) as a (d, d) matrix M on rows: x @ M is ``rotate_by(x, delta)`` for x (..., d) of ``dtype``, up to
+        float rounding (each dim's two products summed by the matmul, which may fuse them); made once per delta,
+        device and dtype and kept for the last one. ``ops.decode.fused_step`` turns its sinks' queries with it in
+        one operation."""
+        if d < self.head_dims_needed:
+            raise ValueError(f"x has {d} dims, the rotation needs {self.head_dims_needed} (rotary_dim = "
+                             f"{self.rotary_dim})")
+        key = ("matrix", int(delta), d, device, dtype)
+        hit = self._freqs.get("matrix")
+        if hit is None or hit[0] != key:
+            hit = self._matrix_by(key, delta, d, device, dtype)
+        return hit[1]
+
+    @torch.inference_mode(False)  # kept for later calls, which may record gradients
+    def _matrix_by(self, key: tuple, delta: int, d: int, device: torch.device, dtype: torch.dtype) -> tuple:
+        # column a_t holds cos at a_t and -sin at b_t, column b_t cos at b_t and sin at a_t, so that row x times it
+        # is x_a cos - x_b sin at a_t and x_b cos + x_a sin at b_t; every other dim the identity. The entries'
+        # places and that identity are made once per (d, device): a decoding step of the demo's model builds its
+        # matrix at its first layer in 22 dispatched aten calls (the profiler's count), 90 through ``rotate_by``'s
+        # c, s and perm
+        base = self._freqs.get(("matrix_base", d, device, dtype))
+        if base is None:
+            if self.pairs is None:
+                half = self.rotary_dim // 2
+                a, b = torch.arange(half, device=device), torch.arange(half, 2 * half, device=device)
+            else:
+                a, b = self.pairs[0].to(device), self.pairs[1].to(device)
+            eye = torch.eye(d, dtype=dtype, device=device)
+            eye[a, a] = 0
+            eye[b, b] = 0
+            places = torch.cat([a * d + a, b * d + b, b * d + a, a * d + b])
+            base = self._freqs[("matrix_base", d, device, dtype)] = (eye, places)
+        eye, places = base
+        angle_dtype = torch.float32 if device.type == "mps" else torch.float64
+        angle = int(delta) * self._cached("f", self.inv_freq, device, angle_dtype)
+        cos, sin = angle.cos(), angle.sin()
+        m = eye.clone()
+        m.view(-1)[places] = torch.cat([cos, cos, -sin, sin]).to(dtype)
+        self._freqs["matrix"] = hit = (key, m)
+        return hit
+
     @torch.inference_mode(False)  # kept for later calls, which may record gradients
     def _rotation_by(self, key: tuple, x: torch.Tensor, d: int, work: torch.dtype) -> tuple:
         delta = key[1]

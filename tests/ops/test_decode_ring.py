@@ -142,10 +142,11 @@ def test_ring_state_size_is_constant_and_selects_rows():
     torch.testing.assert_close(both, expected.detach(), rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # one sequence takes ``decode.fused_step``
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_ring_half_precision_is_finite_and_close(dtype):
+def test_ring_half_precision_is_finite_and_close(dtype, batch):
     pa = _module(CONFIGS["hybrid"], dtype=dtype)
-    q, k, v = _inputs(dtype=dtype)
+    q, k, v = _inputs(b=batch, dtype=dtype)
     out, _ = _decode(pa, q, k, v)
     assert out.dtype == dtype and torch.isfinite(out).all()
     with torch.no_grad():
@@ -173,8 +174,9 @@ def test_hybrid_decoding_splits_any_softmax_heads_layout(softmax, first):
     torch.testing.assert_close(out[1:], other, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # one sequence takes ``decode.fused_step``
 @pytest.mark.parametrize("change", ["in_place", "replaced"])
-def test_ring_steps_read_parameters_changed_between_steps(change):
+def test_ring_steps_read_parameters_changed_between_steps(change, batch):
     """The step keeps views of the layer's parameters (``decode._plan``): a parameter updated in place or replaced
     by a new one between two steps is what the next step reads, as the generic step (run beside it on a copy of the
     module with the same change) reads it. The maps of q and k and the window mix change; the gate does not (the
@@ -184,7 +186,7 @@ def test_ring_steps_read_parameters_changed_between_steps(change):
     opts = dict(kind="linear", window=6, sinks=2, decay="gate", window_mix=True, feature_proj=D, qk_norm=True)
     ring_pa = _module(opts)
     generic_pa = copy.deepcopy(ring_pa)
-    q, k, v = _inputs()
+    q, k, v = _inputs(b=batch)
     outs = {}
     for pa, grad in ((ring_pa, False), (generic_pa, True)):
         state, out = pa.init_state(), []
@@ -287,16 +289,24 @@ def test_one_causal_query_after_a_past_reads_every_key_without_a_mask(monkeypatc
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("layout", ["rotate_half", "rotate_half_every_dim", "interleaved", "pairs", "partial"])
+def _rotation(layout: str) -> RopeRotation:
+    """A RoPE of 16-dim heads in each pairing the RoPE reading gives."""
+    inv = 1.0 / (10000 ** (torch.arange(0, 12, 2, dtype=torch.float64) / 16))
+    return {"rotate_half": RopeRotation(inv, 12), "interleaved": RopeRotation.interleaved(inv),
+            "rotate_half_every_dim": RopeRotation(1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)),
+                                                  16),  # the halves swapped by a roll
+            "pairs": RopeRotation(inv, 12, torch.tensor([[0, 2, 4, 6, 8, 10], [15, 13, 11, 9, 7, 5]])),
+            "partial": RopeRotation(inv[:3], 6)}[layout]
+
+
+LAYOUTS = ["rotate_half", "rotate_half_every_dim", "interleaved", "pairs", "partial"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_rotate_by_one_delta_is_rotate(layout):
     """The decoding step's rotation of its sinks' queries (one delta for the batch, cached) equals the general one,
     for every pairing the RoPE reading gives."""
-    inv = 1.0 / (10000 ** (torch.arange(0, 12, 2, dtype=torch.float64) / 16))
-    rot = {"rotate_half": RopeRotation(inv, 12), "interleaved": RopeRotation.interleaved(inv),
-           "rotate_half_every_dim": RopeRotation(1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)),
-                                                 16),  # the halves swapped by a roll
-           "pairs": RopeRotation(inv, 12, torch.tensor([[0, 2, 4, 6, 8, 10], [15, 13, 11, 9, 7, 5]])),
-           "partial": RopeRotation(inv[:3], 6)}[layout]
+    rot = _rotation(layout)
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         x = torch.randn(2, 3, 4, 1, 16).to(dtype)
         for delta in (0, -5, -700, 3, -5):
@@ -399,3 +409,110 @@ def test_static_steps_with_a_padded_row_equal_the_ring_steps():
     assert static >= N - PREFILL - 3
     torch.testing.assert_close(static_out, ring_out, rtol=1e-9, atol=1e-10)
     assert state.real.tolist() == [N - 5, N - 1] and state.to_recurrent().seen.tolist() == [N - 5, N - 1]
+
+
+def _fused(pa, on: bool) -> None:
+    for m in pa.modules():
+        if hasattr(m, "fused_decode"):
+            m.fused_decode = on
+
+
+# the configs whose one-sequence steps ``decode.fused_step`` takes (elementwise feature maps, a softmax window)
+FUSED = ["linear-elu", "linear-sinks-gate-mix", "linear-sinks-window-position", "linear-scalar-decay", "hybrid",
+         "linear-recipe", "linear-recipe-max-horizon"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_steps_equal_the_general_ring_steps(monkeypatch, name, dtype):
+    """One unpadded sequence with its ring steady takes ``fused_step`` (counted); its outputs equal the general
+    ``ring_step``'s (``fused_decode=False``) token by token and the whole sequence at once, within float rounding:
+    the same arithmetic, the queries' and the leaving key's features as rows of one pass, the sinks' rotation as a
+    matmul."""
+    from hf_polyattn.ops import attention, decode
+
+    pa = _module(CONFIGS[name], dtype=dtype)
+    q, k, v = _inputs(b=1, dtype=dtype)
+    calls = []
+    monkeypatch.setattr(attention, "fused_step", lambda *a: calls.append(1) or decode.fused_step(*a))
+    fused, state = _decode(pa, q, k, v)
+    assert len(calls) == N - PREFILL  # the ring is full after the prefill (13 keys, window 6)
+    _fused(pa, False)
+    general, general_state = _decode(pa, q, k, v)
+    assert len(calls) == N - PREFILL
+    with torch.no_grad():
+        full = pa(q, k, v, causal=True)
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused, general, **tol)
+    torch.testing.assert_close(fused, full, **tol)
+    ring, ref = _kernel_state(state), _kernel_state(general_state)
+    assert (ring.head, ring.count, ring.length, ring.real_run) == (ref.head, ref.count, ref.length, ref.real_run)
+    for a, b in zip(ring.tensors(), ref.tensors()):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_fused_steps_wait_for_a_window_of_real_keys_after_a_padded_one(monkeypatch):
+    """A padded token of one sequence leaves a zero slot in the ring: the general step writes it and the steps
+    after it until every slot holds a real key again (``WindowRing.real_run``), then ``fused_step`` again; the
+    outputs equal the general step's throughout. A left-padded prefill waits the same way."""
+    from hf_polyattn.ops import attention, decode
+
+    pa = _module(CONFIGS["linear-recipe"])
+    q, k, v = _inputs(b=1)
+    window = pa.config.window
+    mask = torch.ones(1, N, dtype=torch.bool)
+    mask[0, 2] = False  # inside the prefill, in the window it keeps: the ring starts with a zero slot
+    mask[0, PREFILL + 10] = False
+    fused_at = []
+    original = decode.fused_step
+    monkeypatch.setattr(attention, "fused_step", lambda *a: fused_at.append(a[6].length) or original(*a))
+    out, _, _ = _static_decode(pa, q, k, v, mask, static_from=N)  # the masks as transformers passes them
+    _fused(pa, False)
+    general, _, _ = _static_decode(pa, q, k, v, mask, static_from=N)
+    torch.testing.assert_close(out, general, rtol=1e-9, atol=1e-10)
+    # the padded key at 2 left the window before the prefill's end: fused from the first step, but for the padded
+    # token at PREFILL + 10 and the window's steps after it
+    waited = set(range(PREFILL + 10, PREFILL + 11 + window))
+    assert sorted(fused_at) == sorted(set(range(PREFILL, N)) - waited)
+    mask[0, PREFILL - 2] = False  # now in the window the prefill keeps: its ring starts with a zero slot
+    fused_at.clear()
+    _fused(pa, True)
+    out, _, _ = _static_decode(pa, q, k, v, mask, static_from=N)
+    assert min(fused_at) == PREFILL + window  # once every slot was written by a decoding step's real key
+    _fused(pa, False)
+    general, _, _ = _static_decode(pa, q, k, v, mask, static_from=N)
+    torch.testing.assert_close(out, general, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["linear-recipe", "linear-sinks-window-position"])
+def test_a_fused_step_dispatches_at_most_six_tenths_of_the_ring_steps_operations(name):
+    """``fused_step`` against the general ``ring_step`` on the same steady ring, counted: 59 against 107 dispatched
+    operations for the long-context recipe's kernel heads (51 against 95 with the sinks' re-rotated query)."""
+    pa = _module(CONFIGS[name], dtype=torch.float32)
+    q, k, v = _inputs(b=1, n=PREFILL + 3, dtype=torch.float32)
+    counts = {}
+    for on in (True, False):
+        _fused(pa, on)
+        with torch.no_grad():
+            _, state = pa(q[:, :, :PREFILL], k[:, :, :PREFILL], v[:, :, :PREFILL], causal=True, state=pa.init_state())
+            for i in (PREFILL, PREFILL + 1):  # the second step builds the sinks' rotation for its delta
+                _, state = pa(*(t[:, :, i:i + 1] for t in (q, k, v)), causal=True, state=state)
+            with _CountOps() as ops:
+                pa(*(t[:, :, PREFILL + 2:PREFILL + 3] for t in (q, k, v)), causal=True, state=state)
+        counts[on] = ops.count
+    assert counts[True] <= 0.6 * counts[False], counts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rotation_matrix_is_rotate_by(layout):
+    """``RopeRotation.matrix_by``: rows times it are ``rotate_by`` (float rounding: the matmul sums each dim's two
+    products itself), for every pairing, dtype and delta, the last delta's matrix kept."""
+    rot = _rotation(layout)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        x = torch.randn(7, 16, dtype=dtype)
+        for delta in (0, -5, -700, 3, -5):
+            m = rot.matrix_by(delta, 16, x.device, dtype)
+            assert m.dtype == dtype and rot.matrix_by(delta, 16, x.device, dtype) is m
+            torch.testing.assert_close(x @ m, rot.rotate_by(x, delta), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="the rotation needs"):
+        rot.matrix_by(-1, rot.head_dims_needed - 1, torch.device("cpu"), torch.float32)
