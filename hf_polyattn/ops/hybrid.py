@@ -490,7 +490,6 @@ class HybridAttention(AttentionBase):
         new_state.kernel = kernel_state
         return out, new_state
 
-
     def _decode_step(self, query, key, value, scaling, scale: float, state: HybridState):
         """One unpadded token after unpadded ones, no gradient recorded, room in the softmax heads' buffers and the
         heads split as views (``split``): ``forward``'s decoding arithmetic with its branches decided, the kernel
