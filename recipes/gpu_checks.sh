@@ -18,6 +18,11 @@
 #                                        # linear-elu beside fla-core's chunk_linear_attn at 32k
 #   bash recipes/gpu_checks.sh auto      # linear-elu on 'fla' beside fla-core's kernel; 'auto' (triton) rows;
 #                                        # profiles of linear-elu and the long-context default on 'fla' / 'triton'
+#   bash recipes/gpu_checks.sh compiled  # the long-context default's feature side compiled against its eager
+#                                        # recomputation in one process (default_rows), its CUDA tests, the
+#                                        # official rows
+#   bash recipes/gpu_checks.sh prefill   # after 'compiled': each CONFIGS model's prefill and decode at 32k with the
+#                                        # compiled side and without, the chunk sweep alternated, a profile by shape
 #   bash recipes/gpu_checks.sh graphs    # decoding from CUDA graphs (hf_polyattn.capture_decode): its CUDA tests, the
 #                                        # whole-model bench of each CONFIGS model with and without it, then the
 #                                        # 32k kernel rows against fla-core's chunk_linear_attn
@@ -28,8 +33,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
-  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto) ;;
-  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto" >&2
+  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill" >&2
      exit 2 ;;
 esac
 OUT="${OUT:-recipes/results/gpu_run}"
@@ -184,4 +189,42 @@ case "${1:-}" in
     timeout "${STEP_S:-200}" python recipes/profile_gpu_kernels.py profile_kinds --out "$OUT" \
       > "$OUT/profile_kinds.txt" 2>&1
     grep '"what"' "$OUT/profile_kinds.txt" ;;
+
+  # the long-context default's feature side (projection, q/k LayerNorm, elu + 1) as one torch.compile graph on CUDA
+  # in a training forward (attention.COMPILED_FEATURES; the 'auto' stage's profile put the eager recomputed side at
+  # 8.3 of 19.1 ms), most important first, each step bounded by STEP_S and all by DEADLINE_S seconds:
+  # 1. one process, SDPA first: the default with the side compiled and eager, with and without a projection,
+  #    alternated twice (default_rows);
+  # 2. the CUDA tests of the compiled side (layers of several head layouts too) and of the product's chunk switch;
+  # 3. the official rows (each cell in its own process, SDPA in the same run).
+  # The first run of it (results/gpu_h100_compiled/run1) ran switch_rows (also the chunk sweep, fla-core's kernel).
+  compiled)
+    left() { local s=$(( ${DEADLINE_S:-900} - SECONDS )); [ "$s" -gt "${STEP_S:-240}" ] && s="${STEP_S:-240}"
+             [ "$s" -lt 1 ] && s=1; echo "$s"; }  # timeout 0 would mean none
+    timeout "$(left)" python recipes/profile_gpu_kernels.py default_rows --out "$OUT" > "$OUT/default_rows.txt" 2>&1
+    grep '"what"' "$OUT/default_rows.txt"
+    timeout "$(left)" python -m pytest -q -rfs -p no:cacheprovider tests/ops/test_compiled_features.py \
+      tests/ops/test_triton.py -k "cuda or min_diag" 2>&1 | tee "$OUT/compiled_tests.txt" | tail -6
+    timeout "$(left)" python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu \
+      linear-elu-window128-gate --lengths 32768 --repeats 5 --timeout 100 --out "$OUT/auto" 2>&1 | tail -6 ;;
+
+  # what the 'compiled' run (2026-11-27, SECTION_gpu_h100_compiled.md) left open:
+  # 1. each CONFIGS model (random weights from its config.json, bf16) against its base at 32k, prefill and eager
+  #    decode, with the compiled feature side and without it (attention.COMPILED_FEATURES = False, as before): the
+  #    whole-model prefill was 0.56x the base at 32k in the graphs run;
+  # 2. linear-elu at the product's smallest chunk 64 / 128 alternated (chunk_rows), the default's profile by shape.
+  prefill)
+    for cfg in ${CONFIGS:-}; do
+      name="$(basename "$cfg")"
+      python recipes/model_from_config.py "$cfg" "/tmp/random_$name" --dtype bf16 2>&1 | tail -1
+      args=(bench --model "/tmp/random_$name" --device cuda --lengths 32768 --batches 1 --decode-steps 4 --warmup 2
+            --repeats 2)
+      timeout "${STEP_S:-150}" python -m hf_polyattn.cli "${args[@]}" --out "$OUT/model_$name" 2>&1 | grep -A4 '^| batch' | head -5
+      timeout "${STEP_S:-150}" python -c "import sys; import hf_polyattn.ops.attention as a; a.COMPILED_FEATURES = False
+from hf_polyattn.cli import main; sys.exit(main(sys.argv[1:]))" "${args[@]}" --out "$OUT/model_${name}_eager" \
+        2>&1 | grep -A4 '^| batch' | head -5
+    done
+    timeout "${STEP_S:-150}" python recipes/profile_gpu_kernels.py chunk_rows profile_shapes --out "$OUT" \
+      > "$OUT/followup.txt" 2>&1
+    grep '"what"' "$OUT/followup.txt" ;;
 esac

@@ -21,6 +21,11 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
   features in one chunk of rows (backend ``triton-1chunk``: ``attention.FEATURE_CHUNKS = 1``, as before);
 * ``profile_kinds``: linear-elu and the long-context default as the bench builds them, on 'fla' and on
   'triton': forward+backward time and a torch.profiler table each (n = 32k);
+* ``switch_rows``: in one process, SDPA, the long-context default with its feature side compiled and eager,
+  linear-elu at three smallest chunks of the Triton product, a profile table, fla-core's kernel (function doc);
+* ``default_rows``: the switch rows of the long-context default alone, alternated twice;
+* ``chunk_rows``: linear-elu at the product's smallest chunk 64 and 128, alternated three times;
+* ``profile_shapes``: the long-context default's profile grouped by input shapes;
 * ``fla_rows``: fla-core's ``chunk_linear_attn`` with elu+1 features, when fla-core is installed
   (its autotuning takes minutes on the first call of each shape).
 
@@ -32,6 +37,7 @@ are printed. Tables in recipes/results/profile_gpu_kernels/ were made by running
 output captured (``| tee``).
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -78,6 +84,18 @@ def inputs(n, r, e, dtype=torch.bfloat16):
     b = (torch.randn(1, H, n, r, generator=g) / r ** 0.5).to(dev, dtype).requires_grad_()
     c = torch.randn(1, H, n, e, generator=g).to(dev, dtype).requires_grad_()
     return a, b, c
+
+
+def print_profile(f, sort_by="cuda_time_total", row_limit=15, shapes=False, **table):
+    """A torch.profiler table (CPU and CUDA activities) of one call of ``f`` after the queue drained; ``shapes``:
+    grouped by operator and input shapes."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=shapes) as prof:
+        f()
+        torch.cuda.synchronize()
+    print(prof.key_averages(group_by_input_shape=shapes).table(sort_by=sort_by, row_limit=row_limit, **table),
+          flush=True)
 
 
 def section(name, fn):
@@ -243,15 +261,117 @@ def profile_kinds():
             except ValueError as err:  # refused by name (the gated layer on 'fla', above)
                 rec(what="kind", kind=label, backend=backend, n=32768, refused=str(err)[:300])
                 continue
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                                    torch.profiler.ProfilerActivity.CPU]) as prof:
-                f()
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70),
-                  flush=True)
+            print_profile(f, max_name_column_width=70)
             del q, k, v, pa
             torch.cuda.empty_cache()
+
+
+def _switch_row(run, n, **what):
+    """One row of switch_rows / default_rows: ``run`` once (compiling outside the timing), then its median time and
+    peak; a failure is recorded and the other rows still run."""
+    try:
+        run()
+        rec(what="switch", n=n, **what, fb_ms=do_bench(run), peak_mib=peak_mb(run))
+    except Exception as err:
+        rec(what="switch", n=n, **what, failed=f"{type(err).__name__}: {err}"[:300])
+
+
+def _kind_layer(label, q, k, v, **extra):
+    """Forward + backward of the benchmark row ``label`` (a bf16 module, as ``hf-polyattn bench`` builds it)."""
+    from hf_polyattn.bench import kind_rows
+
+    pa = PolyAttention(PolyAttnConfig(**{**kind_rows()[label], **extra}), H, 64).to(dev).to(torch.bfloat16)
+    return fb(lambda: pa(q, k, v, causal=True), q, k, v)
+
+
+def _default_rows(q, k, v, rounds):
+    """SDPA, then the long-context default with and without a projection, its feature side compiled and eager,
+    ``rounds`` times alternated."""
+    import hf_polyattn.ops.attention as attention_mod
+
+    n = q.shape[-2]
+    _switch_row(fb(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v), n, row="sdpa")
+    for rnd in range(rounds):
+        for compiled in (True, False):
+            attention_mod.COMPILED_FEATURES = compiled
+            for extra in ({}, {"feature_proj": 64}):
+                _switch_row(_kind_layer("linear-elu-window128-gate", q, k, v, **extra), n, round=rnd,
+                            compiled_features=compiled, row="linear-elu-window128-gate" + ("+proj64" if extra else ""))
+    attention_mod.COMPILED_FEATURES = True
+
+
+def default_rows():
+    """SDPA and the long-context default (with and without a retrofit's projection) with its feature side compiled
+    and eager, alternated twice in one process (n = 32k, H = 16, bf16, forward + backward, median ms, peak MiB)."""
+    n = 32768
+    q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    _default_rows(q, k, v, rounds=2)
+
+
+def switch_rows():
+    """In one process at n = 32k, H = 16, bf16, as ``hf-polyattn bench --device cuda`` builds the rows (forward +
+    backward, median ms, and the peak MiB of one call above its inputs): SDPA; the long-context default
+    (linear-elu-window128-gate) and the same with a retrofit's projection to head_dim, each with its feature side
+    compiled (``attention.COMPILED_FEATURES``, as 'auto' runs it on CUDA) and recomputed eagerly (as before);
+    linear-elu at ``causal.MIN_DIAG_CHUNK`` 64 / 128 / 256; a torch.profiler table of the default as it runs now;
+    fla-core's ``chunk_linear_attn`` last (its first call autotunes for minutes)."""
+    n = 32768
+    q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    row = functools.partial(_switch_row, n=n)
+
+    def layer(label, **extra):
+        return _kind_layer(label, q, k, v, **extra)
+
+    _default_rows(q, k, v, rounds=1)
+    default = causal.MIN_DIAG_CHUNK
+    for chunk in (64, 128, 256):
+        causal.MIN_DIAG_CHUNK = chunk
+        row(layer("linear-elu"), row="linear-elu", min_diag_chunk=chunk)
+    causal.MIN_DIAG_CHUNK = default
+    f = layer("linear-elu-window128-gate")
+    f()
+    print_profile(f, sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except ImportError:
+        rec(what="switch", n=n, row="fla-linear-elu", failed="fla-core is not installed")
+        return
+    # fla-core's layout: (B, n, H, d), as fla_rows
+    qf, kf, vf = (torch.randn(1, n, H, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    row(fb(lambda: chunk_linear_attn(F.elu(qf) + 1, F.elu(kf) + 1, vf, normalize=True)[0], qf, kf, vf),
+        row="fla-linear-elu")
+
+
+def chunk_rows():
+    """linear-elu (bf16 module, n = 32k, forward + backward) at ``causal.MIN_DIAG_CHUNK`` 64 and 128, alternated
+    three times in one process: the spread of each against the difference (switch_rows timed each once)."""
+    from hf_polyattn.bench import kind_rows
+
+    n = 32768
+    q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    pa = PolyAttention(PolyAttnConfig(**kind_rows()["linear-elu"]), H, 64).to(dev).to(torch.bfloat16)
+    f = fb(lambda: pa(q, k, v, causal=True), q, k, v)
+    default = causal.MIN_DIAG_CHUNK
+    for rnd in range(3):
+        for chunk in (64, 128):
+            causal.MIN_DIAG_CHUNK = chunk
+            f()
+            rec(what="chunk", n=n, round=rnd, min_diag_chunk=chunk, fb_ms=do_bench(f))
+    causal.MIN_DIAG_CHUNK = default
+
+
+def profile_shapes():
+    """The long-context default (bf16 module, n = 32k, forward + backward, as it runs now): a torch.profiler table
+    grouped by operator and input shapes, top 40 by self CUDA time (which copies and elementwise passes remain)."""
+    from hf_polyattn.bench import kind_rows
+
+    n = 32768
+    q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    pa = PolyAttention(PolyAttnConfig(**kind_rows()["linear-elu-window128-gate"]), H, 64).to(dev).to(torch.bfloat16)
+    f = fb(lambda: pa(q, k, v, causal=True), q, k, v)
+    f()
+    print_profile(f, sort_by="self_cuda_time_total", row_limit=40, shapes=True, max_name_column_width=40,
+                  max_shapes_column_width=120)
 
 
 def fla_rows():
@@ -265,7 +385,7 @@ def fla_rows():
 
 
 SECTIONS = ["sdpa_rows", "lt_rows", "local_rows", "profile_lt", "layer_rows", "profile_layer", "fla_rows",
-            "profile_kinds"]
+            "profile_kinds", "switch_rows", "chunk_rows", "profile_shapes", "default_rows"]
 
 
 def main(argv=None) -> int:

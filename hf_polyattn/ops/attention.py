@@ -41,6 +41,7 @@ from .common import (  # noqa: F401  (_int_power, _safe_divide, _with_normaliser
     _int_power,
     _safe_divide,
     _with_normaliser,
+    head_layer_norm,
     normalised_sum,
     read_state,
     row_chunks,
@@ -59,7 +60,7 @@ from .decode import (
     ring_step,
     ring_supported,
 )
-from .feature_maps import FeatureMap
+from .feature_maps import FeatureMap, compiled_activation_features
 from .flex import layer_backend
 from .local import LocalExactMixin, _warn_if_misaligned_left_padding
 from .recurrent import RecurrentMixin
@@ -80,6 +81,12 @@ KERNEL_ACTIVATIONS = True
 # least FEATURE_CHUNK_ROWS rows each (shorter sequences in fewer; 1 = the whole side at once, as before)
 FEATURE_CHUNKS = 4
 FEATURE_CHUNK_ROWS = 256
+
+# a training forward's elementwise-map side (projection, q/k LayerNorm, elu + 1 / relu) through one compiled function
+# where ``feature_maps.compiled_activation_features`` hands one out (CUDA): ``_compiled_side``. On an H100 the
+# long-context default took 13.1-14.0 ms with it and 20.9-21.8 ms with the side recomputed eagerly in chunks, as
+# False does (bf16, n = 32k, H = 16, forward + backward; recipes/profile_gpu_kernels.py default_rows)
+COMPILED_FEATURES = True
 
 
 def feature_chunks(n: int) -> int:
@@ -102,8 +109,7 @@ class HeadLayerNorm(nn.Module):
         self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x, x.shape[-1:], eps=self.eps)
-        return y * self.weight.to(y.dtype) + self.bias.to(y.dtype)
+        return head_layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class HeadProjection(nn.Module):
@@ -625,6 +631,27 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
             return self.feature_map.forward_with_log_scale(x, True)
         return self.feature_map(x, is_query), None
 
+    def _compiled_side(self, x: torch.Tensor, is_query: bool, map_input: bool, act: str | None):
+        """One side of a training forward (``_linear``, where the side is otherwise recomputed in chunks) through
+        ``feature_maps.compiled_activation_features`` where it is handed out (CUDA) and the map is elementwise on
+        unscaled inputs (elu + 1, relu): the features, or with ``act`` (the kernels apply the map on load) the
+        kernel input; the projection and q/k LayerNorm too when ``map_input``. The compiled graph differentiates
+        itself. None elsewhere: the eager side. Inference keeps the eager side (nothing is recomputed there, and
+        prompts of every length would each need their own graph)."""
+        fm = self.feature_map
+        if (not COMPILED_FEATURES or fm.activation is None or fm.scaled_inputs
+                or type(self).kernel_input is not PolyAttention.kernel_input
+                or type(self)._side_features is not PolyAttention._side_features):
+            return None
+        fn = compiled_activation_features(x.device)
+        if fn is None:
+            return None
+        cfg = self.config
+        proj = self.feature_proj.weight if map_input and cfg.feature_proj else None
+        norm = (self.q_norm if is_query else self.k_norm) if map_input and cfg.qk_norm else None
+        return fn(x, None if act is not None else fm.activation, proj, None if norm is None else norm.weight,
+                  None if norm is None else norm.bias, 1e-5 if norm is None else norm.eps)
+
     def _product_activation(self, causal: bool, kv0, x: torch.Tensor) -> str | None:
         """The feature map as ``lt_product``'s ``activation`` when the causal product runs on the Triton kernels,
         which apply it as they load q and k: elu + 1 / relu features and their gradients (n x d fp32 each, 2 bf16
@@ -649,6 +676,9 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         for x, is_query in ((q5, True), (k5, False)):
             if act is not None and not map_input:  # the kernels form the features from q, k themselves
                 sides.append((x, None))
+            elif torch.is_grad_enabled() and (x.requires_grad or params) and (
+                    compiled := self._compiled_side(x, is_query, map_input, act)) is not None:
+                sides.append((compiled, None))
             elif torch.is_grad_enabled() and (x.requires_grad or params):
                 # Recomputed in backward, each side on its own: the feature maps' intermediates were the
                 # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'

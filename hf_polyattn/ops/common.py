@@ -7,8 +7,8 @@ import math
 import torch
 from torch.nn import functional as F
 
-__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "check_softcap", "normalised_sum",
-           "read_state", "row_chunks", "rowwise_recompute", "soft_cap", "to_work", "work_dtype"]
+__all__ = ["ACTIVATIONS", "_int_power", "_safe_divide", "_with_normaliser", "check_softcap", "head_layer_norm",
+           "normalised_sum", "read_state", "row_chunks", "rowwise_recompute", "soft_cap", "to_work", "work_dtype"]
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -31,6 +31,12 @@ def to_work(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 _WORK = (torch.float32, torch.float64)
+
+
+def head_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim with per-head affine parameters (broadcast against x), in x's dtype."""
+    y = F.layer_norm(x, x.shape[-1:], eps=eps)
+    return y * weight.to(y.dtype) + bias.to(y.dtype)
 
 
 def check_softcap(value) -> float | None:

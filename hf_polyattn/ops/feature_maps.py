@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .common import ACTIVATIONS
+from .common import ACTIVATIONS, head_layer_norm
 from .sketches import PolynomialSketch, project, symmetric_power, symmetric_square
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "PolynomialFeatureMap",
     "ReluFeatureMap",
     "TaylorFeatureMap",
+    "activation_features",
+    "compiled_activation_features",
     "polynomial_num_features",
     "register_feature_map",
     "selectable_feature_maps",
@@ -299,3 +302,58 @@ class PolynomialFeatureMap(FeatureMap):
                 scale = scale * torch.sign(b[j])
             parts.append(symmetric_power(x, j) * scale)
         return torch.cat(parts, dim=-1)
+
+
+# Where ``compiled_activation_features`` hands out a compiled function (tests add "cpu" to run it here). On an H100
+# the recomputed eager side of the long-context default (bf16 input upcast, q/k LayerNorm over 64 columns, elu + 1,
+# formed again in backward; H = 16, n = 32k) took 8.3 of the layer's 19.1 ms of GPU time, the LayerNorm kernel alone
+# 3.2 ms at about 320 GB/s (recipes/results/gpu_h100_auto/run2/profile_kinds.txt)
+COMPILED_FEATURE_DEVICES: tuple[str, ...] = ("cuda",)
+_COMPILED_FEATURES: dict[str, Callable] = {}
+
+
+def activation_features(x: torch.Tensor, activation: str | None, proj: torch.Tensor | None = None,
+                        norm_weight: torch.Tensor | None = None, norm_bias: torch.Tensor | None = None,
+                        eps: float = 1e-5) -> torch.Tensor:
+    """An elementwise map's features from the model's q or k in one function: x in its working dtype, times the
+    per-head projection ``proj`` (``sketches.project``), LayerNorm-ed with per-head ``norm_weight`` / ``norm_bias``,
+    then ``ACTIVATIONS[activation]`` (None: the kernel input itself, for kernels that apply the map on load). The
+    same operations as ``PolyAttention.kernel_input`` followed by the 'elu' / 'relu' map."""
+    x = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    if proj is not None:
+        x = project(x, proj)
+    if norm_weight is not None:
+        x = head_layer_norm(x, norm_weight, norm_bias, eps)
+    return x if activation is None else ACTIVATIONS[activation](x)
+
+
+def compiled_activation_features(device: torch.device) -> Callable | None:
+    """``activation_features`` compiled with torch.compile for ``device`` (once per process; its backward is the
+    compiled graph's, which keeps the input and recomputes the elementwise work in its fused kernels), or None where
+    the eager chunked recomputation stays (every device but those in ``COMPILED_FEATURE_DEVICES``: compiling costs
+    seconds per shape, and on the CPU the eager side is already memory-bound work of a few passes).
+
+    Every layer calls the same function, so its graphs count against one recompilation limit: a retrofitted SmolLM2
+    (30 layers whose kernel heads number 0-3 per layer, 22 softmax kv heads) went past torch.compile's default 8
+    in one prefill on an H100 and failed there under ``fullgraph=True``. The calls raise the limit to
+    ``RECOMPILE_LIMIT`` (a graph per side, head layout, dtype and grad mode; lengths become dynamic after the
+    first change), the parameters are passed as views (torch.compile holds parameters to static shapes), and
+    without ``fullgraph`` a call past the limit runs the same function eagerly."""
+    if device.type not in COMPILED_FEATURE_DEVICES:
+        return None
+    fn = _COMPILED_FEATURES.get(device.type)
+    if fn is None:
+        fn = _COMPILED_FEATURES[device.type] = partial(_call_compiled, torch.compile(activation_features))
+    return fn
+
+
+RECOMPILE_LIMIT = 64
+
+
+def _call_compiled(compiled, x, activation, proj=None, norm_weight=None, norm_bias=None, eps=1e-5):
+    import torch._dynamo.config as dynamo_config
+
+    views = [None if t is None else t.view(t.shape) for t in (proj, norm_weight, norm_bias)]
+    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    with dynamo_config.patch(**{limit: max(RECOMPILE_LIMIT, getattr(dynamo_config, limit))}):
+        return compiled(x, activation, *views, eps)

@@ -167,7 +167,7 @@ def test_tail_column_plan(e, tail, tiled):
 
 
 @pytest.mark.parametrize("r,square,diag,block,chunk", [
-    (64, False, True, 256, 64),  # identity features (linear elu+1 at d = 64): 64-row chunks
+    (64, False, True, 256, 128),  # identity features (linear elu+1 at d = 64): 128-row chunks (MIN_DIAG_CHUNK)
     (128, False, True, 256, 128),
     (4, False, True, 16, 16),  # never above block_size (the tests' small blocks keep many chunks)
     (32, True, True, 256, 1024),  # F = 528: raised to T >= F (states at most c's size; 256 held 2x)
@@ -209,6 +209,18 @@ def test_block_chunks_switch(monkeypatch):
     a, b, c = _inputs((2,), (1,), 150, 4, 9, torch.float32, seed=4, scale=0.5)
     assert causal._Plan(a, b, c, 128, True, False).T == 128
     _check_against_references(a, b, c, 128, True, False, FP32_TOL)
+
+
+@pytest.mark.parametrize("smallest", [64, 256])
+def test_min_diag_chunk_switch(monkeypatch, smallest):
+    """causal.MIN_DIAG_CHUNK (the profiling script's chunk sweep; 64 before): other chunks of the same product, with
+    e = 65's tail column, query groups and a last chunk shorter than the others."""
+    from hf_polyattn.ops.triton import causal
+
+    monkeypatch.setattr(causal, "MIN_DIAG_CHUNK", smallest)
+    a, b, c = _inputs((2, 2), (2, 1), 300, 16, 65, torch.float32, seed=5, scale=0.5)
+    assert causal._Plan(a, b, c, 256, True, False).T == min(256, smallest)
+    _check_against_references(a, b, c, 256, True, False, FP32_TOL)
 
 
 def test_padded_layout_switch(monkeypatch):
