@@ -47,7 +47,7 @@ AS_TRAINED = flags("--reconfigure", "sparse_observe=0", "sparse_cache=0", "decay
 PRESET_SETS = flags("--set", "decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16")
 VAULT_4K = ("hh_max256+sparse512+observe16_vault_4k", "softmax_vault_4k",
             "hh_max256+sparse512+observe16_read_all_vault_4k", "hh_max256+sparse1024+observe16_vault_4k",
-            "hh_loop_vault_4k", "hh_loop_classic_1k4k")
+            "hh_loop_vault_4k", "hh_loop_classic_1k4k", "hh_max256+sparse512+observe16_nofar_vault_4k")
 
 # probe_selection.py's variants run on the 4k prompts (the kernel part off: _nofar)
 PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key", "oracle_needle", "plumbing",
@@ -121,6 +121,10 @@ ROWS = {
             flags("--set", "decay_max_horizon=256", "sparse_cache=1024", "sparse_observe=16")),
            # the row hh trained further with those settings in the loop (hh_loop below)
            ("hh_loop", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh_loop")], PRESET_SETS),
+           # the preset's settings with the kernel part off (probe_nofar.py: window_mix 0), the only part whose
+           # parameters attention transfer trains
+           ("hh_max256+sparse512+observe16_nofar", ["-m", "recipes.experiments.retrieval.probe_nofar"],
+            [TRAINED.format("hh")], PRESET_SETS),
        ]},
     # the trained row 'hh' trained further with the preset's inference settings in the loop (train_in_loop.py): the
     # transfer's forward runs the 512-key cache (re-chosen by the last 16 queries) and the 256-token decay bound at
