@@ -117,3 +117,32 @@ def test_transfer_refuses_a_model_with_every_head_softmax():
     hf_polyattn.convert(model, CFG.replace(softmax_heads=[(i, h) for i in range(2) for h in range(2)]))
     with pytest.raises(ValueError, match="softmax_heads names every kv head"):
         polyattn_parameters(model)
+
+
+def test_transfer_runs_the_sparse_cache_in_its_forward_with_gradients():
+    """A model given the linear-only preset's inference settings (a bounded sparse cache re-chosen by the last
+    queries, the decay bound: ``hf_polyattn.reconfigure``) transfers with them: the student of every layer is the
+    cache's forward (its MSE differs from the same model's without the cache once the cache evicts: 40 tokens, window
+    4, blocks of 4, 3 cached keys), and every trainable parameter gets a finite gradient through it (the selection
+    is under no_grad, the fold of the evicted keys and the exact part over the kept ones are not)."""
+    model = _llama().eval()
+    hf_polyattn.convert(model, PolyAttnConfig(kind="linear", feature_map="hedgehog", window=4, sinks=1,
+                                              decay="gate", qk_norm=True, block_size=8))
+    x = torch.randint(1, 64, (2, 40))
+
+    def mse():
+        with distillation(model) as coll, torch.no_grad():
+            transfer_loss(model.base_model, {"input_ids": x}, coll)
+            return list(coll.mse)
+
+    without = mse()
+    hf_polyattn.reconfigure(model, sparse_cache=3, sparse_chunk=4, sparse_observe=2, decay_max_horizon=16.0)
+    with_cache = mse()
+    assert all(abs(a - b) > 1e-6 * max(a, b) for a, b in zip(with_cache, without)), (with_cache, without)
+    params = polyattn_parameters(model)
+    with distillation(model) as coll:
+        loss = transfer_loss(model.base_model, {"input_ids": x}, coll)
+        loss.backward()
+    for name, p in params:
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert sum(int(p.grad.abs().max() > 0) for _, p in params) > len(params) // 2

@@ -46,7 +46,9 @@ AS_TRAINED = flags("--reconfigure", "sparse_observe=0", "sparse_cache=0", "decay
 # the linear-only preset's reconfigure, as --set on the trained row's model
 PRESET_SETS = flags("--set", "decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16")
 VAULT_4K = ("hh_max256+sparse512+observe16_vault_4k", "softmax_vault_4k",
-            "hh_max256+sparse512+observe16_read_all_vault_4k", "hh_max256+sparse1024+observe16_vault_4k")
+            "hh_max256+sparse512+observe16_read_all_vault_4k", "hh_max256+sparse1024+observe16_vault_4k",
+            "hh_loop_vault_4k", "hh_loop_classic_1k4k", "hh_max256+sparse512+observe16_nofar_vault_4k",
+            "hh_loop_lora_vault_4k")
 
 # probe_selection.py's variants run on the 4k prompts (the kernel part off: _nofar)
 PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key", "oracle_needle", "plumbing",
@@ -118,7 +120,35 @@ ROWS = {
             [TRAINED.format("hh"), "--keys", "4096"], PRESET_SETS),
            ("hh_max256+sparse1024+observe16", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh")],
             flags("--set", "decay_max_horizon=256", "sparse_cache=1024", "sparse_observe=16")),
+           # the row hh trained further with those settings in the loop (hh_loop below)
+           ("hh_loop", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh_loop")], PRESET_SETS),
+           ("hh_loop_lora", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh_loop_lora")], PRESET_SETS),
+           # the preset's settings with the kernel part off (probe_nofar.py: window_mix 0), the only part whose
+           # parameters attention transfer trains
+           ("hh_max256+sparse512+observe16_nofar", ["-m", "recipes.experiments.retrieval.probe_nofar"],
+            [TRAINED.format("hh")], PRESET_SETS),
        ]},
+    # the trained row 'hh' trained further with the preset's inference settings in the loop (train_in_loop.py): the
+    # transfer's forward runs the 512-key cache (re-chosen by the last 16 queries) and the 256-token decay bound at
+    # 2k-4k tokens, where the cache evicts; 17 steps (14 of 1 x 2,048, 3 of 1 x 4,096) at lr 3e-3. Judged with the
+    # preset's settings on the table's held-out tokens (perplexity 256-8k) and its 'classic' prompts at 1k-4k (the
+    # same draws as the table's cells: the keys are drawn length after length), and on the 'vault' 4k prompts of the
+    # diagnostic rows above (hh_loop_vault_4k)
+    "hh_loop": ["-m", "recipes.experiments.retrieval.train_in_loop", TRAINED.format("hh"), *PRESET_SETS, "--out",
+                "{out}", "--data", "demo", "--threads", "2", "--progress", "false", "--no_resume", "--transfer_steps",
+                "17", "--transfer_lr", "3e-3", "--transfer_schedule", "2048:14:1,4096:3:1", "--eval_before", "false",
+                "--max_eval_tokens", "512"],
+    # the same settings in the loop of a LoRA fine-tuning instead (the model's own hidden states, so its keys and
+    # values, train; the LM loss end to end through the cache), half the windows carrying recall tasks: 6 steps of
+    # 1 x 2,048 tokens at lr 1e-3, what the session's time left allowed
+    "hh_loop_lora": ["-m", "recipes.experiments.retrieval.train_in_loop", TRAINED.format("hh"), *PRESET_SETS,
+                     "--out", "{out}", "--data", "demo", "--threads", "2", "--progress", "false", "--no_resume",
+                     "--finetune_steps", "6", "--finetune_lr", "1e-3", "--finetune_schedule", "2048:6:1", "--lora",
+                     "true", "--retrieval_mix", "0.5", "--eval_before", "false", "--max_eval_tokens", "512"],
+    "hh_loop_classic_1k4k": ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh_loop"), "--data", "demo",
+                             "--contexts", CONTEXTS, "--passkey", "1024,2048,4096", "--passkey-templates", "classic",
+                             "--passkey-depths", "10", "--max-eval-tokens", "12288", "--baselines", "none",
+                             "--threads", "2", *PRESET_SETS, "--out", "{out}"],
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--set", "feature_map=elu", "--retrieval_mix",
                  "0.25", *EVAL_STAGE],
