@@ -167,7 +167,7 @@ def test_tail_column_plan(e, tail, tiled):
 
 
 @pytest.mark.parametrize("r,square,diag,block,chunk", [
-    (64, False, True, 256, 128),  # identity features (linear elu+1 at d = 64): 128-row chunks (MIN_DIAG_CHUNK)
+    (64, False, True, 256, 64),  # identity features (linear elu+1 at d = 64): 64-row chunks
     (128, False, True, 256, 128),
     (4, False, True, 16, 16),  # never above block_size (the tests' small blocks keep many chunks)
     (32, True, True, 256, 1024),  # F = 528: raised to T >= F (states at most c's size; 256 held 2x)
@@ -211,10 +211,10 @@ def test_block_chunks_switch(monkeypatch):
     _check_against_references(a, b, c, 128, True, False, FP32_TOL)
 
 
-@pytest.mark.parametrize("smallest", [64, 256])
+@pytest.mark.parametrize("smallest", [128, 256])
 def test_min_diag_chunk_switch(monkeypatch, smallest):
-    """causal.MIN_DIAG_CHUNK (the profiling script's chunk sweep; 64 before): other chunks of the same product, with
-    e = 65's tail column, query groups and a last chunk shorter than the others."""
+    """causal.MIN_DIAG_CHUNK (the profiling script's chunk sweep): larger chunks of the same product, with e = 65's
+    tail column, query groups and a last chunk shorter than the others."""
     from hf_polyattn.ops.triton import causal
 
     monkeypatch.setattr(causal, "MIN_DIAG_CHUNK", smallest)

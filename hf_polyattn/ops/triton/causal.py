@@ -25,10 +25,10 @@ Memory and launches (the design constraints of this module):
 * Chunk T. The states are (n / T) F x SE fp32 a kv head; the chunk's own pairs are computed exactly
   from r-dim dot products, (a_i.b_j)^p, about T/2 (r + e) multiply-adds a row, against F e for the
   state read. With ``include_diag=True`` the result does not depend on T, so T is chosen for speed:
-  min(block_size, max(MIN_DIAG_CHUNK = 128, F rounded up to a power of two)), at least 16 (the smallest matmul tile):
+  min(block_size, max(MIN_DIAG_CHUNK = 64, F rounded up to a power of two)), at least 16 (the smallest matmul tile):
   identity features (F = r = 64, e = 65) at T = 256 spent 4x more on the diagonal (128 x 129) than
   on the state (64 x 65); at T = 64 the two are even, for 4x the state slabs (8.4 MB a head at
-  n = 32k instead of 2.1), and on an H100 T = 128 measured 7% faster than 64 (``MIN_DIAG_CHUNK``).
+  n = 32k instead of 2.1); on an H100 T = 128 measured 7% faster than 64 (``MIN_DIAG_CHUNK``).
   ``include_diag=False`` drops the block_size x block_size diagonal blocks aligned at 0; a chunk is then a
   whole number of blocks and its exact part the pairs of different blocks (``_kernels._exact_pair``). Either
   way T is raised until T >= F (``STATE_CHUNK_RULE``: block_size times a power of two without the diagonal, F
@@ -83,8 +83,10 @@ DIAG_CHUNK_RULE = True
 # 1.3 of linear-elu's 5.4 ms of GPU time at n = 32k, H = 16 on an H100, gpu_h100_auto/run2/profile_kinds.txt) for
 # exact diagonal work. On an H100 linear-elu (bf16, n = 32k, H = 16, forward + backward) took 5.44-5.50 ms at 64 and
 # 5.07-5.13 ms at 128, alternated three times in one process, 5.49 ms at 256 (recipes/profile_gpu_kernels.py
-# chunk_rows, switch_rows; results/gpu_h100_compiled/)
-MIN_DIAG_CHUNK = 128
+# chunk_rows, switch_rows; results/gpu_h100_compiled/). 128 stays off: its dB kernel for identity features keeps 16
+# bytes in local memory in the sm_90 build (3 loads, 2 stores; tests/ops/test_triton_sm90.py), a variant without
+# spills (8 warps) not yet timed
+MIN_DIAG_CHUNK = 64
 # chunks of at least F rows (module doc); False keeps the chunk at block_size or below, as before (same script:
 # ``block_states_*`` rows)
 STATE_CHUNK_RULE = True
