@@ -676,10 +676,11 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         for x, is_query in ((q5, True), (k5, False)):
             if act is not None and not map_input:  # the kernels form the features from q, k themselves
                 sides.append((x, None))
-            elif torch.is_grad_enabled() and (x.requires_grad or params) and (
-                    compiled := self._compiled_side(x, is_query, map_input, act)) is not None:
+            elif not (torch.is_grad_enabled() and (x.requires_grad or params)):
+                sides.append(self._side_features(x, scale, is_query, map_input, act))
+            elif (compiled := self._compiled_side(x, is_query, map_input, act)) is not None:
                 sides.append((compiled, None))
-            elif torch.is_grad_enabled() and (x.requires_grad or params):
+            else:
                 # Recomputed in backward, each side on its own: the feature maps' intermediates were the
                 # largest thing a layer kept. Learned polysketch (r = 32, d = 64): its sketch trees'
                 # activations were 7 of the 18.4 (n x H x d fp32)-sized tensors alive after a polysketch +
@@ -689,8 +690,6 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
                 sides.append(rowwise_recompute(partial(self._side_features, scale=scale, is_query=is_query,
                                                        map_input=map_input, act=act),
                                                x, params, feature_chunks(x.shape[-2])))
-            else:
-                sides.append(self._side_features(x, scale, is_query, map_input, act))
         (fq, q_log_scale), (fk, _) = sides
 
         def full(x):

@@ -16,16 +16,21 @@ import sys
 import torch
 
 
+def kernel_part_off(module) -> None:
+    """``window_mix`` 0 in one layer: it multiplies the kernel part in the prefill's rows and the decoding ring's."""
+    if not module.config.window_mix:
+        raise NotImplementedError("switching the kernel part off needs window_mix (the factor set to 0)")
+    with torch.no_grad():
+        module.window_mix.zero_()
+
+
 def install() -> None:
     from hf_polyattn.ops.sparse import SparseMixin
 
     original = SparseMixin._sparse_call
 
     def sparse_call(self, *args, **kwargs):
-        if not self.config.window_mix:
-            raise NotImplementedError("probe_nofar needs window_mix (the factor it sets to 0)")
-        with torch.no_grad():
-            self.window_mix.zero_()
+        kernel_part_off(self)
         return original(self, *args, **kwargs)
 
     SparseMixin._sparse_call = sparse_call

@@ -70,6 +70,7 @@ import torch
 from hf_polyattn.ops import attention, decode, sparse
 from hf_polyattn.ops.common import normalised_sum, soft_cap
 from hf_polyattn.ops.local import far_scale
+from recipes.experiments.retrieval.probe_nofar import kernel_part_off
 
 VARIANTS = ("frozen", "relative", "h2o", "h2o_window", "h2o_max", "plumbing", "err_knorm", "err_mass",
             "oracle_key", "oracle_needle")  # each also as VARIANT_nofar
@@ -213,10 +214,7 @@ def install(variant: str, check_ring: bool = False) -> None:
         mid = id(self)
         CURRENT["module"] = mid
         if nofar:  # the kernel part off: window_mix 0 multiplies it in the rows (prefill and ring step) and their sums
-            if not self.config.window_mix:
-                raise NotImplementedError("_nofar needs window_mix")
-            with torch.no_grad():
-                self.window_mix.zero_()
+            kernel_part_off(self)
         if not mass_rule:
             return original_call(self, q5, k5, v5, pad_mask, scale, state, *args, **kwargs)
         if pad_mask is not None and not bool(pad_mask.all()):
