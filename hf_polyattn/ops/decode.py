@@ -26,13 +26,16 @@ the features: the same arithmetic as the generic step (tested to agree with it, 
 token), in about 30 operations a layer. Positions inside the ring do not matter: softmax (or the polynomial window)
 over a set of keys does not depend on their order, and RoPE was applied to each key before it arrived.
 
-One unpadded sequence whose ring is steady (full of real keys, every sink filled, no sparse cache: ``fused_ready``)
-takes ``fused_step`` instead, with a softmax window and an elementwise feature map (elu + 1, relu): the same
-arithmetic up to float rounding, the queries and the key leaving the window mapped as rows of one pass, the ring's
-buffers read through views made once, the sinks' query turned by a matrix (``RopeRotation.matrix_by``). On the demo's
-SmolLM2 layer (3 kv heads, window 128, 4 sinks, gate, projection to 64, q/k LayerNorm) it dispatches 48 top-level
-operations (108 with the ones they call) against ``ring_step``'s 93 (193), counted with the profiler inside the
-attention function (``PolyAttention.fused_decode`` switches it off: the general step is its reference in the tests).
+One unpadded sequence whose ring is steady (full of real keys, every sink filled, no sink waiting in a sparse
+cache's block: ``fused_ready``) takes ``fused_step`` instead, with a softmax window and an elementwise feature map
+(elu + 1, relu) or Hedgehog's: the same arithmetic up to float rounding, the queries and the key leaving the window
+mapped as rows of one pass, the ring's buffers read through views made once, the sinks' query turned by a matrix
+(``RopeRotation.matrix_by``), a sparse cache's slots read without their mask and the leaving key copied into its
+block through views. On the demo's SmolLM2 layer (3 kv heads, window 128, 4 sinks, gate, projection to 64, q/k
+LayerNorm) it dispatches 48 top-level operations (108 with the ones they call) against ``ring_step``'s 93 (193),
+counted with the profiler inside the attention function; on the linear-only preset's layer (Hedgehog, a 512-key
+sparse cache) 68 against 155 dispatched operations in tests/ops/test_sparse_cache.py's small layer
+(``PolyAttention.fused_decode`` switches it off: the general step is its reference in the tests).
 
 A state converts from and back to ``RecurrentState`` (``from_recurrent`` / ``to_recurrent``), so a multi-token call
 after decoding (a second prompt turn, speculative tokens) and a call with gradients take the generic path; the
@@ -50,9 +53,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .common import soft_cap
-from .feature_maps import EluFeatureMap, ReluFeatureMap
+from .feature_maps import EluFeatureMap, HedgehogFeatureMap, ReluFeatureMap
 from .sketches import project
-from .sparse import pending_log, ring_leave, sparse_from_recurrent, sparse_to_recurrent
+from .sparse import pending_log, ring_leave, ring_select, sparse_from_recurrent, sparse_to_recurrent
 from .state import RecurrentState
 
 __all__ = ["WindowRing", "compiled_ring_step", "fused_ready", "fused_step", "ring_decodes", "ring_supported"]
@@ -99,6 +102,10 @@ class WindowRing:
     # ring slot holds a real key (a zero key and a zero [v, 1] row otherwise), so ``fused_step`` can leave the slot's
     # 1 and ``valid`` as they are
     real_run: int = 0
+    # a sink's key waits in the sparse cache's block (it left the window while the sinks filled: it keeps its slot
+    # for its gate, with its key and [v, 1], but ``valid`` False) until the block's selection empties it; the block
+    # is then read with its mask, not by ``fused_step``
+    sink_waiting: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         """The state's tensors (not ``at``, a copy of ``head``)."""
@@ -299,11 +306,22 @@ class _StepPlan:
     window_mix: torch.Tensor | None
     smallest: float
     # ``fused_step`` serves the layer: softmax window without a soft-cap, an elementwise feature map (elu + 1,
-    # relu) on unscaled inputs, the projection as one batched matmul, one LayerNorm eps for both sides; ``act_``
-    # the map applied in place
+    # relu) on unscaled inputs or Hedgehog's, the projection as one batched matmul, one LayerNorm eps for both
+    # sides; ``act_`` the elementwise map applied in place, ``map_weight`` (Hkv, d', d') Hedgehog's W
     fused: bool = False
     act_: object = None
+    map_weight: torch.Tensor | None = None
     zero: torch.Tensor | None = None  # (1, 1, 1): the input of a matmul with beta=0
+
+
+def _map_rows(plan: _StepPlan, x: torch.Tensor) -> torch.Tensor:
+    """The features of the kernel inputs x (Hkv, R, d') of ``fused_step``: an elementwise map in place (x is the
+    step's own tensor or a view of it), Hedgehog's [softmax(x W), softmax(-x W)] as one batched matmul over the kv
+    heads (``HedgehogFeatureMap.forward``'s arithmetic)."""
+    if plan.act_ is not None:
+        return plan.act_(x)
+    z = torch.bmm(x, plan.map_weight)
+    return torch.cat([torch.softmax(z, dim=-1), torch.softmax(z.neg_(), dim=-1)], dim=-1)
 
 
 # the smallest positive float32 (float64): a denominator clamped to it is itself wherever it is > 0, and a row whose
@@ -378,14 +396,18 @@ def _plan(module, work: torch.dtype, device: torch.device, scale: float) -> _Ste
     fmap = module.feature_map
     q_side, k_side = side(True), side(False)
     act_ = _IN_PLACE_MAPS.get(type(fmap))
-    fused = (act_ is not None and not fmap.scaled_inputs and not fmap.log_scaled
+    map_weight = None
+    if type(fmap) is HedgehogFeatureMap and (fmap.weight.dtype == work or device.type != "cuda"):  # ``project``
+        w = param(fmap, "weight")  # (Hkv, 1, d', d')
+        map_weight = w.view(hkv, w.shape[-2], w.shape[-1])
+    fused = ((act_ is not None or map_weight is not None) and not fmap.scaled_inputs and not fmap.log_scaled
              and cfg.resolved_local_kernel == "softmax" and module.softcap is None
              and (q_side.proj is not None or not cfg.feature_proj) and q_side.eps == k_side.eps)
     plan = _StepPlan(key, cfg, tuple(owners), tuple(t.data_ptr() for _, _, t in owners), q_side, k_side,
                      math.sqrt(scale) if fmap.scaled_inputs else None, fmap, fmap.log_scaled, gate_w, gate_b,
                      cfg.max_log_gate,
                      cfg.resolved_local_kernel == "softmax", module.softcap, float(cfg.denominator_offset), mix,
-                     _SMALLEST[work], fused, act_, _zero(work, device))
+                     _SMALLEST[work], fused, act_, map_weight, _zero(work, device))
     if all(t.dtype == work and t.device == device for _, _, t in owners):
         module.__dict__["_ring_plan"] = plan
     return plan
@@ -611,9 +633,11 @@ def _read(module, plan: _StepPlan, q5: torch.Tensor, scale: float, ring: WindowR
 
 
 def fused_ready(ring: WindowRing) -> bool:
-    """Whether ``fused_step`` may take ``ring``'s next token: one sequence, not static, no sparse cache, every sink
-    filled and every ring slot holding a real key (``real_run``)."""
-    return (ring.at is None and not ring.extra and ring.filled is None and ring.count == ring.window
+    """Whether ``fused_step`` may take ``ring``'s next token: one sequence, not static, every sink filled and every
+    ring slot holding a real key (``real_run``). A sparse cache's slots are read without their mask: a slot that
+    holds no key holds a zero key and a zero [v, 1] row (``ops/sparse.py``), which adds nothing, once no sink waits
+    in its block (``sink_waiting``)."""
+    return (ring.at is None and ring.filled is None and ring.count == ring.window and not ring.sink_waiting
             and ring.real_run >= ring.window and ring.keys.shape[0] == 1)
 
 
@@ -631,6 +655,10 @@ class _RingViews:
     kv: torch.Tensor
     logg: torch.Tensor | None
     slots: list
+    # with a sparse cache: per slot of the waiting block its key, [v, 1], valid flag, kernel input and log-gate
+    # (None without decay), and the block's log-gates (Hkv, 1, chunk)
+    waiting: list | None = None
+    waiting_log: torch.Tensor | None = None
 
 
 def _ring_views(ring: WindowRing) -> _RingViews:
@@ -641,14 +669,43 @@ def _ring_views(ring: WindowRing) -> _RingViews:
     s, w, e = ring.sinks, ring.window, d + 1
     keys, vext = ring.keys.view(hkv, n, d), ring.vext.view(hkv, n, e)
     logg = None if ring.logg is None else ring.logg.view(hkv, 1, w)
-    slots = []
+    slots, first = [], s + ring.extra  # the ring's slots after the sinks and the sparse cache's
     for h in range(w):
-        vx = vext.narrow(1, s + h, 1)
-        slots.append((keys.narrow(1, s + h, 1), vx, vx.narrow(2, 0, d), None if logg is None else logg.narrow(2, h, 1)))
+        vx = vext.narrow(1, first + h, 1)
+        slots.append((keys.narrow(1, first + h, 1), vx, vx.narrow(2, 0, d),
+                      None if logg is None else logg.narrow(2, h, 1)))
     kt = keys.transpose(1, 2)
     views = _RingViews(ring.keys, keys, kt, kt.narrow(2, 0, s), vext, ring.kv.view(hkv, -1, e), logg, slots)
+    if ring.extra:
+        lam, chunk = ring.cache, ring.extra - ring.cache
+        kin = ring.kin.view(hkv, ring.extra, -1)
+        valid = ring.valid.view(n)
+        slot_log = None if ring.slot_log is None else ring.slot_log.view(hkv, 1, ring.extra)
+        views.waiting_log = None if slot_log is None else slot_log.narrow(2, lam, chunk)
+        views.waiting = [(keys.narrow(1, s + lam + i, 1), vext.narrow(1, s + lam + i, 1),
+                          valid.narrow(0, s + lam + i, 1), kin.narrow(1, lam + i, 1),
+                          None if slot_log is None else slot_log.narrow(2, lam + i, 1)) for i in range(chunk)]
     ring.__dict__["_views"] = views  # not a field: ``map`` / ``replace`` make a ring without it
     return views
+
+
+def _wait(module, ring: WindowRing, views: _RingViews, scale: float, k_slot: torch.Tensor, vx_slot: torch.Tensor,
+          kin: torch.Tensor, lg_slot: torch.Tensor | None) -> None:
+    """``sparse.ring_leave`` for ``fused_step``'s one sequence: the real key leaving the window (its key, [v, 1], kernel
+    input (Hkv, 1, d') and log-gate) copied into the next slot of the waiting block through the ring's views, and the
+    cache chosen once the block is complete (``sparse.ring_select``): 4-5 copies where ``ring_leave`` selected
+    whole blocks (torch.where over (B, Hkv, chunk, d))."""
+    at = int(ring.pending)  # one sequence: (1,)
+    key, vx, valid, kin_slot, log_slot = views.waiting[at]
+    key.copy_(k_slot)
+    vx.copy_(vx_slot)
+    valid.fill_(True)
+    kin_slot.copy_(kin)
+    if log_slot is not None:
+        log_slot.copy_(lg_slot)
+    ring.pending += 1
+    if at + 1 == len(views.waiting):
+        ring_select(module, ring, ring.pending == len(views.waiting), scale)
 
 
 def fused_step(module, plan: _StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -662,7 +719,8 @@ def fused_step(module, plan: _StepPlan, query: torch.Tensor, key: torch.Tensor, 
     operations) or None (the sinks score with the query itself). What it leaves out of the general step:
 
     * the G queries and the key leaving the window take the projection, the LayerNorm and the feature map as the
-      rows of one pass (the two sides' affines written into its output), instead of one pass each;
+      rows of one pass (the two sides' affines written into its output), instead of one pass each; with a sparse
+      cache the key's row stops before the map (its kernel input waits in the block, ``_wait``);
     * the new key's slot keeps its 1 in [v, 1] and its ``valid`` flag: a real key left it (``real_run``);
     * the ring's buffers are read through views made once (``_RingViews``); the scores' scale is the alpha of
       their matmul.
@@ -681,10 +739,15 @@ def fused_step(module, plan: _StepPlan, query: torch.Tensor, key: torch.Tensor, 
         y = torch.layer_norm(x, x.shape[-1:], None, None, plan.q.eps)
         torch.addcmul(plan.q.norm_bias, y.narrow(1, 0, g), plan.q.norm_weight, out=xq)
         torch.addcmul(plan.k.norm_bias, y.narrow(1, g, 1), plan.k.norm_weight, out=xk)
-    plan.act_(x)  # x is this step's own tensor: the feature map in place (xq, xk: the features)
-    if lg_slot is not None:  # the state decays by the leaving key's gate, then takes it (``_fold``)
-        views.kv.mul_(lg_slot.exp())
-    views.kv.baddbmm_(xk.transpose(1, 2), vx_slot)
+    if views.waiting is None:
+        f = _map_rows(plan, x)  # x is this step's own tensor (an elementwise map: in place)
+        fq = f.narrow(1, 0, g)
+        if lg_slot is not None:  # the state decays by the leaving key's gate, then takes it (``_fold``)
+            views.kv.mul_(lg_slot.exp())
+        views.kv.baddbmm_(f.narrow(1, g, 1).transpose(1, 2), vx_slot)
+    else:  # the leaving key waits for the sparse cache's selection with its kernel input (``sparse.ring_leave``)
+        fq = _map_rows(plan, xq)
+        _wait(module, ring, views, scale, k_slot, vx_slot, xk, lg_slot)
     v3 = value.view(hkv, 1, d)
     k_slot.copy_(key.view(hkv, 1, d))
     v_slot.copy_(v3)
@@ -705,8 +768,14 @@ def fused_step(module, plan: _StepPlan, query: torch.Tensor, key: torch.Tensor, 
         x.narrow(2, 0, ring.sinks).copy_(torch.baddbmm(zero, sq, views.sink_kt, beta=0.0, alpha=scale))
     m = x.amax(dim=-1, keepdim=True).clamp_min_(0.0)
     num = torch.bmm(x.sub_(m).exp_(), views.vext)  # (Hkv, G, d + 1)
-    far = torch.bmm(xq, views.kv)
-    factor = (m.neg() if views.logg is None else views.logg.sum(-1, keepdim=True) - m).exp_()
+    far = torch.bmm(fq, views.kv)
+    if views.logg is None:
+        log_factor = m.neg()
+    else:  # the gates after ``kv``'s reference: the ring's keys and the keys waiting for selection (``pending_log``)
+        log_factor = views.logg.sum(-1, keepdim=True) - m
+        if views.waiting_log is not None:
+            log_factor.add_(views.waiting_log.sum(-1, keepdim=True))
+    factor = log_factor.exp_()
     if plan.window_mix is not None:
         factor.mul_(plan.window_mix.abs())
     num.addcmul_(far, factor)

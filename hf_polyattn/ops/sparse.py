@@ -82,8 +82,8 @@ from .state import RecurrentState
 from .window import OUTSIDE, Sinks, first_true, gather_keys, keep_sinks, slot_scores
 from .window_flash import rows_flash
 
-__all__ = ["SparseMixin", "choose_kept", "fold_evicted", "pending_log", "recall_error", "ring_leave", "select_and_fold",
-           "sparse_from_recurrent", "sparse_to_recurrent"]
+__all__ = ["SparseMixin", "choose_kept", "fold_evicted", "pending_log", "recall_error", "ring_leave", "ring_select",
+           "select_and_fold", "sparse_from_recurrent", "sparse_to_recurrent"]
 
 
 def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor) -> torch.Tensor:
@@ -591,6 +591,8 @@ def ring_leave(module, ring, slot: int, is_sink: torch.Tensor | None, scale: flo
     ring.keys[:, :, wait] = torch.where(pick, ring.keys[:, :, slot : slot + 1], ring.keys[:, :, wait])
     ring.vext[:, :, wait] = torch.where(pick, ring.vext[:, :, slot : slot + 1], ring.vext[:, :, wait])
     ring.valid[:, wait] |= at if is_sink is None else at & ~is_sink[:, None]
+    if is_sink is not None and bool(is_sink.any()):
+        ring.sink_waiting = True
     kin = module.kernel_input(ring.keys[:, :, slot : slot + 1].unsqueeze(2), False).squeeze(2)  # (B, Hkv, 1, d')
     ring.kin[:, :, lam:] = torch.where(pick, kin.to(ring.kin.dtype), ring.kin[:, :, lam:])
     if ring.slot_log is not None:
@@ -599,10 +601,10 @@ def ring_leave(module, ring, slot: int, is_sink: torch.Tensor | None, scale: flo
     ring.pending += real.long()
     done = ring.pending == chunk
     if bool(done.any()):
-        _ring_select(module, ring, done, scale)
+        ring_select(module, ring, done, scale)
 
 
-def _ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
+def ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
     """The rows ``done`` (B,) have a complete block: cache and block compete, the evicted join ``kv``, the block
     slots empty."""
     lam, s = ring.cache, ring.sinks
@@ -620,7 +622,9 @@ def _ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
     ring.kv.copy_(torch.where(rows, new_kv, ring.kv))
     cache, wait = slice(s, s + lam), slice(s + lam, s + ring.extra)
     kept_valid = keep_valid[:, 0]  # the same slots in every kv head (select_and_fold's order)
-    ring.keys[:, :, cache] = torch.where(rows, _take(ring.keys[:, :, both], keep), ring.keys[:, :, cache])
+    # a slot that holds no key keeps a zero key (and a zero [v, 1]): ``decode.fused_step`` reads the slots unmasked
+    ring.keys[:, :, cache] = torch.where(rows, _take(ring.keys[:, :, both], keep) * keep_valid[..., None],
+                                         ring.keys[:, :, cache])
     ring.vext[:, :, cache] = torch.where(rows, _take(ring.vext[:, :, both], keep) * keep_valid[..., None],
                                          ring.vext[:, :, cache])
     ring.kin[:, :, :lam] = torch.where(rows, _take(ring.kin, keep), ring.kin[:, :, :lam])
@@ -632,6 +636,8 @@ def _ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
     ring.keys[:, :, wait] = torch.where(rows, 0.0, ring.keys[:, :, wait])
     ring.vext[:, :, wait] = torch.where(rows, 0.0, ring.vext[:, :, wait])
     ring.pending = torch.where(done, 0, ring.pending)
+    if bool(done.all()):
+        ring.sink_waiting = False
 
 
 def sparse_from_recurrent(module, ring, state: RecurrentState, region: int) -> None:
@@ -648,7 +654,7 @@ def sparse_from_recurrent(module, ring, state: RecurrentState, region: int) -> N
     ring.pending = torch.zeros(b, dtype=torch.long, device=device)
     if state.sparse_k is not None:
         c_valid = state.sparse_mask[:, 0]
-        ring.keys[:, :, s : s + lam] = state.sparse_k.to(work)
+        ring.keys[:, :, s : s + lam] = state.sparse_k.to(work) * c_valid[:, None, :, None]  # (``ring_select``)
         ring.vext[:, :, s : s + lam] = _with_normaliser(state.sparse_v.to(work), None) * c_valid[:, None, :, None]
         ring.valid[:, s : s + lam] = c_valid
         ring.kin[:, :, :lam] = (state.sparse_k if state.sparse_kin is None else state.sparse_kin).to(work)
@@ -671,6 +677,7 @@ def sparse_from_recurrent(module, ring, state: RecurrentState, region: int) -> N
         ring.vext[:, :, :s] = _with_normaliser(sv, None) * sm[:, None, :, None]
         ring.valid[:, :s] = sm
         ring.filled = sm.sum(-1)
+        ring.sink_waiting = bool(is_sink.any())
         if bool((ring.filled == s).all()):
             ring.filled = None
     wait = slice(s + lam, s + lam + chunk - 1)

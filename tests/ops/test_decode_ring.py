@@ -417,9 +417,10 @@ def _fused(pa, on: bool) -> None:
             m.fused_decode = on
 
 
-# the configs whose one-sequence steps ``decode.fused_step`` takes (elementwise feature maps, a softmax window)
+# the configs whose one-sequence steps ``decode.fused_step`` takes (elementwise or Hedgehog feature maps, a softmax
+# window)
 FUSED = ["linear-elu", "linear-sinks-gate-mix", "linear-sinks-window-position", "linear-scalar-decay", "hybrid",
-         "linear-recipe", "linear-recipe-max-horizon"]
+         "linear-recipe", "linear-recipe-max-horizon", "hedgehog-sinks"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

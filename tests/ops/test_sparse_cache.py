@@ -37,6 +37,10 @@ CONFIGS = {
                                sparse_cache=3, sparse_chunk=4),
     "softmax-heads": dict(kind="linear", window=6, sinks=2, decay="gate", sparse_cache=3, sparse_chunk=4,
                           softmax_heads=[(0, 1)]),
+    # the linear-only preset's layer (Hedgehog features, projection, q/k LayerNorm, a bounded gate, the mix)
+    "hedgehog-preset": dict(kind="linear", feature_map="hedgehog", window=5, sinks=2, decay="gate",
+                            decay_max_horizon=3.0, window_mix=True, feature_proj=D, qk_norm=True, sparse_cache=3,
+                            sparse_chunk=4),
 }
 RING = [n for n in CONFIGS if n != "conv-learned-sinks"]  # the ring serves neither convolutions nor learned slots
 
@@ -568,3 +572,111 @@ def test_the_question_keeps_the_needle_the_stream_drops():
     assert recall_rate(2, distractors=30) <= 2 / 8
     assert recall_rate(2, distractors=30, observe=4) == 1.0
     assert recall_rate(2, distractors=30, observe=1) == 1.0
+
+
+# the configs whose one-sequence decoding steps ``decode.fused_step`` takes: a softmax window, an elementwise or a
+# Hedgehog feature map on unscaled inputs (not polysketch's sketches, not FAVOR+'s scaled features)
+FUSED_RING = ["linear-elu", "linear-sinks-gate-mix", "sinks-beyond-a-block", "hedgehog-scalar", "softmax-heads",
+              "hedgehog-preset"]
+
+
+def _fused_decode(pa, on: bool) -> None:
+    for m in pa.modules():
+        if hasattr(m, "fused_decode"):
+            m.fused_decode = on
+
+
+def _single_steps(pa, q, k, v, prefill):
+    return _steps(pa, q, k, v, spans=[(0, prefill), *((i, i + 1) for i in range(prefill, q.shape[2]))])
+
+
+@pytest.mark.parametrize("prefill", [2, 13])  # 2: the sinks fill while decoding, the keys pass through the block
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FUSED_RING)
+def test_fused_steps_with_the_cache_equal_the_general_steps(monkeypatch, name, dtype, prefill):
+    """One unpadded sequence: once its ring is steady and no sink waits in the block, ``fused_step`` takes the steps
+    (counted), the leaving keys go to the block through its views and the cache is chosen from there (counted);
+    outputs equal the general ``ring_step``'s (``fused_decode=False``) and the whole sequence's, and so does every
+    tensor of the state at the end. A bf16 layer works in float32 on both paths: finite, its outputs within a bf16
+    rounding of the general step's (the whole sequence's prefill rounds differently: not compared)."""
+    from hf_polyattn.ops import attention, decode
+
+    pa = _module(CONFIGS[name], dtype=dtype)
+    q, k, v = _inputs(b=1, dtype=dtype)
+    calls, selections = [], []
+    monkeypatch.setattr(attention, "fused_step", lambda *a: calls.append(1) or decode.fused_step(*a))
+    select = decode.ring_select
+    monkeypatch.setattr(decode, "ring_select", lambda *a: selections.append(1) or select(*a))
+    fused, states = _single_steps(pa, q, k, v, prefill)
+    cfg = pa.config
+    # every step once the window and the sinks are full, but those with a sink in the block (a block's worth)
+    assert len(calls) >= N - max(prefill, cfg.window + cfg.sinks) - cfg.sparse_chunk - 1, len(calls)
+    assert len(selections) >= 2
+    taken = len(calls)
+    _fused_decode(pa, False)
+    general, general_states = _single_steps(pa, q, k, v, prefill)
+    assert len(calls) == taken
+    if dtype == torch.bfloat16:
+        assert torch.isfinite(fused).all()
+        torch.testing.assert_close(fused, general, rtol=1.6e-2, atol=1e-2)
+        return
+    with torch.no_grad():
+        full = pa(q, k, v, causal=True)
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused, general, **tol)
+    torch.testing.assert_close(fused, full, **tol)
+    ring, ref = states[-1], general_states[-1]
+    assert isinstance(ring, WindowRing) and ring.extra
+    assert (ring.head, ring.count, ring.length, ring.pending.tolist()) == (ref.head, ref.count, ref.length,
+                                                                            ref.pending.tolist())
+    for a, b in zip(ring.tensors(), ref.tensors()):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_a_sink_waiting_in_the_block_keeps_the_masked_read(monkeypatch):
+    """Sinks that fill while decoding leave the window into the block with ``valid`` False but their key and [v, 1]
+    kept (for their gate and the generic state): ``fused_ready`` waits for the block's selection
+    (``sink_waiting``). Read unmasked before that, the output changes: the flag is what keeps it right."""
+    from hf_polyattn.ops import attention, decode
+
+    pa = _module(CONFIGS["sinks-beyond-a-block"])
+    q, k, v = _inputs(b=1)
+    general_pa = _module(CONFIGS["sinks-beyond-a-block"])
+    _fused_decode(general_pa, False)
+    want, _ = _single_steps(general_pa, q, k, v, 2)
+    waited = []  # the steps whose ring had every sink filled and one of them in the block
+    step = decode.ring_step
+    monkeypatch.setattr(attention, "ring_step",
+                        lambda *a: waited.append(a[6].sink_waiting and a[6].filled is None) or step(*a))
+    got, _ = _single_steps(pa, q, k, v, 2)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    assert any(waited)
+
+    def ignoring_the_flag(ring):
+        return (ring.at is None and ring.filled is None and ring.count == ring.window
+                and ring.real_run >= ring.window and ring.keys.shape[0] == 1)
+
+    monkeypatch.setattr(attention, "fused_ready", ignoring_the_flag)
+    wrong, _ = _single_steps(pa, q, k, v, 2)
+    assert (wrong - want).abs().max() > 1e-6
+
+
+def test_a_fused_step_with_the_cache_dispatches_at_most_half_the_ring_steps_operations():
+    """The linear-only preset's layer (Hedgehog, the sparse cache, the projection and the LayerNorm) on a steady
+    ring between two selections, counted against the general ``ring_step``."""
+    from .test_decode_ring import _CountOps
+
+    pa = _module(CONFIGS["hedgehog-preset"], dtype=torch.float32)
+    q, k, v = _inputs(b=1, dtype=torch.float32)
+    counts = {}
+    for on in (True, False):
+        _fused_decode(pa, on)
+        with torch.no_grad():
+            _, state = pa(q[:, :, :20], k[:, :, :20], v[:, :, :20], causal=True, state=pa.init_state())
+            for i in range(20, 23):
+                _, state = pa(*(t[:, :, i:i + 1] for t in (q, k, v)), causal=True, state=state)
+            assert int(_kernel(state).pending) < pa.config.sparse_chunk - 1  # the next step selects nothing
+            with _CountOps() as ops:
+                pa(*(t[:, :, 23:24] for t in (q, k, v)), causal=True, state=state)
+        counts[on] = ops.count
+    assert counts[True] <= 0.5 * counts[False], counts
