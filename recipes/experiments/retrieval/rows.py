@@ -54,6 +54,22 @@ VAULT_4K = ("hh_max256+sparse512+observe16_vault_4k", "softmax_vault_4k",
 PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key", "oracle_needle", "plumbing",
           "h2o_nofar", "h2o_window_nofar", "h2o_max_nofar", "oracle_needle_nofar", "plumbing_nofar")
 
+# inference-time settings of the bounded cache on the trained row 'hh' (nothing trained), whether one lifts the
+# 'vault' misses at 4k / 8k: the preset's settings (PRESET_SETS) with one changed, each a passkey cell
+# (template, length, settings)
+SELECT = {
+    "hh_max256+sparse512+observe64_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=512",
+                                                                 "sparse_observe=64")),
+    "hh_max256+sparse512+observe8_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=512",
+                                                                "sparse_observe=8")),
+    # the 8k prompts alone (keys drawn first, as at 4k above: not the table's 8k keys), a cache twice the preset's
+    # and the preset's own on the same prompts
+    "hh_max256+sparse1024+observe16_vault_8k": ("vault", "8182", ("decay_max_horizon=256", "sparse_cache=1024",
+                                                                  "sparse_observe=16")),
+    "hh_max256+sparse512+observe16_vault_8k": ("vault", "8182", ("decay_max_horizon=256", "sparse_cache=512",
+                                                                 "sparse_observe=16")),
+}
+
 ROWS = {
     # every head linear-time: the linear-only preset (hedgehog features + 128 window + 4 sinks + gated decay)
     "hh": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, *EVAL_STAGE],
@@ -149,6 +165,11 @@ ROWS = {
                              "--contexts", CONTEXTS, "--passkey", "1024,2048,4096", "--passkey-templates", "classic",
                              "--passkey-depths", "10", "--max-eval-tokens", "12288", "--baselines", "none",
                              "--threads", "2", *PRESET_SETS, "--out", "{out}"],
+    # SELECT's cells, one thread each
+    **{name: ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh"), "--data", "demo", "--contexts", "256",
+              "--max-eval-tokens", "512", "--passkey", length, "--passkey-templates", template, "--passkey-depths",
+              "10", "--baselines", "none", "--threads", "1", *flags("--set", *sets), "--out", "{out}"]
+       for name, (template, length, sets) in SELECT.items()},
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--set", "feature_map=elu", "--retrieval_mix",
                  "0.25", *EVAL_STAGE],
@@ -165,7 +186,7 @@ ROWS = {
 # rows outside the table (another grid of lengths): fill_section states them under it
 DIAGNOSTICS = ("hh+all_keys_4k", "hh+sparse128_frozen_4k", "hh+sparse128_relative_4k",
                *(f"hh+sparse128_{v}_4k" for v in PROBED), "hh+sparse512_oracle_needle_4k", "hh+sparse128_library_4k",
-               "hh+sparse512_library_4k", "hh+all_keys_h2o_4k", *VAULT_4K)
+               "hh+sparse512_library_4k", "hh+all_keys_h2o_4k", *VAULT_4K, *SELECT)
 
 # the rows run in this order: every '+sparse' row after the row whose model it reads
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
