@@ -2,7 +2,7 @@
 step with no attention at all.
 
     python recipes/decode_floor.py MODEL_DIR --base BASE [--lengths 4096 16384] [--steps 16] [--threads 2]
-                                   [--compile-decode] [--out DIR]
+                                   [--compile-decode] [--unfused] [--out DIR]
 
 Per prompt length, interleaved decoding steps (median of ``--steps`` after 3 untimed, fp32, batch 1) of:
 
@@ -13,7 +13,10 @@ Per prompt length, interleaved decoding steps (median of ``--steps`` after 3 unt
   glue). No attention change can make the retrofit's step faster than this, so base / floor is the most any
   attention can give on this machine, and retrofit - floor is what the retrofit's attention costs now;
 * with ``--compile-decode``, ``compiled``: the retrofit with the windowed kernel heads' step under ``torch.compile``
-  (``hf_polyattn.compile_decode``; its first steps compile: they are timed apart, as ``warm-up``).
+  (``hf_polyattn.compile_decode``; its first steps compile: they are timed apart, as ``warm-up``);
+* with ``--unfused``, ``unfused``: the retrofit with every layer's ``fused_decode`` off, so one sequence's steps take
+  the general ring step (``ops/decode.py`` ``ring_step``) instead of ``fused_step``: what the fused step saves, in
+  the same run.
 
 Printed and written to ``--out``/decode_floor.{md,json}`` with the machine and its load.
 """
@@ -54,6 +57,19 @@ def attention_off(model):
 
 
 @contextlib.contextmanager
+def fused_off(model):
+    """``model``'s polyattn layers decode with the general ring step (``fused_decode`` False) inside the block."""
+    layers = [m for m in model.modules() if getattr(m, "fused_decode", None) is True]
+    for m in layers:
+        m.fused_decode = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.fused_decode = True
+
+
+@contextlib.contextmanager
 def decode_compiled(model):
     """``model``'s windowed kernel heads decode compiled (``hf_polyattn.compile_decode``) inside the block."""
     import hf_polyattn
@@ -65,7 +81,7 @@ def decode_compiled(model):
         hf_polyattn.compile_decode(model, False)
 
 
-def measure(models: dict, length: int, steps: int, compile_decode: bool) -> dict:
+def measure(models: dict, length: int, steps: int, compile_decode: bool, unfused: bool = False) -> dict:
     """Median ms per decoding step of each variant after a ``length``-token prompt, steps interleaved."""
     import torch
 
@@ -77,6 +93,8 @@ def measure(models: dict, length: int, steps: int, compile_decode: bool) -> dict
                 "floor": (retrofit, lambda: attention_off(retrofit))}
     if compile_decode:
         variants["compiled"] = (retrofit, lambda: decode_compiled(retrofit))
+    if unfused:
+        variants["unfused"] = (retrofit, lambda: fused_off(retrofit))
     state, times, warm = {}, {name: [] for name in variants}, {}
     with torch.no_grad():
         for name, (model, ctx) in variants.items():
@@ -110,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile-decode", action="store_true")
+    p.add_argument("--unfused", action="store_true", help="also the retrofit on the general ring step (docstring)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "decode_floor")
     args = p.parse_args(argv)
 
@@ -126,12 +145,13 @@ def main(argv=None) -> int:
               "base": AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
                                                            attn_implementation="sdpa").eval()}
     load_before = os.getloadavg()
-    rows = [measure(models, n, args.steps, args.compile_decode) for n in args.lengths]
+    rows = [measure(models, n, args.steps, args.compile_decode, args.unfused) for n in args.lengths]
     load_after = os.getloadavg()
-    cols = ["base", "retrofit", "floor"] + (["compiled"] if args.compile_decode else [])
+    cols = (["base", "retrofit", "floor"] + (["compiled"] if args.compile_decode else [])
+            + (["unfused"] if args.unfused else []))
     cmd = (f"python recipes/decode_floor.py {args.model} --base {args.base} --lengths "
            f"{' '.join(map(str, args.lengths))} --steps {args.steps} --threads {args.threads}"
-           + (" --compile-decode" if args.compile_decode else ""))
+           + (" --compile-decode" if args.compile_decode else "") + (" --unfused" if args.unfused else ""))
     lines = [f"`{cmd}`", "",
              f"Machine: {machine.summary()}, fp32, batch 1; load average before "
              f"{load_before[0]:.2f}, after {load_after[0]:.2f}; median of {args.steps} interleaved steps after 3 "

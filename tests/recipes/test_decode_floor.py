@@ -76,3 +76,29 @@ def test_the_recipe_writes_every_variant(tmp_path):
     bad = subprocess.run([sys.executable, str(RECIPE), str(retrofit), "--base", str(tmp_path / "none")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--base" in bad.stderr and "not a folder" in bad.stderr
+
+
+def test_fused_off_switches_every_layer_to_the_general_step_and_back(tmp_path):
+    """``--unfused``: inside ``fused_off`` no layer decodes with ``fused_step`` (the general ring step, the same
+    arithmetic: logits within float rounding), after it every layer is fused again; the recipe writes the column."""
+    floor = _recipe()
+    retrofit, _ = _pair(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(retrofit).eval()
+    layers = [m for m in model.modules() if hasattr(m, "fused_decode")]
+    assert layers and all(m.fused_decode for m in layers)
+    ids = torch.randint(0, 64, (1, 20))
+    with torch.inference_mode():
+        caches = [_new_cache("retrofit", model) for _ in range(2)]
+        tokens = [_step(model, ids, c) for c in caches]
+        with floor.fused_off(model):
+            assert not any(m.fused_decode for m in layers)
+            off = model(tokens[0], past_key_values=caches[0], use_cache=True).logits
+        on = model(tokens[1], past_key_values=caches[1], use_cache=True).logits
+    assert all(m.fused_decode for m in layers)
+    torch.testing.assert_close(off, on, rtol=1e-5, atol=1e-5)
+    done = subprocess.run([sys.executable, str(RECIPE), str(retrofit), "--base", str(tmp_path / "base"), "--lengths",
+                           "24", "--steps", "2", "--threads", "1", "--unfused", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "out" / "decode_floor.json").read_text())
+    assert record["rows"][0]["unfused_ms"] > 0 and "--unfused" in record["command"]
