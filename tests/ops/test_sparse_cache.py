@@ -14,7 +14,7 @@ from hf_polyattn.ops.decode import WindowRing
 from hf_polyattn.ops.hybrid import HybridAttention, hybrid_reference
 from hf_polyattn.ops.sparse import recall_error, select_and_fold
 
-from .test_decode_ring import D
+from .test_decode_ring import D, _fused
 from .test_decode_ring import _inputs as ring_inputs
 from .test_decode_ring import _module as ring_module
 
@@ -580,12 +580,6 @@ FUSED_RING = ["linear-elu", "linear-sinks-gate-mix", "sinks-beyond-a-block", "he
               "hedgehog-preset"]
 
 
-def _fused_decode(pa, on: bool) -> None:
-    for m in pa.modules():
-        if hasattr(m, "fused_decode"):
-            m.fused_decode = on
-
-
 def _single_steps(pa, q, k, v, prefill):
     return _steps(pa, q, k, v, spans=[(0, prefill), *((i, i + 1) for i in range(prefill, q.shape[2]))])
 
@@ -613,7 +607,7 @@ def test_fused_steps_with_the_cache_equal_the_general_steps(monkeypatch, name, d
     assert len(calls) >= N - max(prefill, cfg.window + cfg.sinks) - cfg.sparse_chunk - 1, len(calls)
     assert len(selections) >= 2
     taken = len(calls)
-    _fused_decode(pa, False)
+    _fused(pa, False)
     general, general_states = _single_steps(pa, q, k, v, prefill)
     assert len(calls) == taken
     if dtype == torch.bfloat16:
@@ -642,7 +636,7 @@ def test_a_sink_waiting_in_the_block_keeps_the_masked_read(monkeypatch):
     pa = _module(CONFIGS["sinks-beyond-a-block"])
     q, k, v = _inputs(b=1)
     general_pa = _module(CONFIGS["sinks-beyond-a-block"])
-    _fused_decode(general_pa, False)
+    _fused(general_pa, False)
     want, _ = _single_steps(general_pa, q, k, v, 2)
     waited = []  # the steps whose ring had every sink filled and one of them in the block
     step = decode.ring_step
@@ -670,7 +664,7 @@ def test_a_fused_step_with_the_cache_dispatches_at_most_half_the_ring_steps_oper
     q, k, v = _inputs(b=1, dtype=torch.float32)
     counts = {}
     for on in (True, False):
-        _fused_decode(pa, on)
+        _fused(pa, on)
         with torch.no_grad():
             _, state = pa(q[:, :, :20], k[:, :, :20], v[:, :, :20], causal=True, state=pa.init_state())
             for i in range(20, 23):
