@@ -4,7 +4,12 @@ settings that add no tensor, then, for every layer and kv head, the share of the
 in the sparse cache decoding starts from, and the greedy answer.
 
     python -m recipes.experiments.retrieval.probe_observe_diag MODEL --length 4096 --template vault --depth-index 0 \
-        --set sparse_cache=512 --set decay_max_horizon=256 --set sparse_observe=16
+        --set sparse_cache=512 --set decay_max_horizon=256 --set sparse_observe=16 [--kernel-part-off]
+
+``--kernel-part-off``: the kernel part switched off in every layer (``probe_nofar``: ``window_mix`` 0), so the answer
+reads the sinks, the window, the pending block and the sparse cache alone. ``--evict reverse`` ranks the streaming
+selection's candidates by the negated recall error (the best-represented kept, the worst evicted), ``--evict random``
+by a seeded random score: which evicted keys matter.
 """
 
 from __future__ import annotations
@@ -13,6 +18,22 @@ import argparse
 import random
 
 import torch
+
+
+def install_eviction(mode: str, seed: int = 0) -> None:
+    """The streaming selection's ranking replaced: ``reverse`` the negated recall error, ``random`` a score drawn
+    from a generator seeded with ``seed`` (``ops.sparse.select_and_fold`` reads ``recall_error`` from its module)."""
+    from hf_polyattn.ops import sparse
+
+    if mode not in ("reverse", "random"):
+        raise ValueError(f"mode must be 'reverse' or 'random', got {mode!r}")
+    error, gen = sparse.recall_error, torch.Generator().manual_seed(seed)
+
+    def ranked(kv, feats, vext):
+        err = error(kv, feats, vext)
+        return err.neg() if mode == "reverse" else torch.rand(err.shape, generator=gen).to(err)
+
+    sparse.recall_error = ranked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel-part-off", action="store_true", help="window_mix 0 in every layer (probe_nofar)")
+    ap.add_argument("--evict", choices=("lola", "reverse", "random"), default="lola",
+                    help="the streaming selection's ranking (lola: the library's)")
     args = ap.parse_args(argv)
+    if args.evict != "lola":
+        install_eviction(args.evict)
+    if args.kernel_part_off:
+        from .probe_nofar import install
+
+        install()
     from transformers import AutoModelForCausalLM
 
     import hf_polyattn

@@ -68,6 +68,9 @@ SELECT = {
                                                                   "sparse_observe=16")),
     "hh_max256+sparse512+observe16_vault_8k": ("vault", "8182", ("decay_max_horizon=256", "sparse_cache=512",
                                                                  "sparse_observe=16")),
+    # every key of a 4k prompt exact (a cache of 4,096 keys: nothing evicted, nothing in the state): whether the
+    # trained row's own q, k find the far 'vault' needles that the preset's 512 keys miss
+    "hh_max256+all_keys_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=4096")),
 }
 
 ROWS = {
