@@ -26,6 +26,7 @@ SINK_POSITIONS = ("window", "own")
 SLIDING_LAYERS = ("exact", "kind")
 SOFTCAP_MODES = ("refuse", "exact_parts")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
+SPARSE_SCORES = ("recall", "relative")
 SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
 # Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
 EVERY_KIND_FIELDS = ("seed", "softmax_heads")
@@ -42,12 +43,13 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "sink_position": SINK_POSITIONS,
     "sliding_layers": SLIDING_LAYERS,
     "softcap_mode": SOFTCAP_MODES,
+    "sparse_score": SPARSE_SCORES,
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
              "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset", "poly_coefficients",
              "learn_coefficients", "feature_map", "decay", "decay_horizon", "decay_max_horizon", "short_conv",
-             "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool")
+             "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool", "sparse_score")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
                 "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0, "sparse_cache": 0,
                 "sparse_chunk": 1, "sparse_observe": 0, "sparse_observe_pool": 1}
@@ -224,6 +226,17 @@ class PolyAttnConfig:
             "training: hf_polyattn.reconfigure, or --set without --kind). 0 = off"
         },
     )
+    sparse_score: str = field(
+        default="recall",
+        metadata={
+            "help": "how the sparse cache's streaming selection ranks a candidate: 'recall' LoLA's error |v - phi(k) "
+            "S / phi(k) z|; 'relative' that error over |v|. Under 'recall' the keys with the smallest values lose "
+            "first (with an empty state the error is |v|), and keys that draw much attention but carry little value "
+            "(sink-like tokens) are among them: on SmolLM2-135M's linear-only retrofit, evicting 64 of 3,904 "
+            "keys per head that way broke a 4k 'vault' passkey that a random eviction of 64 kept "
+            "(recipes/results/retrieval/diag). Needs sparse_cache > 0"
+        },
+    )
     sparse_chunk: int = field(
         default=SPARSE_CHUNK,
         metadata={
@@ -364,6 +377,9 @@ class PolyAttnConfig:
         if self.sparse_chunk != SPARSE_CHUNK and not self.sparse_cache:
             raise ValueError(f"sparse_chunk={self.sparse_chunk} needs sparse_cache > 0 (it is the sparse cache's "
                              "selection granularity)")
+        if self.sparse_score != "recall" and not self.sparse_cache:
+            raise ValueError(f"sparse_score={self.sparse_score!r} needs sparse_cache > 0 (it ranks the sparse cache's "
+                             "candidates)")
         if self.sparse_observe and not self.sparse_cache:
             raise ValueError(f"sparse_observe={self.sparse_observe} needs sparse_cache > 0 (it chooses the sparse "
                              "cache's keys by a prompt's last queries)")

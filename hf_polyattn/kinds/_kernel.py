@@ -8,10 +8,11 @@ from __future__ import annotations
 KERNEL_FIELDS = ("short_conv", "qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 # sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
-# sparse_cache / sparse_chunk / sparse_observe(_pool): the bounded sparse cache beside the window (ops/sparse.py).
+# sparse_cache / sparse_chunk / sparse_observe(_pool) / sparse_score: the bounded sparse cache beside the window
+# (ops/sparse.py).
 LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
                 "learned_sinks", "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool",
-                "causal_algorithm")
+                "sparse_score", "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon", "decay_max_horizon")
 
@@ -60,7 +61,9 @@ def local_label(config) -> list[str]:
     if config.sparse_cache:
         observe = (f", chosen again at a prompt's end by its last {config.sparse_observe} queries (pooled over "
                    f"{config.sparse_observe_pool})" if config.sparse_observe else "")
-        parts.append(f"sparse cache of {config.sparse_cache} keys (LoLA, blocks of {config.sparse_chunk}{observe})")
+        score = ", relative recall error" if config.sparse_score == "relative" else ""
+        parts.append(f"sparse cache of {config.sparse_cache} keys (LoLA, blocks of {config.sparse_chunk}{score}"
+                     f"{observe})")
     if config.decay == "scalar":
         parts.append(decay_label("scalar decay", f"horizon {config.decay_horizon:g}", max_horizon_label(config)))
     elif config.decay == "gate":

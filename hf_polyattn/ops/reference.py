@@ -153,7 +153,7 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
                 for i in queries:
                     while done < epochs[i]:
                         cache, folded = _select_block(fk[row, h, 0], v[row, h], g[row, h], real, rank, sink, chunk,
-                                                      budget, done, cache, folded)
+                                                      budget, done, cache, folded, cfg.sparse_score == "relative")
                         done += 1
                     seen[i] = list(cache)
                 mine = [i for i in queries if lk - lq + i in rank]  # the call's real queries
@@ -186,10 +186,12 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
     return exact
 
 
-def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int, cache: list, folded: list):
+def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int, cache: list, folded: list,
+                  relative: bool = False):
     """One row and head's streaming selection of block ``blk`` (Cache_blk -> Cache_blk+1, ``_sparse_exact``):
     (the new cache, the folded keys). fk (Lk, F), v (Lk, d), g (Lk,) the row and head's features, values and
-    cumulative log-gates; ``real`` its real keys, ``rank`` their real index, ``sink`` the sinks."""
+    cumulative log-gates; ``real`` its real keys, ``rank`` their real index, ``sink`` the sinks; ``relative`` ranks by
+    the error over |v| (``sparse_score='relative'``)."""
     d = v.shape[-1]
     members = [j for j in real if blk * chunk <= rank[j] < (blk + 1) * chunk]
     ref = members[-1]
@@ -201,7 +203,10 @@ def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int,
     for j in cands:
         pred = fk[j] @ state
         recall = pred[:d] / pred[d] if pred[d] > 0 else torch.zeros_like(pred[:d])
-        errors.append(float(torch.linalg.vector_norm(v[j] - recall)))
+        err = float(torch.linalg.vector_norm(v[j] - recall))
+        if relative:
+            err /= max(float(torch.linalg.vector_norm(v[j])), torch.finfo(v.dtype).tiny)
+        errors.append(err)
     ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
     return [cands[t] for t in sorted(ranked[:budget])], folded + [cands[t] for t in ranked[budget:]]
 

@@ -86,37 +86,45 @@ __all__ = ["SparseMixin", "choose_kept", "fold_evicted", "pending_log", "recall_
            "select_and_fold", "sparse_from_recurrent", "sparse_to_recurrent"]
 
 
-def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor) -> torch.Tensor:
+def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, relative: bool = False) -> torch.Tensor:
     """|v - phi(k) S_v / (phi(k) . S_1)| (..., N) of N candidates with full features ``feats`` (..., N, F) and
-    [v, 1] ``vext`` (..., N, d + 1) against the state ``kv`` (..., F, d + 1); 0 recall where the denominator is 0."""
+    [v, 1] ``vext`` (..., N, d + 1) against the state ``kv`` (..., F, d + 1); 0 recall where the denominator is 0.
+    ``relative`` (``sparse_score='relative'``): that error over |v| (a zero v over the dtype's smallest normal
+    number: such a key is kept before any other)."""
     d = vext.shape[-1] - 1
     pred = torch.matmul(feats, kv)
     recall = _safe_divide(pred[..., :d], pred[..., d:])
-    return torch.linalg.vector_norm(vext[..., :d] - recall, dim=-1)
+    err = torch.linalg.vector_norm(vext[..., :d] - recall, dim=-1)
+    if relative:
+        err = err / torch.linalg.vector_norm(vext[..., :d], dim=-1).clamp_min(torch.finfo(err.dtype).tiny)
+    return err
 
 
 def select_and_fold(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, valid: torch.Tensor, budget: int,
-                    to_ref: torch.Tensor | None = None, decay: torch.Tensor | None = None):
+                    to_ref: torch.Tensor | None = None, decay: torch.Tensor | None = None, relative: bool = False):
     """One selection step: (the state after it, keep (..., budget) the kept candidates' indices in increasing order,
     their validity (..., budget)).
 
     kv (..., F, e) the state; feats (..., N, F), vext (..., N, e), valid (..., N) the N >= budget candidates (the
     cache, then the block); ``to_ref`` (..., N) each candidate's log-decay to the state's new reference (the block's
-    last key) and ``decay`` (...) the state's own, or None without decay. The errors are read under no_grad (the
+    last key) and ``decay`` (...) the state's own, or None without decay; ``relative`` ranks by ``recall_error``'s
+    relative error (``sparse_score``). The errors are read under no_grad (the
     choice is not differentiable); the fold is (gradients flow into the state through the evicted keys)."""
     with torch.no_grad():
-        keep = choose_kept(recall_error(kv.detach(), feats.detach(), vext.detach()), valid, budget)
+        keep = choose_kept(recall_error(kv.detach(), feats.detach(), vext.detach(), relative), valid, budget)
     return fold_evicted(kv, feats, vext, valid, keep, to_ref, decay)
 
 
 def choose_kept(err: torch.Tensor, valid: torch.Tensor, budget: int) -> torch.Tensor:
     """``select_and_fold``'s choice: (..., budget) indices of the ``budget`` valid candidates of largest ``err``
-    (..., N) (NaN counts as 0), the valid ones first, each part in candidate order."""
+    (..., N) (NaN counts as 0; of equal errors the earlier), the valid ones first, each part in candidate order."""
     n = valid.shape[-1]
     # invalid candidates rank below every valid one (errors are >= 0), the older first: a deterministic choice
     age = torch.arange(n, device=err.device, dtype=err.dtype) / n
     score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0 - age)
-    keep = score.topk(budget, dim=-1).indices
+    # equal errors keep the earlier candidate (a stable sort, as the reference's): sparse_score='relative' scores
+    # every candidate 1 against an empty state, and topk's order among ties is the implementation's
+    keep = score.sort(dim=-1, descending=True, stable=True).indices[..., :budget]
     # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
     # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
     return keep.gather(-1, (keep + n * (~valid.gather(-1, keep))).argsort(dim=-1))
@@ -324,7 +332,7 @@ class SparseMixin:
                     to_ref, decay = new_ref[..., None] - pool_g.gather(2, cand), new_ref - g_ref
                 new_kv, keep, keep_valid = select_and_fold(
                     kv, self._full_features(_take(pool_side, cand)), _take(pool_vext, cand), cand_valid, budget,
-                    to_ref, decay)
+                    to_ref, decay, cfg.sparse_score == "relative")
                 active = (epoch * chunk + w - 1 <= last)[:, None]  # rows whose queries reach this epoch
                 kv = torch.where(active[..., None, None], new_kv, kv)
                 cache_idx = torch.where(active[..., None], cand.gather(2, keep), cache_idx)
@@ -617,7 +625,8 @@ def ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
         waiting = ring.slot_log[..., lam:]
         decay = waiting.sum(-1)  # the state moves its reference to the block's last key
         to_ref = torch.cat([ring.slot_log[..., :lam] + decay[..., None], decay[..., None] - waiting.cumsum(-1)], -1)
-    new_kv, keep, keep_valid = select_and_fold(ring.kv, feats, ring.vext[:, :, both], valid, lam, to_ref, decay)
+    new_kv, keep, keep_valid = select_and_fold(ring.kv, feats, ring.vext[:, :, both], valid, lam, to_ref, decay,
+                                               module.config.sparse_score == "relative")
     rows = done[:, None, None, None]
     ring.kv.copy_(torch.where(rows, new_kv, ring.kv))
     cache, wait = slice(s, s + lam), slice(s + lam, s + ring.extra)

@@ -41,6 +41,10 @@ CONFIGS = {
     "hedgehog-preset": dict(kind="linear", feature_map="hedgehog", window=5, sinks=2, decay="gate",
                             decay_max_horizon=3.0, window_mix=True, feature_proj=D, qk_norm=True, sparse_cache=3,
                             sparse_chunk=4),
+    # the same layer ranking the candidates by the recall error over |v| (sparse_score='relative')
+    "hedgehog-preset-relative": dict(kind="linear", feature_map="hedgehog", window=5, sinks=2, decay="gate",
+                                     decay_max_horizon=3.0, window_mix=True, feature_proj=D, qk_norm=True,
+                                     sparse_cache=3, sparse_chunk=4, sparse_score="relative"),
 }
 RING = [n for n in CONFIGS if n != "conv-learned-sinks"]  # the ring serves neither convolutions nor learned slots
 
@@ -127,6 +131,41 @@ def test_selection_keeps_the_keys_the_state_recalls_worst():
     torch.testing.assert_close(new_kv, kv + cand_f[:1].T @ vext[:1])  # the known pair joined the state
     _, keep, keep_valid = select_and_fold(kv, cand_f, vext, valid, 3)  # valid ones first, then the padding
     assert keep.tolist() == [0, 1, 2] and keep_valid.tolist() == [True, True, False]
+
+
+def test_the_relative_score_keeps_a_small_value_the_recall_error_evicts():
+    """sparse_score='relative': the error over |v|. Against an empty state (nothing recalled) the recall error is |v|,
+    so the key with the smallest value leaves first; relative to |v| every candidate scores 1 there, and against a
+    state a small value recalled as a large one scores high (the keys that draw attention but carry little value)."""
+    f = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    # the state recalls (0.5, 0.5) for feature 0 and (2, -2) for feature 1
+    kv = f.T @ torch.tensor([[0.5, 0.5, 1.0], [2.0, -2.0, 1.0]], dtype=torch.float64)
+    cand_f = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    cand_v = torch.tensor([[0.1, 0.1], [3.0, -2.0]], dtype=torch.float64)  # errors 0.57 and 1.0, relative 4.0 and 0.28
+    vext = torch.cat([cand_v, torch.ones(2, 1, dtype=torch.float64)], dim=1)
+    absolute, relative = recall_error(kv, cand_f, vext), recall_error(kv, cand_f, vext, relative=True)
+    torch.testing.assert_close(relative, absolute / torch.linalg.vector_norm(cand_v, dim=-1))
+    assert absolute[0] < absolute[1] and relative[0] > relative[1]  # the two rules disagree on these two
+    valid = torch.tensor([True, True])
+    assert select_and_fold(kv, cand_f, vext, valid, 1)[1].tolist() == [1]
+    assert select_and_fold(kv, cand_f, vext, valid, 1, relative=True)[1].tolist() == [0]
+    empty = torch.zeros_like(kv)
+    torch.testing.assert_close(recall_error(empty, cand_f, vext, relative=True), torch.ones(2, dtype=torch.float64))
+    zero = torch.cat([torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)], dim=1)
+    assert torch.isfinite(recall_error(kv, cand_f[:1], zero, relative=True)).all()  # a zero value: kept first
+
+
+def test_the_relative_score_chooses_another_cache_in_the_layer():
+    """The layer reads sparse_score: the same weights and inputs keep other keys (and give other outputs)."""
+    q, k, v = _inputs()
+    opts = CONFIGS["hedgehog-preset-relative"]
+    with torch.no_grad():
+        rel = _module(opts)
+        rec = _module({**opts, "sparse_score": "recall"})
+        rec.load_state_dict(rel.state_dict())
+        _, s_rel = rel(q, k, v, causal=True, state=rel.init_state())
+        _, s_rec = rec(q, k, v, causal=True, state=rec.init_state())
+    assert not torch.equal(s_rel.sparse_k, s_rec.sparse_k)
 
 
 @pytest.mark.parametrize("name,path", [*((n, "generic") for n in CONFIGS), *((n, "ring") for n in RING)])
@@ -289,6 +328,10 @@ def test_state_bytes_are_constant_and_counted():
 def test_refusals():
     with pytest.raises(ValueError, match="sparse_cache=4 needs window > 0"):
         PolyAttnConfig(kind="linear", sparse_cache=4)
+    with pytest.raises(ValueError, match="sparse_score='relative' needs sparse_cache > 0"):
+        PolyAttnConfig(kind="linear", window=8, sparse_score="relative")
+    with pytest.raises(ValueError, match="sparse_score"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_score="mass")
     with pytest.raises(ValueError, match="sparse_chunk=8 needs sparse_cache > 0"):
         PolyAttnConfig(kind="linear", window=8, sparse_chunk=8)
     with pytest.raises(ValueError, match="sparse_chunk must be"):

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_polyattn.ops import decode, sparse
+from hf_polyattn.ops import PolyAttention, decode, sparse
 from recipes.experiments.retrieval import probe_selection
 
 
 @pytest.fixture
 def restored(monkeypatch):
     for obj, name in ((sparse.SparseMixin, "_sparse_call"), (sparse, "ring_leave"), (decode, "ring_leave"),
-                      (sparse, "select_and_fold")):
+                      (sparse, "select_and_fold"), (PolyAttention, "fused_decode")):
         monkeypatch.setattr(obj, name, getattr(obj, name))
     probe_selection.STORED.clear()
     yield
@@ -30,6 +30,7 @@ def test_variants_keep_the_selection_contract(restored, variant):
     original = sparse.select_and_fold
     probe_selection.install(variant)
     assert sparse.select_and_fold is not original
+    assert PolyAttention.fused_decode is False  # the probe watches the general ring step's selections
     g = torch.Generator().manual_seed(0)
     kv = torch.rand(1, 2, 8, 5, generator=g)
     feats, vext = torch.rand(1, 2, 12, 8, generator=g), torch.rand(1, 2, 12, 5, generator=g)

@@ -51,7 +51,10 @@ def state_bytes(row: str, argv: list[str], runs: Path) -> dict[str, int] | None:
     model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(str(folder)))
     settings = _settings(argv)
     if settings:
-        hf_polyattn.reconfigure(model, **{k: int(v) for k, v in settings.items()})
+        from hf_polyattn.cli import parse_settings  # each value by its field's type (sparse_score is a name)
+
+        kind = hf_polyattn.get_polyattn_config(model).kind
+        hf_polyattn.reconfigure(model, **parse_settings(kind, [f"{k}={v}" for k, v in settings.items()]))
     mem = hf_polyattn.decode_memory(model, (8192,))
     layers = model.config.num_hidden_layers
     return {"total": mem.total[0], "per_layer": mem.total[0] // layers, "softmax_total": mem.softmax_total[0],

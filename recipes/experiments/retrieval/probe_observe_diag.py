@@ -29,8 +29,8 @@ def install_eviction(mode: str, seed: int = 0) -> None:
         raise ValueError(f"mode must be 'reverse' or 'random', got {mode!r}")
     error, gen = sparse.recall_error, torch.Generator().manual_seed(seed)
 
-    def ranked(kv, feats, vext):
-        err = error(kv, feats, vext)
+    def ranked(kv, feats, vext, relative=False):
+        err = error(kv, feats, vext, relative)
         return err.neg() if mode == "reverse" else torch.rand(err.shape, generator=gen).to(err)
 
     sparse.recall_error = ranked

@@ -206,6 +206,12 @@ def install(variant: str, check_ring: bool = False) -> None:
         raise SystemExit(f"VARIANT must be one of {list(VARIANTS)} (each also as VARIANT_nofar), got {variant!r}")
     original_call, original_leave = sparse.SparseMixin._sparse_call, sparse.ring_leave
     original_step = decode.ring_step
+    # the decoding steps the probe watches are the general ring step's (``ring_step``, ``ring_leave``): one sequence's
+    # fused step (``decode.fused_step``) selects through ``ring_select`` without them, which a rule reading the
+    # queries' mass cannot serve, so it is switched off (the same arithmetic, PolyAttention.fused_decode's reference)
+    from hf_polyattn.ops.attention import PolyAttention
+
+    PolyAttention.fused_decode = False
     mass_rule = variant in MASS_VARIANTS
     accumulate = variant in ("h2o", "h2o_max")  # err_mass: the mass of h2o_window (frozen once cached)
     pin = variant.startswith("oracle")
@@ -298,7 +304,7 @@ def install(variant: str, check_ring: bool = False) -> None:
             mass[..., s + lam : s + ring.extra] = torch.where(done, 0.0, mass[..., s + lam : s + ring.extra])
             CURRENT["keep"] = None
 
-    def select_and_fold(kv, feats, vext, valid, budget, to_ref=None, decay=None):
+    def select_and_fold(kv, feats, vext, valid, budget, to_ref=None, decay=None, relative=False):
         n = valid.shape[-1]
         mode = CURRENT["mode"]
         with torch.no_grad():
@@ -321,7 +327,8 @@ def install(variant: str, check_ring: bool = False) -> None:
                                                      dim=-1)
                 else:
                     raise RuntimeError("select_and_fold outside a probed call")
-            err = torch.nan_to_num(sparse.recall_error(kv.detach(), feats.detach(), vext.detach()), nan=0.0)
+            err = sparse.recall_error(kv.detach(), feats.detach(), vext.detach(), relative)
+            err = torch.nan_to_num(err, nan=0.0)
             if variant == "relative":
                 err = err / (torch.linalg.vector_norm(vext[..., :-1].detach(), dim=-1) + 1e-6)
             elif variant in ("h2o", "h2o_window", "h2o_max"):

@@ -71,6 +71,9 @@ SELECT = {
     # every key of a 4k prompt exact (a cache of 4,096 keys: nothing evicted, nothing in the state): whether the
     # trained row's own q, k find the far 'vault' needles that the preset's 512 keys miss
     "hh_max256+all_keys_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=4096")),
+    # the preset's settings with the streaming selection ranking by the recall error over |v| (sparse_score)
+    "hh_max256+sparse512+observe16+relative_vault_4k": ("vault", "4096", (*PRESET_SETS[1::2], "sparse_score=relative")),
+    "hh_max256+sparse512+observe16+relative_vault_8k": ("vault", "8182", (*PRESET_SETS[1::2], "sparse_score=relative")),
 }
 
 ROWS = {
@@ -168,6 +171,12 @@ ROWS = {
                              "--contexts", CONTEXTS, "--passkey", "1024,2048,4096", "--passkey-templates", "classic",
                              "--passkey-depths", "10", "--max-eval-tokens", "12288", "--baselines", "none",
                              "--threads", "2", *PRESET_SETS, "--out", "{out}"],
+    # the relative ranking's perplexity on the study's held-out tokens, a table row without passkey cells (its
+    # 'vault' cells are SELECT's diagnostics)
+    "hh_max256+sparse512+observe16+relative_ppl": ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh"), "--data",
+                                                   "demo", "--contexts", CONTEXTS, "--max-eval-tokens", "12288",
+                                                   "--baselines", "none", "--threads", "1", *PRESET_SETS, "--set",
+                                                   "sparse_score=relative", "--out", "{out}"],
     # SELECT's cells, one thread each
     **{name: ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh"), "--data", "demo", "--contexts", "256",
               "--max-eval-tokens", "512", "--passkey", length, "--passkey-templates", template, "--passkey-depths",
