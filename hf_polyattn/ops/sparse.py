@@ -119,11 +119,10 @@ def choose_kept(err: torch.Tensor, valid: torch.Tensor, budget: int) -> torch.Te
     """``select_and_fold``'s choice: (..., budget) indices of the ``budget`` valid candidates of largest ``err``
     (..., N) (NaN counts as 0; of equal errors the earlier), the valid ones first, each part in candidate order."""
     n = valid.shape[-1]
-    # invalid candidates rank below every valid one (errors are >= 0), the older first: a deterministic choice
-    age = torch.arange(n, device=err.device, dtype=err.dtype) / n
-    score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0 - age)
-    # equal errors keep the earlier candidate (a stable sort, as the reference's): sparse_score='relative' scores
-    # every candidate 1 against an empty state, and topk's order among ties is the implementation's
+    # invalid candidates rank below every valid one (errors are >= 0); equal scores keep the earlier candidate (a
+    # stable sort, as the reference's), so invalid ones go older first: sparse_score='relative' scores every
+    # candidate 1 against an empty state, and topk's order among ties is the implementation's
+    score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0)
     keep = score.sort(dim=-1, descending=True, stable=True).indices[..., :budget]
     # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
     # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
