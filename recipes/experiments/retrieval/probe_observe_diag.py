@@ -36,33 +36,34 @@ def install_eviction(mode: str, seed: int = 0) -> None:
     sparse.recall_error = ranked
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def prompt_parser(description: str, template: str, threads: int) -> argparse.ArgumentParser:
+    """The arguments every probe of one passkey prompt takes: the model, the prompt (length, template, depth), the
+    settings, the threads and the streaming selection's ranking (``--evict``)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("model")
     ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--template", default="classic")
+    ap.add_argument("--template", default=template)
     ap.add_argument("--depth-index", type=int, default=0, help="which of the 10 depths (0: 0.05 ... 9: 0.95)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kernel-part-off", action="store_true", help="window_mix 0 in every layer (probe_nofar)")
+    ap.add_argument("--threads", type=int, default=threads)
     ap.add_argument("--evict", choices=("lola", "reverse", "random"), default="lola",
                     help="the streaming selection's ranking (lola: the library's)")
-    args = ap.parse_args(argv)
-    if args.evict != "lola":
-        install_eviction(args.evict)
-    if args.kernel_part_off:
-        from .probe_nofar import install
+    return ap
 
-        install()
+
+def load_prompt(args):
+    """(tokenizer, model with ``args.set`` applied, the drawn key, the prompt, its ids (1, n)): the eval's draw of
+    that length alone (seed 0, ``args.depth_index + 1`` draws in its order)."""
     from transformers import AutoModelForCausalLM
 
     import hf_polyattn
     from hf_polyattn.checkpoints import load_model, load_tokenizer
     from hf_polyattn.cli import parse_settings
     from hf_polyattn.eval.passkey import draw_passkey, passkey_prompt
-    from hf_polyattn.integration.state import HFPolyAttention
 
+    if args.evict != "lola":
+        install_eviction(args.evict)
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model)
     model = load_model(args.model, AutoModelForCausalLM).eval()
@@ -71,7 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.depth_index + 1):  # the eval's draws, in its order
         drawn = draw_passkey(rng, args.template)
     pp = passkey_prompt(tok, length=args.length, depth=(args.depth_index + 0.5) / 10, template=args.template, **drawn)
-    ids = torch.tensor([pp.prompt])
+    return tok, model, drawn, pp, torch.tensor([pp.prompt])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = prompt_parser(__doc__.split("\n\n")[0], "classic", 2)
+    ap.add_argument("--kernel-part-off", action="store_true", help="window_mix 0 in every layer (probe_nofar)")
+    args = ap.parse_args(argv)
+    if args.kernel_part_off:
+        from .probe_nofar import install
+
+        install()
+    import hf_polyattn
+    from hf_polyattn.integration.state import HFPolyAttention
+
+    tok, model, drawn, pp, ids = load_prompt(args)
     needle = sorted(pp.needle_positions)
     modules = [m for m in model.modules() if isinstance(m, HFPolyAttention)]
     keys = {}
