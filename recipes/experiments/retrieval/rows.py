@@ -182,6 +182,11 @@ ROWS = {
               "--max-eval-tokens", "512", "--passkey", length, "--passkey-templates", template, "--passkey-depths",
               "10", "--baselines", "none", "--threads", "1", *flags("--set", *sets), "--out", "{out}"]
        for name, (template, length, sets) in SELECT.items()},
+    # softmax SmolLM2 on the 8k 'vault' prompts of SELECT's 8k cells (drawn for that length alone): which of them the
+    # checkpoint itself answers
+    "softmax_vault_8k": ["-m", "hf_polyattn.cli", "eval", "smollm2", "--data", "demo", "--contexts", "256",
+                         "--max-eval-tokens", "512", "--passkey", "8182", "--passkey-templates", "vault",
+                         "--passkey-depths", "10", "--baselines", "none", "--threads", "1", "--out", "{out}"],
     # the elu kernel of the hybrid recipe, without its softmax heads
     "elu_retr": [*RETROFIT, "--preset", "linear-only", *AS_TRAINED, "--set", "feature_map=elu", "--retrieval_mix",
                  "0.25", *EVAL_STAGE],
@@ -198,7 +203,7 @@ ROWS = {
 # rows outside the table (another grid of lengths): fill_section states them under it
 DIAGNOSTICS = ("hh+all_keys_4k", "hh+sparse128_frozen_4k", "hh+sparse128_relative_4k",
                *(f"hh+sparse128_{v}_4k" for v in PROBED), "hh+sparse512_oracle_needle_4k", "hh+sparse128_library_4k",
-               "hh+sparse512_library_4k", "hh+all_keys_h2o_4k", *VAULT_4K, *SELECT)
+               "hh+sparse512_library_4k", "hh+all_keys_h2o_4k", *VAULT_4K, *SELECT, "softmax_vault_8k")
 
 # the rows run in this order: every '+sparse' row after the row whose model it reads
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
