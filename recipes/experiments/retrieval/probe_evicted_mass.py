@@ -78,16 +78,37 @@ def merged_keys(k: torch.Tensor, positions: list[int], clusters: int, iters: int
     return centre[assign].to(k.dtype)
 
 
+def zero_state_values(state, keys: torch.Tensor, positions: dict[int, list[int]]) -> int:
+    """Set to 0, in a prefilled layer's ``RecurrentState``, the values of the keys of ``keys`` (Hkv, n, d) at
+    ``positions`` (per kv head) wherever the state holds them exactly (the sparse cache and the window); their keys
+    stay, so they keep drawing attention. Returns how many were found."""
+    found = 0
+    for k_name, v_name in (("sparse_k", "sparse_v"), ("k", "v")):
+        held_k, held_v = getattr(state, k_name), getattr(state, v_name)
+        if held_k is None:
+            continue
+        for head, pos in positions.items():
+            if not pos:
+                continue
+            same = (held_k[0, head][:, None, :] == keys[head][pos][None, :, :].to(held_k.dtype)).all(-1).any(-1)
+            held_v[0, head][same] = 0
+            found += int(same.sum())
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = prompt_parser(__doc__.split("\n\n")[0], "vault", 1)
     ap.add_argument("--queries", type=int, default=16, help="the prompt's last queries whose weights are summed")
-    ap.add_argument("--then", choices=("none", "zero_evicted", "zero_random", "merge_evicted"), default="none",
+    ap.add_argument("--then", choices=("none", "zero_evicted", "zero_random", "merge_evicted", "zero_late"),
+                    default="none",
                     help="then prefill again with every key exact (sparse_cache = the prompt's length) and the values "
                     "of the evicted keys (zero_evicted) or of as many random cached ones (zero_random) set to 0 in "
                     "every layer and kv head, and print the greedy answer: whether the evicted keys matter by their "
                     "values or by the attention they draw. merge_evicted: the evicted keys' values 0 and each key "
                     "replaced by the mean of its cluster (--clusters per kv head, k-means): what M merged slots of "
-                    "log-count weight (sum_j exp(s q.k_j) estimated as n_c exp(s q.mean_c) per cluster) would give")
+                    "log-count weight (sum_j exp(s q.k_j) estimated as n_c exp(s q.mean_c) per cluster) would give. "
+                    "zero_late: as zero_evicted, but the values are set to 0 in the cache after the prompt but its "
+                    "last --queries queries, so every earlier query reads them")
     ap.add_argument("--clusters", type=int, default=1, help="merge_evicted's clusters per kv head")
     ap.add_argument("--kernel-estimate", action="store_true",
                     help="also print, per layer, how the kernel part would estimate the evicted keys' softmax mass "
@@ -156,29 +177,59 @@ def main(argv: list[str] | None = None) -> int:
     if args.then == "none":
         return 0
     hf_polyattn.reconfigure(model, sparse_cache=n, sparse_observe=0)
+    # reconfigure builds new attention modules: the hooks go on those, in the same layer order
+    fresh = [m for m in model.modules() if isinstance(m, HFPolyAttention)]
+    zeroed = {new: zeroed[old] for old, new in zip(modules, fresh, strict=True)}
+    modules, fired = fresh, []
 
     def zero(module, a, kw):
         if len(a) < 3:
             raise NotImplementedError("the probe expects the attention's query, key and value as positional arguments")
         key, value = a[1].clone(), a[2].clone()
         if value.shape[2] == n:  # the prompt's call only: decoding's keys and values stay
+            fired.append(module)
             for head, (positions, merged) in zeroed[module].items():
                 value[:, head, positions] = 0
                 if merged is not None:
                     key[:, head, positions] = merged.to(key.dtype)
         return (a[0], key, value, *a[3:]), kw
 
-    hooks = [m.register_forward_pre_hook(zero, with_kwargs=True) for m in modules]
     cache = hf_polyattn.PolyAttnCache(model)
     out = []
     with torch.inference_mode():
-        token = model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, True)
+        if args.then == "zero_late":
+            # the prompt but its last queries with every value; then the evicted keys' values 0 in the cache, for
+            # the last queries and the answer alone
+            keys = {}  # this pass's own keys: the layers above the first see other hidden states than above
+
+            def grab_keys(module, a, kw):
+                keys[module] = a[1].detach()[0]
+
+            hooks = [m.register_forward_pre_hook(grab_keys, with_kwargs=True) for m in modules]
+            model(ids[:, :-args.queries], **hf_polyattn.cache_kwargs(cache), use_cache=True)
+            for h in hooks:
+                h.remove()
+            hooks, found, wanted = [], 0, 0
+            for layer, m in zip(cache.layers, modules):
+                positions = {h: p for h, (p, _) in zeroed[m].items()}
+                found += zero_state_values(layer.state, keys[m], positions)
+                wanted += sum(len(p) for p in positions.values())
+            print(f"values set to 0 in {found} cache slots (the sparse cache and the window may both hold a key) "
+                  f"for the {wanted} evicted keys")
+            token = model(ids[:, -args.queries:], **hf_polyattn.cache_kwargs(cache), use_cache=True)
+        else:
+            hooks = [m.register_forward_pre_hook(zero, with_kwargs=True) for m in modules]
+            token = model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True)
+        token = token.logits[:, -1].argmax(-1, True)
         for _ in range(args.new_tokens):
             out.append(int(token))
             token = model(token, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, True)
     for h in hooks:
         h.remove()
+    if args.then != "zero_late" and len(fired) != len(modules):
+        raise RuntimeError(f"the values were set to 0 in {len(fired)} of {len(modules)} layers")
     what = {"zero_evicted": "the evicted keys' values 0", "zero_random": "the random cached keys' values 0",
+            "zero_late": f"the evicted keys' values 0 for the last {args.queries} queries and the answer alone",
             "merge_evicted": f"the evicted keys' values 0 and each key its cluster's mean ({args.clusters} per kv "
                              "head)"}
     print(f"every key exact, {what[args.then]}: answer {tok.decode(out)!r}")
