@@ -8,8 +8,14 @@ question would read had every key stayed exact) give the share of attention mass
 same count of keys drawn at random from the cached ones and the needle's share, and the evicted keys' most common
 tokens.
 
+``--then zero_late`` asks whether that mass or those keys' values is what an answer needs: the same prompt again with
+every key exact, the prompt but its last ``--queries`` queries reading every value, then the evicted keys' values
+set to 0 in the cache (their keys kept) for those queries and the answer. ``--kernel-estimate`` prints how the kernel
+part, undecayed, would estimate the evicted keys' mass. The hooks of ``--then`` go on the modules
+``hf_polyattn.reconfigure`` builds (it replaces them), and a run where they did not fire in every layer is refused.
+
     python -m recipes.experiments.retrieval.probe_evicted_mass MODEL --length 4096 --template vault --depth-index 0 \
-        --set decay_max_horizon=256 --set sparse_cache=3840 [--evict random]
+        --set decay_max_horizon=256 --set sparse_cache=3840 [--evict random] [--then zero_late] [--kernel-estimate]
 """
 
 from __future__ import annotations
@@ -209,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             model(ids[:, :-args.queries], **hf_polyattn.cache_kwargs(cache), use_cache=True)
             for h in hooks:
                 h.remove()
+            if len(keys) != len(modules):
+                raise RuntimeError(f"the keys were read in {len(keys)} of {len(modules)} layers")
             hooks, found, wanted = [], 0, 0
             for layer, m in zip(cache.layers, modules):
                 positions = {h: p for h, (p, _) in zeroed[m].items()}
