@@ -24,14 +24,13 @@ import collections
 
 import torch
 
-from .probe_observe_diag import load_prompt, prompt_parser
+from .probe_observe_diag import greedy_answer, kept_positions, load_prompt, prompt_parser, recorded_inputs
 
 
 def evicted_positions(cached: torch.Tensor, keys: torch.Tensor, exact: set[int]) -> list[int]:
     """The positions of ``keys`` (n, d) that are neither in ``exact`` (the sinks, the window, the pending block) nor
     among the rows of ``cached`` (lambda, d): the keys a kv head's sparse cache evicted into the state."""
-    same = (cached[:, None, :] == keys[None, :, :]).all(-1)
-    kept = set(same.nonzero()[:, 1].tolist())
+    kept = kept_positions(cached, keys)
     return [p for p in range(keys.shape[0]) if p not in kept and p not in exact]
 
 
@@ -129,19 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     n = ids.shape[1]
     needle = sorted(pp.needle_positions)
     modules = [m for m in model.modules() if isinstance(m, HFPolyAttention)]
-    qk = {}
-
-    def grab(module, a, kw):
-        q = a[0] if a else kw["query"]
-        k = a[1] if len(a) > 1 else kw["key"]
-        qk[module] = (q.detach()[0, :, -args.queries:], k.detach()[0])
-
-    hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in modules]
     cache = hf_polyattn.PolyAttnCache(model)
-    with torch.inference_mode():
+    with recorded_inputs(modules, args.queries) as qk, torch.inference_mode():
         model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True)
-    for h in hooks:
-        h.remove()
     # exact beside the cache at the prompt's end: the sinks, then the window and the pending block (< window +
     # sparse_chunk keys); a key outside those that the cache does not hold was folded into the state
     recent = set(range(n - cfg.window - cfg.sparse_chunk, n)) | set(range(cfg.sinks))
@@ -201,37 +190,28 @@ def main(argv: list[str] | None = None) -> int:
         return (a[0], key, value, *a[3:]), kw
 
     cache = hf_polyattn.PolyAttnCache(model)
-    out = []
+    hooks = []
     with torch.inference_mode():
         if args.then == "zero_late":
             # the prompt but its last queries with every value; then the evicted keys' values 0 in the cache, for
-            # the last queries and the answer alone
-            keys = {}  # this pass's own keys: the layers above the first see other hidden states than above
-
-            def grab_keys(module, a, kw):
-                keys[module] = a[1].detach()[0]
-
-            hooks = [m.register_forward_pre_hook(grab_keys, with_kwargs=True) for m in modules]
-            model(ids[:, :-args.queries], **hf_polyattn.cache_kwargs(cache), use_cache=True)
-            for h in hooks:
-                h.remove()
-            if len(keys) != len(modules):
-                raise RuntimeError(f"the keys were read in {len(keys)} of {len(modules)} layers")
-            hooks, found, wanted = [], 0, 0
+            # the last queries and the answer alone. This pass's own keys: above the first layer the hidden states
+            # differ from the first pass's
+            with recorded_inputs(modules) as inputs:
+                model(ids[:, :-args.queries], **hf_polyattn.cache_kwargs(cache), use_cache=True)
+            if len(inputs) != len(modules):
+                raise RuntimeError(f"the keys were read in {len(inputs)} of {len(modules)} layers")
+            found, wanted = 0, 0
             for layer, m in zip(cache.layers, modules):
                 positions = {h: p for h, (p, _) in zeroed[m].items()}
-                found += zero_state_values(layer.state, keys[m], positions)
+                found += zero_state_values(layer.state, inputs[m][1], positions)
                 wanted += sum(len(p) for p in positions.values())
             print(f"values set to 0 in {found} cache slots (the sparse cache and the window may both hold a key) "
                   f"for the {wanted} evicted keys")
-            token = model(ids[:, -args.queries:], **hf_polyattn.cache_kwargs(cache), use_cache=True)
+            logits = model(ids[:, -args.queries:], **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1]
         else:
             hooks = [m.register_forward_pre_hook(zero, with_kwargs=True) for m in modules]
-            token = model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True)
-        token = token.logits[:, -1].argmax(-1, True)
-        for _ in range(args.new_tokens):
-            out.append(int(token))
-            token = model(token, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, True)
+            logits = model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1]
+    out = greedy_answer(model, cache, logits, args.new_tokens)
     for h in hooks:
         h.remove()
     if args.then != "zero_late" and len(fired) != len(modules):

@@ -15,6 +15,7 @@ by a seeded random score: which evicted keys matter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 
 import torch
@@ -75,6 +76,43 @@ def load_prompt(args):
     return tok, model, drawn, pp, torch.tensor([pp.prompt])
 
 
+def kept_positions(cached: torch.Tensor, keys: torch.Tensor) -> set[int]:
+    """The positions of ``keys`` (n, d) that a row of ``cached`` (lambda, d) equals: what one kv head's cache holds."""
+    same = (cached[:, None, :] == keys[None, :, :]).all(-1)
+    return set(same.nonzero()[:, 1].tolist())
+
+
+@contextlib.contextmanager
+def recorded_inputs(modules, queries: int = 0):
+    """Yields {module: (its last ``queries`` queries (H, queries, d), None when 0; its keys (Hkv, n, d))} of row 0 of
+    the last call of each of ``modules`` inside the block (forward pre-hooks, removed on leaving)."""
+    seen = {}
+
+    def grab(module, a, kw):
+        key = (a[1] if len(a) > 1 else kw["key"]).detach()[0]
+        query = (a[0] if a else kw["query"]).detach()[0, :, -queries:] if queries else None
+        seen[module] = (query, key)
+
+    hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in modules]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def greedy_answer(model, cache, logits: torch.Tensor, steps: int) -> list[int]:
+    """``steps`` tokens decoded greedily through ``cache`` from the prompt's last ``logits`` (1, vocab)."""
+    import hf_polyattn
+
+    token, out = logits.argmax(-1, keepdim=True), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            out.append(int(token))
+            token = model(token, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = prompt_parser(__doc__.split("\n\n")[0], "classic", 2)
     ap.add_argument("--kernel-part-off", action="store_true", help="window_mix 0 in every layer (probe_nofar)")
@@ -89,31 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     tok, model, drawn, pp, ids = load_prompt(args)
     needle = sorted(pp.needle_positions)
     modules = [m for m in model.modules() if isinstance(m, HFPolyAttention)]
-    keys = {}
-
-    def grab(module, a, kw):
-        keys[module] = (a[1] if len(a) > 1 else kw["key"]).detach()
-
-    hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in modules]
     cache = hf_polyattn.PolyAttnCache(model)
-    with torch.inference_mode():
+    with recorded_inputs(modules) as inputs, torch.inference_mode():
         logits = model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1]
-    for h in hooks:
-        h.remove()
     shares = []
     for layer, m in zip(cache.layers, modules):
-        cached, k = layer.state.sparse_k[0], keys[m][0]  # (Hkv, lambda, d), (Hkv, n, d)
+        cached, k = layer.state.sparse_k[0], inputs[m][1]  # (Hkv, lambda, d), (Hkv, n, d)
         row = []
         for head in range(cached.shape[0]):
-            same = (cached[head][:, None, :] == k[head][None, :, :]).all(-1)
-            kept = set(same.nonzero()[:, 1].tolist())
+            kept = kept_positions(cached[head], k[head])
             row.append(sum(p in kept for p in needle) / len(needle))
         shares.append(row)
-    token, out = logits.argmax(-1, keepdim=True), []
-    with torch.inference_mode():
-        for _ in range(args.new_tokens):
-            out.append(int(token))
-            token = model(token, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, True)
+    out = greedy_answer(model, cache, logits, args.new_tokens)
     print(f"key {drawn['key']} at tokens {needle} of {ids.shape[1]}; answer {tok.decode(out)!r}")
     print("needle tokens cached, per layer (kv heads): " + " ".join(
         f"{i}:{'/'.join(f'{x:.1f}' for x in row)}" for i, row in enumerate(shares)))
