@@ -147,7 +147,8 @@ ROWS = {
     "hh_max256+sparse512+observe16+own": evaluate(TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=512",
                                                   "sparse_observe=16", "sink_position=own"),
     # a cache of 2,048 keys per kv head with the sinks at their own positions (a quarter of softmax's cache at 8k;
-    # 'vault' 8k: 8 of 10 with 'own', 3 with 'window', SELECT's cells)
+    # 'vault' 8k: 8 of 10 with 'own', 3 with 'window', SELECT's cells): softmax's perplexity to 2k and 1.05x at 4k,
+    # 'vault' 10 / 10 / 10 / 7, but 'classic' at 8k 0 of 10 and 1.27x at 8k, as with 512 keys and 'own'
     "hh_max256+sparse2048+observe16+own": evaluate(TRAINED.format("hh"), "decay_max_horizon=256",
                                                    "sparse_cache=2048", "sparse_observe=16", "sink_position=own"),
     # diagnostics of the 'vault' misses at 4k (the far needles), on the 4k prompts alone (another draw of keys than
