@@ -11,7 +11,7 @@ the aten calls (a count: it does not depend on the machine's load), the self tim
 (``aten::mm`` / ``addmm``) and of everything on the host, on CUDA the GPU's own time (kernels) beside it: a step
 whose host time far exceeds its GPU time is bound by launching work, not by doing it. Times depend on the load
 (the output gives the load average). Then the ops whose calls per step differ most between the two and, on CUDA,
-each model's heaviest GPU kernels.
+each model's heaviest GPU kernels; on the CPU each model's heaviest aten operations by host self time.
 
 ``decode`` on the CPU also splits the step's wall time, outside the profiler (``--timed-steps`` steps, timed before
 it runs): the layers' attention calls (transformers' attention function for the model's implementation, timed per
@@ -66,6 +66,8 @@ def profile(model, which: str, phase: str, length: int, steps: int, device, batc
     row = {"aten_calls": sum(aten.values()), "calls": aten,
            "matmul_ms": sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / steps / 1e3,
            "self_ms": sum(e.self_cpu_time_total for e in events) / steps / 1e3}
+    host = {e.key: e.self_cpu_time_total / steps / 1e3 for e in events if e.key.startswith("aten::")}
+    row["cpu_top"] = dict(sorted(host.items(), key=lambda kv: -kv[1])[:12])  # where a CPU step's time goes
     if cuda:
         gpu = {e.key: e.self_device_time_total / steps / 1e3 for e in events if e.self_device_time_total > 0}
         row["gpu_ms"] = sum(gpu.values())
@@ -207,6 +209,9 @@ def main(argv=None) -> int:
                 lines.append(f"| {name} ({which}) | {c['layers']} | {c['median_call_ms']:.3f} |")
     lines += ["", "| op | retrofit calls / step | base calls / step |", "|---|---:|---:|"]
     lines += [f"| {k} | {r['calls'].get(k, 0):.0f} | {b['calls'].get(k, 0):.0f} |" for k in diff[:15]]
+    for which in ("retrofit", "base") if device.type == "cpu" else ():
+        lines += ["", f"{which}'s heaviest operations (host self time, ms per step):", ""]
+        lines += [f"- {ms:.1f} {name}" for name, ms in rows[which]["cpu_top"].items()]
     for which in ("retrofit", "base") if "gpu_ms" in r else ():
         lines += ["", f"{which}'s heaviest GPU kernels (ms per step):", ""]
         lines += [f"- {ms:.3f} {name[:100]}" for name, ms in rows[which]["gpu_top"].items()]
