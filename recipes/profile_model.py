@@ -44,6 +44,11 @@ def _prompted(model, which: str, phase: str, length: int, batch: int, device):
     return ids, cache, token
 
 
+def _heaviest(times: dict[str, float], count: int = 12) -> dict[str, float]:
+    """The ``count`` largest of ``times`` (name -> ms per step), largest first."""
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:count])
+
+
 def profile(model, which: str, phase: str, length: int, steps: int, device, batch: int = 1) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -66,12 +71,13 @@ def profile(model, which: str, phase: str, length: int, steps: int, device, batc
     row = {"aten_calls": sum(aten.values()), "calls": aten,
            "matmul_ms": sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / steps / 1e3,
            "self_ms": sum(e.self_cpu_time_total for e in events) / steps / 1e3}
-    host = {e.key: e.self_cpu_time_total / steps / 1e3 for e in events if e.key.startswith("aten::")}
-    row["cpu_top"] = dict(sorted(host.items(), key=lambda kv: -kv[1])[:12])  # where a CPU step's time goes
+    # where a CPU step's time goes
+    row["cpu_top"] = _heaviest({e.key: e.self_cpu_time_total / steps / 1e3 for e in events
+                                if e.key.startswith("aten::")})
     if cuda:
         gpu = {e.key: e.self_device_time_total / steps / 1e3 for e in events if e.self_device_time_total > 0}
         row["gpu_ms"] = sum(gpu.values())
-        row["gpu_top"] = dict(sorted(gpu.items(), key=lambda kv: -kv[1])[:12])
+        row["gpu_top"] = _heaviest(gpu)
     return row
 
 

@@ -22,7 +22,7 @@ def divergence(model_logits: torch.Tensor, base_logits: torch.Tensor) -> tuple[t
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     import hf_polyattn
     from hf_polyattn.checkpoints import load_model, resolve_checkpoint
@@ -36,12 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     tok, model, drawn, pp, ids = load_prompt(args)
     base = load_model(resolve_checkpoint(args.base), AutoModelForCausalLM).eval()
     logits, answers = {}, {}
-    for name, m, cache in (("model", model, hf_polyattn.PolyAttnCache(model)), ("softmax", base, None)):
+    for name, m, cache in (("model", model, hf_polyattn.PolyAttnCache(model)), ("softmax", base, DynamicCache())):
         with torch.inference_mode():
-            if cache is None:
-                from transformers import DynamicCache
-
-                cache = DynamicCache()
             out = m(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits[0]
         logits[name] = out[-args.positions:]
         answers[name] = tok.decode(greedy_answer(m, cache, out[-1:], args.new_tokens))
