@@ -23,6 +23,9 @@
 #                                        # official rows
 #   bash recipes/gpu_checks.sh prefill   # after 'compiled': each CONFIGS model's prefill and decode at 32k with the
 #                                        # compiled side and without, the chunk sweep alternated, a profile by shape
+#   bash recipes/gpu_checks.sh scan      # the state slots' running sums on the Triton scan and the fused
+#                                        # normaliser against the PyTorch paths: CUDA tests, the rows in one process,
+#                                        # the official 32k rows, the CUDA model tests
 #   bash recipes/gpu_checks.sh graphs    # decoding from CUDA graphs (hf_polyattn.capture_decode): its CUDA tests, the
 #                                        # whole-model bench of each CONFIGS model with and without it, then the
 #                                        # 32k kernel rows against fla-core's chunk_linear_attn
@@ -33,8 +36,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
-  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill) ;;
-  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill" >&2
+  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill|scan) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill|scan" >&2
      exit 2 ;;
 esac
 OUT="${OUT:-recipes/results/gpu_run}"
@@ -227,4 +230,29 @@ from hf_polyattn.cli import main; sys.exit(main(sys.argv[1:]))" "${args[@]}" --o
     timeout "${STEP_S:-150}" python recipes/profile_gpu_kernels.py chunk_rows profile_shapes --out "$OUT" \
       > "$OUT/followup.txt" 2>&1
     grep '"what"' "$OUT/followup.txt" ;;
+
+  # the causal product's running sums over state slots on the segmented Triton scan (ops/triton/causal.py
+  # running_sums_; torch's cumsum over the slot dim took 1.3 of linear-elu's 5.4 ms, decayed_running_sums 1.46 of the
+  # default's 11.7 ms) and the normaliser in one Triton pass each way (ops/triton/normalise.py; about 1.1 ms of
+  # linear-elu's 4.6 ms after the scan), most important first, each step bounded by STEP_S and all by DEADLINE_S:
+  # 1. the CUDA tests of the scan, the normaliser and the decayed product on 'triton';
+  # 2. one process: SDPA, linear-elu and the long-context default as now, without the fused normaliser, and without
+  #    the scan too, alternated twice, profiles, fla-core's chunk_linear_attn; then the decayed product's bf16
+  #    gradients against float64 with tf32 and fp32 dots (profile_gpu_kernels.py scan_rows tf32_rows);
+  # 3. the official rows (each cell in its own process, SDPA and fla-core's kernel in the same run);
+  # 4. the CUDA model tests (every kernel layer normalises through the fused pass on CUDA).
+  scan)
+    left() { local s=$(( ${DEADLINE_S:-900} - SECONDS )); [ "$s" -gt "${STEP_S:-240}" ] && s="${STEP_S:-240}"
+             [ "$s" -lt 1 ] && s=1; echo "$s"; }  # timeout 0 would mean none
+    timeout "$(left)" python -m pytest -q -rfs -n 4 -p no:cacheprovider tests/ops/test_triton_scan.py \
+      tests/ops/test_triton_normalise.py tests/ops/test_decay.py -k "scan or running or segments or triton or fused" \
+      2>&1 | tee "$OUT/scan_tests.txt" | tail -6
+    timeout "$(left)" python recipes/profile_gpu_kernels.py scan_rows tf32_rows --out "$OUT" > "$OUT/scan_rows.txt" 2>&1
+    grep '"what": "switch"' "$OUT/scan_rows.txt"
+    grep '"what": "tf32"' "$OUT/scan_rows.txt" | grep -c '"within_test_tolerance": false'
+    timeout "$(left)" python recipes/benchmark_attention.py --device cuda --kinds sdpa linear-elu \
+      linear-elu-window128-gate fla-linear-elu --lengths 32768 --repeats 5 --timeout 150 --out "$OUT/auto" \
+      2>&1 | tail -8
+    timeout "$(left)" python -m pytest -q -rfs -n 4 -p no:cacheprovider tests/integration/test_cuda_models.py \
+      2>&1 | tee -a "$OUT/scan_tests.txt" | tail -6 ;;
 esac

@@ -26,6 +26,10 @@ Needs CUDA and triton. Times (triton.testing.do_bench, median ms) at H=16, d=64,
 * ``default_rows``: the switch rows of the long-context default alone, alternated twice;
 * ``chunk_rows``: linear-elu at the product's smallest chunk 64 and 128, alternated three times;
 * ``profile_shapes``: the long-context default's profile grouped by input shapes;
+* ``scan_rows``: linear-elu and the long-context default with and without the fused normaliser and the state
+  slots' Triton scan, alternated, SDPA and fla-core's kernel in the same process (function doc);
+* ``tf32_rows``: the decayed product's gradients for bf16 inputs against float64, tf32 dots or fp32 ones, with
+  and without the scan (function doc);
 * ``fla_rows``: fla-core's ``chunk_linear_attn`` with elu+1 features, when fla-core is installed
   (its autotuning takes minutes on the first call of each shape).
 
@@ -38,6 +42,7 @@ output captured (``| tee``).
 """
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -276,6 +281,19 @@ def _switch_row(run, n, **what):
         rec(what="switch", n=n, **what, failed=f"{type(err).__name__}: {err}"[:300])
 
 
+def _fla_row(n):
+    """fla-core's ``chunk_linear_attn`` with elu+1 features as a switch row (fla-core's layout (B, n, H, d), as
+    fla_rows), last in a section: its first call autotunes."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except ImportError:
+        rec(what="switch", n=n, row="fla-linear-elu", failed="fla-core is not installed")
+        return
+    qf, kf, vf = (torch.randn(1, n, H, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    _switch_row(fb(lambda: chunk_linear_attn(F.elu(qf) + 1, F.elu(kf) + 1, vf, normalize=True)[0], qf, kf, vf), n,
+                row="fla-linear-elu")
+
+
 def _kind_layer(label, q, k, v, **extra):
     """Forward + backward of the benchmark row ``label`` (a bf16 module, as ``hf-polyattn bench`` builds it)."""
     from hf_polyattn.bench import kind_rows
@@ -331,15 +349,7 @@ def switch_rows():
     f = layer("linear-elu-window128-gate")
     f()
     print_profile(f, sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
-    try:
-        from fla.ops.linear_attn import chunk_linear_attn
-    except ImportError:
-        rec(what="switch", n=n, row="fla-linear-elu", failed="fla-core is not installed")
-        return
-    # fla-core's layout: (B, n, H, d), as fla_rows
-    qf, kf, vf = (torch.randn(1, n, H, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    row(fb(lambda: chunk_linear_attn(F.elu(qf) + 1, F.elu(kf) + 1, vf, normalize=True)[0], qf, kf, vf),
-        row="fla-linear-elu")
+    _fla_row(n)
 
 
 def chunk_rows():
@@ -358,6 +368,68 @@ def chunk_rows():
             f()
             rec(what="chunk", n=n, round=rnd, min_diag_chunk=chunk, fb_ms=do_bench(f))
     causal.MIN_DIAG_CHUNK = default
+
+
+def scan_rows():
+    """In one process at n = 32k, H = 16, bf16, forward + backward (median ms, peak MiB of one call), the bench's rows
+    as 'auto' runs them: SDPA; linear-elu and the long-context default (linear-elu-window128-gate) as now, without
+    the fused normaliser (``common.FUSED_NORMALISER``: the PyTorch composition) and also without the state slots'
+    Triton scan (``causal.SCAN_KERNEL``: torch's cumsum, ``decayed_running_sums``), alternated twice; a
+    torch.profiler table of each row as now; fla-core's ``chunk_linear_attn`` last (its first call autotunes)."""
+    from hf_polyattn.ops import common
+
+    n = 32768
+    q, k, v = (torch.randn(1, H, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    row = functools.partial(_switch_row, n=n)
+    row(fb(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v), row="sdpa")
+    layers = {label: _kind_layer(label, q, k, v) for label in ("linear-elu", "linear-elu-window128-gate")}
+    for rnd in range(2):
+        for scan, fused in ((True, True), (True, False), (False, False)):
+            causal.SCAN_KERNEL, common.FUSED_NORMALISER = scan, fused
+            for label, f in layers.items():
+                row(f, row=label, scan_kernel=scan, fused_normaliser=fused, round=rnd)
+    causal.SCAN_KERNEL = common.FUSED_NORMALISER = True
+    for label, f in layers.items():
+        print(f"-- profile: {label}, scan kernel", flush=True)
+        print_profile(f, sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60)
+    _fla_row(n)
+
+
+def tf32_rows():
+    """The decayed product's gradients against float64 for bf16 inputs (tests/ops/test_decay.py's test_bf16_inputs
+    case: n = 37, r = 4, e = 5, block 8, 2 x 2 query heads on 2 kv heads), with the kernels' dots in tf32 (what half
+    inputs take by default) and in fp32 accuracy (tf32=False), the state slots' running sums on the Triton scan and
+    on the PyTorch paths: whether each gradient is within the test's tolerance (2^-8 relative + 1e-3), its largest
+    error relative to its element (at least 1e-3) and to its largest element."""
+    from hf_polyattn.ops.backend import lt_product
+    from hf_polyattn.ops.reference import reference_lt_product
+
+    gen = torch.Generator().manual_seed(11)
+    a, b, c = (torch.randn(*lead, 37, w, generator=gen, dtype=torch.float64)
+               for lead, w in (((2, 2), 4), ((2, 1), 4), ((2, 1), 5)))
+    klog = (-0.3 * torch.rand(2, 1, 37, generator=gen, dtype=torch.float64)).cumsum(-1)
+    qlog = klog - 0.3 * torch.rand(2, 2, 37, generator=gen, dtype=torch.float64)
+    xs = [x.to(dev, torch.bfloat16 if i < 3 else torch.float32).requires_grad_()
+          for i, x in enumerate((a, b, c, qlog, klog))]
+    x64 = [x.detach().cpu().double().requires_grad_() for x in xs]
+    # the same bf16 values in fp32 tensors: gradients stored in fp32, not rounded to bf16 by the kernels' stores
+    x32 = [x.detach().float().requires_grad_() for x in xs]
+    g = torch.randn(2, 2, 37, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for square in (False, True):
+        want = torch.autograd.grad(reference_lt_product(*x64[:3], 8, True, square, tuple(x64[3:])), x64, g)
+        for (inputs, leaves), tf32, scan in itertools.product((("bf16", xs), ("fp32 of bf16 values", x32)),
+                                                              (None, False), (True, False)):
+            causal.SCAN_KERNEL = scan
+            out = lt_product(*leaves[:3], 8, True, square, "triton", tf32=tf32, decay=tuple(leaves[3:]))
+            got = torch.autograd.grad(out, leaves, g.to(dev, out.dtype))
+            for name, x, y in zip(("a", "b", "c", "qlog", "klog"), got, want):
+                err = (x.cpu().double() - y).abs()
+                rec(what="tf32", square=square, inputs=inputs, tf32=tf32, scan_kernel=scan, grad=name,
+                    max_abs=err.max().item(),
+                    within_test_tolerance=bool((err <= 1e-3 + 2**-8 * y.abs()).all()),
+                    max_rel=(err / y.abs().clamp_min(1e-3)).max().item(), max_abs_over_max=(err.max() /
+                                                                                           y.abs().max()).item())
+    causal.SCAN_KERNEL = True
 
 
 def profile_shapes():
@@ -385,7 +457,8 @@ def fla_rows():
 
 
 SECTIONS = ["sdpa_rows", "lt_rows", "local_rows", "profile_lt", "layer_rows", "profile_layer", "fla_rows",
-            "profile_kinds", "switch_rows", "chunk_rows", "profile_shapes", "default_rows"]
+            "profile_kinds", "switch_rows", "chunk_rows", "profile_shapes", "default_rows", "scan_rows",
+            "tf32_rows"]
 
 
 def main(argv=None) -> int:

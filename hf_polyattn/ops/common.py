@@ -124,6 +124,16 @@ class _NormalisedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, far, loc, far_scale, offset, out_dtype):  # noqa: D102
+        ctx.has_loc = loc is not None
+        ctx.shapes = (far.shape, None if loc is None else loc.shape, None if far_scale is None else far_scale.shape)
+        keep_far = far_scale is not None and ctx.needs_input_grad[2]
+        ctx.fused = _fused_normaliser(far, loc, far_scale)
+        if ctx.fused:  # one Triton pass (ops/triton/normalise.py): the same values to fp32 rounding
+            from .triton.normalise import normalised_sum_forward
+
+            out, y, den = normalised_sum_forward(far, loc, far_scale, offset, out_dtype)
+            ctx.save_for_backward(y, den, far_scale, far if keep_far else None)
+            return out
         d = far.shape[-1] - 1
         den = _numerator(far, loc, far_scale, slice(d, None))[0] + offset
         ok = den > 0
@@ -134,9 +144,6 @@ class _NormalisedSum(torch.autograd.Function):
         den1 = torch.where(ok, den, 1.0)
         y = (num.div_(den1) if owned else torch.div(num, den1)).masked_fill_(~ok, 0.0)
         del num
-        ctx.has_loc = loc is not None
-        ctx.shapes = (far.shape, None if loc is None else loc.shape, None if far_scale is None else far_scale.shape)
-        keep_far = far_scale is not None and ctx.needs_input_grad[2]
         ctx.save_for_backward(y, torch.where(ok, den, 0.0), far_scale, far if keep_far else None)
         return y.to(out_dtype)
 
@@ -144,6 +151,12 @@ class _NormalisedSum(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: D102
         y, den, far_scale, far = ctx.saved_tensors
+        if ctx.fused:
+            from .triton.normalise import normalised_sum_backward
+
+            need_far, need_loc, need_scale = ctx.needs_input_grad[:3]
+            return (*normalised_sum_backward(g, y, den, far, far_scale, need_far, need_loc and ctx.has_loc,
+                                             need_scale and far is not None), None, None)
         ok = den > 0
         den = torch.where(ok, den, 1.0)
         # the composition's operations with its roundings (negating a sum is exact), written into one buffer and
@@ -169,6 +182,24 @@ class _NormalisedSum(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dfar = (dnum if far_scale is None else dnum * far_scale).sum_to_size(far_shape)
         return dfar, dloc, dscale, None, None
+
+
+# the normaliser in one Triton pass each way on CUDA (``ops/triton/normalise.py``, what it covers: ``fused_ok``);
+# False runs the PyTorch composition below everywhere, as before (the before/after rows of
+# recipes/profile_gpu_kernels.py ``scan_rows``)
+FUSED_NORMALISER = True
+
+
+def _fused_normaliser(far: torch.Tensor, loc: torch.Tensor | None, far_scale: torch.Tensor | None) -> bool:
+    if not (FUSED_NORMALISER and far.is_cuda):
+        return False
+    from .triton import is_available
+
+    if not is_available():
+        return False
+    from .triton.normalise import fused_ok
+
+    return fused_ok(far, loc, far_scale)
 
 
 def normalised_sum(far: torch.Tensor, loc: torch.Tensor | None = None, far_scale: torch.Tensor | None = None,

@@ -214,8 +214,16 @@ def test_no_decay_never_reaches_the_decay_code(monkeypatch, backend):
         _triton_device()
         from hf_polyattn.ops.triton import causal as triton_causal
 
-        for name in ("check_decay", "_decayed_sums"):
+        for name in ("check_decay", "decayed_running_sums"):
             monkeypatch.setattr(triton_causal, name, refuse)
+        undecayed = triton_causal.running_sums_
+
+        def running_sums_(s, logs=None):
+            if logs is not None:
+                refuse()
+            return undecayed(s)
+
+        monkeypatch.setattr(triton_causal, "running_sums_", running_sums_)
         monkeypatch.setattr(triton_causal._Plan, "log_tables", refuse)
     (a, b, c), _ = _on(backend, _inputs(37, 3, 4, (2, 2), (2, 1), seed=17)[:3])
     for square in (False, True):

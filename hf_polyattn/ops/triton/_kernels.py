@@ -20,10 +20,10 @@ Three kinds of kernel, all launched once per call over (tiles x heads):
 
 * ``_state_kernel``: one program per (chunk, F tile, kv head x e tile) writes phi(X_m)^T Y_m of
   its chunk m alone as an fp32 (F x SE) slab (SE: e padded to a multiple of 8 floats, aligned
-  rows); the host turns the slabs into running sums with one cumsum over chunks. Prefix states
+  rows); the host turns the slabs into running sums with one scan over chunks (``_segment_*``). Prefix states
   P (X = B, Y = C, slot m = chunk m) serve the forward and dA; suffix states U (X = A, Y = dO,
   summed over the query heads of a kv head; slot m = chunk NC-1-m) serve dB and dC. After the
-  cumsum, chunk k reads the far part from slot k-1 (prefix) or NC-2-k (suffix).
+  scan, chunk k reads the far part from slot k-1 (prefix) or NC-2-k (suffix).
 * ``_out_kernel`` / ``_da_kernel`` / ``_db_kernel`` / ``_dc_kernel``: one program per (query or
   key tile, head[, e tile]) reads the one state slab of its chunk for the far part and computes the
   diagonal chunk exactly from r-dim dot products, (phi(a).phi(b)) = (a.b)^p with p = 1 or 2.
@@ -356,7 +356,7 @@ def _state_kernel(x_ptr, y_ptr, s_ptr, z_ptr, x_off_ptr, y_off_ptr, i0_ptr, i1_p
 
     NC - 1 slots: the forward reads chunks 0..NC-2 (the last chunk's state is never read), the
     reverse 1..NC-1. One program per (chunk, feature tile, kv head x e tile): every chunk in parallel;
-    the host turns the slots into running sums with one cumsum over the chunk axis. (A first
+    the host turns the slots into running sums with one scan over the chunk axis. (A first
     version walked the chunks in order inside 144 programs at n = 32k, H = 16: latency-bound,
     5.2 ms of a 30 ms forward+backward on an H100.) ``TAIL``: the last e tile's program also
     writes phi(X_k)^T y_k of Y's column E (the tail) into z. ``DECAY``: Y's rows are scaled to the slot's
@@ -677,3 +677,67 @@ def _dc_kernel(a_ptr, b_ptr, g_ptr, u_ptr, uz_ptr, dc_ptr, a_off_ptr, b_off_ptr,
     tl.store(dc_ptr + dco + cols[:, None] * sdn + es[None, :] * sde, acc, mask=cmask[:, None] & emask[None, :])
     if TAIL:
         tl.store(dc_ptr + dco + cols * sdn + E * sde, acc_z, mask=_if_last(cmask, pid_e, ne))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running sums over the state slots (``causal.running_sums_``): x (H, S, X) fp32, contiguous, in place, slot t ->
+# sum_{t' <= t} x_t' (DECAY: exp(L_t - L_t') x_t', L (H, S) non-increasing, so every factor is <= 1). torch.cumsum
+# along dim 1 walks S slots per thread in H X threads (one 16 x 4096 slab set at n = 32k: 217 us a call on an H100,
+# 1.3 of linear-elu's 5.4 ms), too few loads in flight to cover the latency of each. Here the S slots are cut into
+# segments of SEG: each segment's (decayed) total first, in parallel over (X tile, segment, head); then every segment
+# walks its own slots from the carry of the totals before it. 3 passes over x (read, read, write) by NSEG X / BX H
+# programs of SEG sequential steps each.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _segment(S, X, SEG, BX: tl.constexpr):
+    """This program's segment g, head h (int64), column tile (and its mask) and slots [t0, t1)."""
+    g, h = tl.program_id(1), tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(0) * BX + tl.arange(0, BX)
+    t0 = g * SEG
+    return g, h, cols, cols < X, t0, tl.minimum(t0 + SEG, S)
+
+
+@triton.jit
+def _segment_totals_kernel(x_ptr, logs_ptr, tot_ptr, S, X, SEG, NSEG, DECAY: tl.constexpr, BX: tl.constexpr):
+    """tot[h, g] = sum over segment g's slots t of x_t (DECAY: times exp(L_end - L_t), referenced at its last slot)."""
+    g, h, cols, cmask, t0, t1 = _segment(S, X, SEG, BX)
+    base = x_ptr + h * S * X
+    acc = tl.zeros([BX], dtype=tl.float32)
+    if DECAY:
+        end = tl.load(logs_ptr + h * S + t1 - 1)
+    for t in range(t0, t1):
+        x = tl.load(base + t * X + cols, mask=cmask, other=0.0)
+        if DECAY:
+            x = x * tl.exp(end - tl.load(logs_ptr + h * S + t))
+        acc += x
+    tl.store(tot_ptr + (h * NSEG + g) * X + cols, acc, mask=cmask)
+
+
+@triton.jit
+def _segment_scan_kernel(x_ptr, logs_ptr, tot_ptr, S, X, SEG, NSEG, DECAY: tl.constexpr, BX: tl.constexpr):
+    """Segment g's running sums in place: the carry of segments 0..g-1 (their totals, decayed from one segment's end
+    to the next), then its own slots."""
+    g, h, cols, cmask, t0, t1 = _segment(S, X, SEG, BX)
+    base = x_ptr + h * S * X
+    acc = tl.zeros([BX], dtype=tl.float32)
+    if DECAY:
+        # the reference of the carry: segment 0's end while the carry is summed (its first factor multiplies 0); in
+        # segment 0 its own first slot (exp(0) on an empty carry)
+        prev = tl.load(logs_ptr + h * S + tl.where(g > 0, SEG - 1, t0))
+    for g2 in range(0, g):
+        tot = tl.load(tot_ptr + (h * NSEG + g2) * X + cols, mask=cmask, other=0.0)
+        if DECAY:
+            end = tl.load(logs_ptr + h * S + g2 * SEG + SEG - 1)
+            acc = acc * tl.exp(end - prev)
+            prev = end
+        acc += tot
+    for t in range(t0, t1):
+        x = tl.load(base + t * X + cols, mask=cmask, other=0.0)
+        if DECAY:
+            lt = tl.load(logs_ptr + h * S + t)
+            acc = acc * tl.exp(lt - prev)
+            prev = lt
+        acc += x
+        tl.store(base + t * X + cols, acc, mask=cmask)

@@ -9,7 +9,7 @@ Memory and launches (the design constraints of this module):
   T = 256 (the inputs are n (r + e) = 3.2 M values, 6.4 MB in
   bf16). They are kept because they let every output tile run in parallel (n / 64 x heads
   programs); one running (528 x 65) fp32 state is 137 KB, more than a program can hold on chip.
-  Every chunk's own state is computed in parallel and one cumsum over chunks makes them running
+  Every chunk's own state is computed in parallel and one scan over chunks makes them running
   sums (a sequential walk over chunks in 144 programs was latency-bound: 5.2 ms of a 30 ms
   forward+backward at n = 32k, H = 16 on an H100). Backward recomputes them (prefix states P and
   suffix states U, the same kernel): only a, b, c are saved, so nothing F-sized lives between
@@ -18,7 +18,8 @@ Memory and launches (the design constraints of this module):
   first 2^m columns through the e tiles and the last as row sums on the side (``TAIL`` in
   ``_kernels``). Padding 65 columns to one 128-wide tile made half of every state and output dot
   multiply zeros.
-* Forward: 2 launches + 1 cumsum. Backward: up to 5 launches (P, U, dA, dB, dC) + 2 cumsums, plus a
+* Forward: 2 launches + 1 running sum (``running_sums_``: 2 launches). Backward: up to 5 launches (P, U, dA, dB,
+  dC) + 2 running sums, plus a
   sum over broadcast dims when an input was broadcast (dB, dC are already reduced over query groups
   inside the kernels: B and C are never copied G times). Head offset tables are cached per layout,
   so a call makes no host-to-device copy (each one synchronised the stream: 11 per call before).
@@ -41,9 +42,9 @@ Memory and launches (the design constraints of this module):
 * Decay (``decay=(qlog, klog)``, ``ops.causal``'s module doc): the log-decays go to the kernels as fp32 tables in
   head order, (H, G, n) for qlog and (H, n) for klog (n floats a head: a column of q). Each chunk's slab is
   referenced at one key and scaled to it in the state kernel; the running sums over chunks are then decayed sums,
-  slot t = sum_{t' <= t} exp(-|ref_t - ref_t'|) slab_t', by (64 x 64) matrices of decays over groups of slots
-  and their totals (``ops.causal.decayed_running_sums``: 64 F e multiply-adds a slot, a few launches; a
-  sequential scan would be NC launches, one (NC x NC) matrix NC^2 F e).
+  slot t = sum_{t' <= t} exp(-|ref_t - ref_t'|) slab_t', by the same segmented scan as the undecayed sums, each
+  step decaying what it carries by exp(ref_t - ref_{t-1}) <= 1 (``running_sums_``; before it, (64 x 64) matrices of
+  decays over groups of slots, ``ops.causal.decayed_running_sums``, which stays its reference).
   The gradient of qlog is one more per-row sum in the dA kernel, that of klog a row sum of c dC on the host (dC
   then kept in fp32 until it is formed). Not tuned on a GPU yet: correctness and the structure the GPU path needs.
 """
@@ -58,7 +59,7 @@ from ..causal import check_decay, decayed_running_sums
 from ..sketches import symmetric_power_indices
 from . import _kernels as K
 
-__all__ = ["lt_multiply_triton"]
+__all__ = ["lt_multiply_triton", "running_sums_"]
 
 # 64-row tiles, 64 features per tile (a 64 x 64 fp32 phi tile is 32 registers a thread at 4 warps; square
 # features: one tile per input column, R wide), e padded to one tile up to 128. Rows per tile shrink as r
@@ -85,11 +86,23 @@ DIAG_CHUNK_RULE = True
 # 5.07-5.13 ms at 128, alternated three times in one process, 5.49 ms at 256 (recipes/profile_gpu_kernels.py
 # chunk_rows, switch_rows; results/gpu_h100_compiled/). 128 stays off: its dB kernel for identity features keeps 16
 # bytes in local memory in the sm_90 build (3 loads, 2 stores; tests/ops/test_triton_sm90.py), a variant without
-# spills (8 warps) not yet timed
+# spills (8 warps) not yet timed. Since the running sums run as a Triton scan (``SCAN_KERNEL``) 128 is slower: 6.56 ms
+# against 4.68-4.69 at 64 in one process (results/gpu_h100_scan/run1)
 MIN_DIAG_CHUNK = 64
 # chunks of at least F rows (module doc); False keeps the chunk at block_size or below, as before (same script:
 # ``block_states_*`` rows)
 STATE_CHUNK_RULE = True
+# the running sums of the state slots: the segmented Triton scan (``running_sums_``); False runs torch's cumsum over
+# the slot dim (1.3 of linear-elu's 5.4 ms of GPU time at n = 32k, H = 16 on an H100, six calls,
+# gpu_h100_auto/run2/profile_kinds.txt) and, decayed, ``causal.decayed_running_sums`` (matmuls by 64 x 64 decay
+# matrices: 1.46 of the long-context default's 11.7 ms, gpu_h100_compiled/run2/followup.txt), as before. On an H100
+# (n = 32k, H = 16, bf16, forward + backward, one process, alternated twice) linear-elu took 4.66-4.70 ms with the
+# scan against 5.46-5.47 without, the default 10.4-11.2 against 12.3-17.5 (results/gpu_h100_scan/)
+SCAN_KERNEL = True
+# slots per segment (a program's sequential steps) and columns per program: at n = 32k, T = 64, H = 16 the slabs are
+# (16, 511, 64 x 64): 16 segments x 16 column tiles x 16 heads = 4,096 programs of at most 32 steps
+SCAN_SEGMENT = 32
+_SCAN_COLUMNS = 256
 # square feature tiles formed by column scaling (``_kernels`` module doc); False runs the gathered symmetric
 # tiles they replaced (same script: ``gathered_*`` rows)
 SQUARE_TILES = True
@@ -277,7 +290,7 @@ class _Plan:
         (reverse: slot k holds chunks NC-1-k..NC-1), summed over ``groups`` query groups; and the
         (H, NC-1, F) sums for Y's tail column (a 1-element dummy without a tail). ``logs``: (X's row log-decays
         as an (H, groups, n) table, the klog table) of a decayed product: slot k is referenced at the last key of
-        chunk k (reverse: the key before chunk NC-1-k), its running sum decayed to it (``_decayed_sums``)."""
+        chunk k (reverse: the key before chunk NC-1-k), its running sum decayed to it (``running_sums_``)."""
         s = torch.empty(self.H, self.NC - 1, self.F, self.SE, dtype=torch.float32, device=self.device)
         z = torch.empty((self.H, self.NC - 1, self.F) if self.tail else (1,), dtype=torch.float32,
                         device=self.device)
@@ -293,18 +306,37 @@ class _Plan:
             R=self.R, PREC=self.prec, ACT=self.act, DECAY=logs is not None, num_warps=_NUM_WARPS,
             num_stages=_NUM_STAGES,
         )
+        ref = None
+        if logs is not None:
+            ref = klog[:, self.T - 1 :: self.T][:, : self.NC - 1]  # the last keys of chunks 0..NC-2
+            # slot t gets sum_{t' <= t} exp(ref_t - ref_t') s_t' (reverse: exp(ref_t' - ref_t)), the sign that
+            # keeps every exponent <= 0 (prefix references move forward, where klog falls; suffix ones backward)
+            ref = (-ref.flip(-1) if reverse else ref).contiguous()
+        return running_sums_(s, ref), (running_sums_(z, ref) if self.tail else z)
+
+
+def running_sums_(s: torch.Tensor, logs: torch.Tensor | None = None) -> torch.Tensor:
+    """s (H, S, ...) fp32 contiguous, in place: slot t <- sum_{t' <= t} s_t', or with ``logs`` (H, S) fp32,
+    non-increasing along S, sum_{t' <= t} exp(logs_t - logs_t') s_t'. ``SCAN_KERNEL``: the segmented Triton scan
+    (``_kernels``' "Running sums"); else the PyTorch reference it replaced (``cumsum_``, ``decayed_running_sums``)."""
+    if not SCAN_KERNEL:
         if logs is None:
-            return s.cumsum_(1), (z.cumsum_(1) if self.tail else z)
-        ref = klog[:, self.T - 1 :: self.T][:, : self.NC - 1]  # the last keys of chunks 0..NC-2
-        ref = ref.flip(-1) if reverse else ref
-        return _decayed_sums(s, ref, reverse), (_decayed_sums(z, ref, reverse) if self.tail else z)
-
-
-def _decayed_sums(s: torch.Tensor, ref: torch.Tensor, reverse: bool) -> torch.Tensor:
-    """Running sums over the slot axis of s (H, S, ...) with decays between the slots' reference keys ``ref``
-    (H, S): slot t gets sum_{t' <= t} exp(ref_t - ref_t') s_t' (reverse: exp(ref_t' - ref_t)), the sign that keeps
-    every exponent <= 0 (prefix references move forward, where klog falls; suffix references backward)."""
-    return decayed_running_sums(s.flatten(2), -ref if reverse else ref).view_as(s)
+            return s.cumsum_(1)
+        return s.copy_(decayed_running_sums(s.flatten(2), logs).view_as(s))
+    H, S = s.shape[0], s.shape[1]
+    X = s[0, 0].numel() if H and S else 0
+    if H * S * X == 0 or S == 1:
+        return s
+    nseg = _cdiv(S, SCAN_SEGMENT)
+    bx = min(_SCAN_COLUMNS, _pow2(X))
+    tot = torch.empty(H, nseg, X, dtype=torch.float32, device=s.device)
+    table = _no_table(s.device) if logs is None else logs
+    grid = (_cdiv(X, bx), nseg, H)
+    args = (s, table, tot, S, X, SCAN_SEGMENT, nseg)
+    if nseg > 1:
+        K._segment_totals_kernel[grid](*args, DECAY=logs is not None, BX=bx, num_warps=_NUM_WARPS)
+    K._segment_scan_kernel[grid](*args, DECAY=logs is not None, BX=bx, num_warps=_NUM_WARPS)
+    return s
 
 
 def _precision(tf32, dtypes) -> str:
