@@ -23,9 +23,9 @@ _SINK_POSITION_LABELS = {"window": "positions within the window", "own": "their 
 
 def sink_position_label(config) -> str:
     """Where the sinks are scored, in words: 'positions within the window', 'their own positions', or with
-    ``sink_span`` 'at most 1024 positions back'."""
+    ``sink_span`` 'positions at most 1024 back'."""
     if config.sink_position == "window" and config.sink_span:
-        return f"at most {config.sink_span} positions back"
+        return f"positions at most {config.sink_span} back"
     return _SINK_POSITION_LABELS[config.sink_position]
 
 
