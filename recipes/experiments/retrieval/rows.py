@@ -95,9 +95,9 @@ SELECT = {
        for cache, sinks, extra in [(512, "+span1024", ("sink_span=1024",)), (512, "+span4096", ("sink_span=4096",)),
                                    (2048, "+span1024", ("sink_span=1024",)), (2048, "+span4096", ("sink_span=4096",))]
        for template in ("vault", "classic")},
-    **{f"hh_max256+sparse512+observe16{sinks}_classic_8k": (
-        "classic", "8182", ("decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16", *extra))
-       for sinks, extra in [("", ()), ("+own", ("sink_position=own",))]},
+    **{f"hh_max256+sparse{cache}+observe16{sinks}_classic_8k": (
+        "classic", "8182", ("decay_max_horizon=256", f"sparse_cache={cache}", "sparse_observe=16", *extra))
+       for cache in (512, 2048) for sinks, extra in [("", ()), ("+own", ("sink_position=own",))]},
 }
 
 ROWS = {
