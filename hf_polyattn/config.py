@@ -47,12 +47,12 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 # Shared fields that change what a kind computes when set: a kind that does not read one refuses it (KindSpec.fields).
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
-             "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset", "poly_coefficients",
-             "learn_coefficients", "feature_map", "decay", "decay_horizon", "decay_max_horizon", "short_conv",
-             "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool", "sparse_score")
+             "sink_span", "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset",
+             "poly_coefficients", "learn_coefficients", "feature_map", "decay", "decay_horizon", "decay_max_horizon",
+             "short_conv", "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool", "sparse_score")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
-                "window": 0, "sinks": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0, "sparse_cache": 0,
-                "sparse_chunk": 1, "sparse_observe": 0, "sparse_observe_pool": 1}
+                "window": 0, "sinks": 0, "sink_span": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0,
+                "sparse_cache": 0, "sparse_chunk": 1, "sparse_observe": 0, "sparse_observe_pool": 1}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
 # sketches / features of a smaller one (2**62 those of 0).
 _INT_MAXIMUM = {"seed": 2**62 - 1}
@@ -154,7 +154,18 @@ class PolyAttnConfig:
             "[50.1, 29.0, 33.5, 32.4, 31.2, 50.9, 62.4, 67.1], 'window' [50.1, 28.9, 33.4, 32.2, 29.1, 37.7, 45.9, "
             "36.9], softmax [43.9, 23.5, 24.7, 25.4, 21.4, 26.0, 35.3, 26.6]. Models without RoPE (GPT-2, BERT: "
             "positions added at the input) have nothing to re-rotate: both give the same outputs there. 'own' needs "
-            "sinks > 0"
+            "sinks > 0. sink_span moves the 'window' position further out"
+        },
+    )
+    sink_span: int = field(
+        default=0,
+        metadata={
+            "help": "with sink_position='window' on a RoPE model, the farthest position a query scores the sinks "
+            "from: a query with p real tokens before it scores them as if it sat at min(p, sink_span), so sink j "
+            "sits up to sink_span - j positions before it (a query is never moved forward). 0 = window + sinks - 1, "
+            "StreamingLLM's rule (the sinks just beyond the window); a larger span puts them between that and "
+            "their own positions ('own'). Needs sinks > 0, sink_position='window' and sink_span >= window + sinks "
+            "- 1 (no sink scored closer than the window's oldest key). Models without RoPE: no effect"
         },
     )
     learned_sinks: int = field(
@@ -405,6 +416,15 @@ class PolyAttnConfig:
         if self.sink_position != "window" and not self.sinks:
             raise ValueError(f"sink_position={self.sink_position!r} needs sinks > 0 (it places the attention sinks), "
                              "got sinks=0")
+        if self.sink_span:
+            if not self.sinks or self.sink_position != "window":
+                raise ValueError(f"sink_span={self.sink_span} needs sinks > 0 and sink_position='window' (it moves "
+                                 "where the re-rotated sinks are scored; 0 = off), got sinks="
+                                 f"{self.sinks}, sink_position={self.sink_position!r}")
+            if self.sink_span < self.window + self.sinks - 1:
+                raise ValueError(f"sink_span must be 0 or >= window + sinks - 1 = {self.window + self.sinks - 1} "
+                                 "(a sink is never scored closer than the window's oldest key), got "
+                                 f"{self.sink_span}")
         for name in ("sinks", "learned_sinks"):
             if getattr(self, name) and not self.window:
                 raise ValueError(f"{name}={getattr(self, name)} needs window > 0 (sink keys are attended exactly "
@@ -472,6 +492,12 @@ class PolyAttnConfig:
     def max_log_gate(self) -> float | None:
         """The largest log-gate ``decay_max_horizon`` allows (-1 / it), or None without a bound."""
         return -1.0 / self.decay_max_horizon if self.decay_max_horizon else None
+
+    @property
+    def resolved_sink_span(self) -> int:
+        """The farthest position a query scores the sinks from with ``sink_position='window'`` (RoPE models): query i
+        is re-rotated to min(p_i, this), p_i the real keys before it; ``sink_span``, or window + sinks - 1 when 0."""
+        return self.sink_span if self.sink_span else self.window + self.sinks - 1
 
     @property
     def resolved_local_kernel(self) -> str | None:

@@ -23,9 +23,10 @@ TRAIN_FIELDS = ("transfer_steps", "transfer_lr", "transfer_batch_size", "transfe
 # without one ran before it existed, i.e. with what its default computes: no short convolution, no sparse cache (nor
 # its re-choice by a prompt's last queries: sparse_observe, sparse_observe_pool, nor its ranking: sparse_score), no
 # bound on the decay's memory
-# (decay_max_horizon), and SmolLM2 has no sliding layers and no soft-capping.
+# (decay_max_horizon), the sinks' span at w + s - 1 (sink_span 0: issue 32), and SmolLM2 has no sliding layers and
+# no soft-capping.
 ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk", "softcap_mode", "decay_max_horizon",
-               "sparse_observe", "sparse_observe_pool", "sparse_score"}
+               "sparse_observe", "sparse_observe_pool", "sparse_score", "sink_span"}
 
 
 def smollm2_config():

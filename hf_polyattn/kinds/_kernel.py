@@ -11,7 +11,7 @@ KERNEL_FIELDS = ("short_conv", "qk_norm", "feature_proj", "block_size", "backend
 # sparse_cache / sparse_chunk / sparse_observe(_pool) / sparse_score: the bounded sparse cache beside the window
 # (ops/sparse.py).
 LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
-                "learned_sinks", "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool",
+                "sink_span", "learned_sinks", "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool",
                 "sparse_score", "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon", "decay_max_horizon")
@@ -21,11 +21,19 @@ DECAY_FIELDS = ("decay", "decay_horizon", "decay_max_horizon")
 _SINK_POSITION_LABELS = {"window": "positions within the window", "own": "their own positions"}
 
 
+def sink_position_label(config) -> str:
+    """Where the sinks are scored, in words: 'positions within the window', 'their own positions', or with
+    ``sink_span`` 'positions at most 1024 back'."""
+    if config.sink_position == "window" and config.sink_span:
+        return f"positions at most {config.sink_span} back"
+    return _SINK_POSITION_LABELS[config.sink_position]
+
+
 def sink_label(config) -> str:
     """' + 4 sink tokens (positions within the window) + 8 learned sink slots': what a window attends exactly besides
     its keys ('' for none)."""
     return "".join(f" + {n} {what}{'s' if n > 1 else ''}{detail}" for n, what, detail in (
-        (config.sinks, "sink token", f" ({_SINK_POSITION_LABELS[config.sink_position]})"),
+        (config.sinks, "sink token", f" ({sink_position_label(config)})"),
         (config.learned_sinks, "learned sink slot", "")) if n)
 
 
@@ -45,7 +53,7 @@ def window_memory(config) -> str:
     keys = f"the last {config.window} keys and values (the exact sliding window)"
     if config.sinks:
         keys = (f"the first {config.sinks} and the last {config.window} keys and values ({config.sinks} attention "
-                f"sinks, scored at {_SINK_POSITION_LABELS[config.sink_position]}, + the exact sliding window: "
+                f"sinks, scored at {sink_position_label(config)}, + the exact sliding window: "
                 f"{config.sinks + config.window} keys)")
     return keys
 

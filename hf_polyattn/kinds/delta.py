@@ -193,8 +193,8 @@ SPEC = register_kind(KindSpec(
     causal=True,
     bidirectional=False,
     cross_attention=False,
-    fields=("window", "sinks", "sink_position", "learned_sinks", "decay", "decay_horizon", "decay_max_horizon",
-            "short_conv"),
+    fields=("window", "sinks", "sink_position", "sink_span", "learned_sinks", "decay", "decay_horizon",
+            "decay_max_horizon", "short_conv"),
     options={
         "delta_mix_init": Option(0.0, "initial factor m on the delta read-out added to the exact window's output, per "
                                       "query head (learned; needs window > 0): 0 starts the model as its window + "

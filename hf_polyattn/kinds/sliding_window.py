@@ -87,7 +87,8 @@ SPEC = register_kind(KindSpec(
     title="sliding-window attention (exact local attention alone, Longformer: Beltagy et al., arXiv:2004.05150; with "
           "sinks, StreamingLLM's training-free attention sinks: Xiao et al., arXiv:2309.17453)",
     reference=reference_attention,
-    fields=("window", "sinks", "sink_position", "learned_sinks", "local_kernel", "degree", "denominator_offset"),
+    fields=("window", "sinks", "sink_position", "sink_span", "learned_sinks", "local_kernel", "degree",
+            "denominator_offset"),
     # 256 keys when named alone (attn_implementation="sliding_window"): Longformer's one-sided window (its 512
     # spans both sides)
     defaults={"window": 256},

@@ -462,7 +462,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
                 rot = None
                 if shifted:  # ``window.sink_shifts``' delta from the real keys before the query (as below)
                     seen = ring.length if ring.seen is None else int(ring.seen)  # (1,): a left-padded prompt
-                    delta = min(0, cfg.window + cfg.sinks - 1 - seen)
+                    delta = min(0, cfg.resolved_sink_span - seen)
                     rot = self.rope.matrix_by(delta, self.head_dim, query.device, work) if delta else None
                     if ring.seen is not None:
                         ring.seen = ring.seen + 1  # a new tensor: ``to_recurrent`` hands the ring's on
@@ -476,7 +476,7 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         if shifted and ring.at is not None:
             # a static ring (``WindowRing.make_static``): the delta from the real keys each row has seen, counted on
             # the device, so that a recorded step turns each later query by its own delta (``window.sink_shifts``)
-            span = cfg.window + cfg.sinks - 1
+            span = cfg.resolved_sink_span
             sink_q, seen = self.rope.rotate(q5, (span - ring.real).clamp(max=0).view(bsz, 1, 1, 1)), None
             if key_padding_mask is None:
                 ring.real.add_(1)
@@ -485,8 +485,8 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
                 ring.seen = ring.real  # rows now differ from ``length``: the count a later chunk reads
         elif key_padding_mask is None and ring.seen is None and shifted:
             # every row has seen `length` real keys: one delta for the whole batch (``window.sink_shifts``); 0, R(0)
-            # the identity, until window + sinks - 1 keys: the sinks then score with the query itself
-            delta = min(0, cfg.window + cfg.sinks - 1 - ring.length)
+            # the identity, until resolved_sink_span keys: the sinks then score with the query itself
+            delta = min(0, cfg.resolved_sink_span - ring.length)
             sink_q, seen = (self.rope.rotate_by(q5, delta) if delta else None), None
         else:
             sink_q, seen = self._sink_queries(q5, key_padding_mask, 1, ring)
@@ -504,13 +504,14 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         row after this call for the state, or None: every key so far was real, ``length`` counts them).
 
         Only with ``sinks``, ``sink_position='window'`` and a RoPE model's rotation (``rope``, set by the
-        integration): query i turns by delta_i = min(0, w + s - 1 - p_i), p_i the real keys before it in its row
-        (``window.sink_shifts``; a state's ``seen`` or ``length`` and the call's key padding mask)."""
+        integration): query i turns by delta_i = min(0, S - p_i) (S = ``cfg.resolved_sink_span``: ``sink_span``, or
+        w + s - 1), p_i the real keys before it in its row (``window.sink_shifts``; a state's ``seen`` or ``length``
+        and the call's key padding mask)."""
         cfg = self.config
         if not (cfg.sinks and cfg.sink_position == "window" and self.rope is not None):
             return None, None
         seen = 0 if state is None else (state.length if state.seen is None else state.seen)
-        shifts = sink_shifts(key_mask, q5.shape[3], lk, seen, cfg.window + cfg.sinks - 1, q5.device)
+        shifts = sink_shifts(key_mask, q5.shape[3], lk, seen, cfg.resolved_sink_span, q5.device)
         sink_q = self.rope.rotate(q5, shifts[:, None, None, :])
         if state is None or (key_mask is None and state.seen is None):
             return sink_q, None

@@ -7,7 +7,8 @@ with ``local_exact``, inside the sliding window and at the attention sinks with 
 ``sinks`` — masks it (causal bottom-right aligned, key padding) and normalises. Learned sink
 slots (``learned_sinks`` m) are m extra keys and values in front of the sequence's, never masked:
 the weights are then (B, H, Lq, m + Lk). With ``sink_position='window'`` and a RoPE module (``module.rope``) the sink
-columns are scored by each query re-rotated to position min(p_i, w + s - 1), p_i its row's real keys before it.
+columns are scored by each query re-rotated to position min(p_i, S), p_i its row's real keys before it (S =
+``cfg.resolved_sink_span``: ``sink_span``, or w + s - 1).
 A layer's logit soft-cap c (``module.softcap``) turns every exact score x into c tanh(x / c) first; the kernel part
 phi(q).phi(k) forms no score and stays as it is.
 Slow and memory-hungry on purpose: no blocks, no prefix sums, no shared code paths with
@@ -223,9 +224,10 @@ def _sink_keys(cfg, key_padding_mask: torch.Tensor | None, batch: int, lk: int, 
 def _sink_queries(module: PolyAttention, q_raw: torch.Tensor, key_padding_mask: torch.Tensor | None,
                   lk: int) -> torch.Tensor:
     """The queries (B, Hkv, G, Lq, d) that score the sink columns: q_raw itself, or with ``sink_position='window'``
-    and ``module.rope`` each query i rotated from p_i to min(p_i, w + s - 1), p_i = the unpadded keys of its row
-    before it (query i is key lk - lq + i), one row and query at a time; pair t of dims (a_t, b_t) (``rope.pairs``;
-    the rotate_half pairs (t, t + F) when None) turns by the angle (P_i - p_i) f_t."""
+    and ``module.rope`` each query i rotated from p_i to min(p_i, S) (S = ``cfg.resolved_sink_span``: ``sink_span``,
+    or w + s - 1), p_i = the unpadded keys of its row before it (query i is key lk - lq + i), one row and query at a
+    time; pair t of dims (a_t, b_t) (``rope.pairs``; the rotate_half pairs (t, t + F) when None) turns by the angle
+    (P_i - p_i) f_t."""
     cfg, rope = module.config, module.rope
     if not cfg.sinks or cfg.sink_position != "window" or rope is None:
         return q_raw
@@ -236,7 +238,7 @@ def _sink_queries(module: PolyAttention, q_raw: torch.Tensor, key_padding_mask: 
         for i in range(lq):
             key = lk - lq + i
             p = key if key_padding_mask is None else int(key_padding_mask[row, :key].sum())
-            delta = min(p, cfg.window + cfg.sinks - 1) - p
+            delta = min(p, cfg.resolved_sink_span) - p
             angle = delta * rope.inv_freq.to(torch.float64)
             cos, sin = angle.cos().to(q_raw.dtype), angle.sin().to(q_raw.dtype)
             x, (a, c) = q_raw[row, :, :, i], pairs
@@ -272,7 +274,7 @@ def reference_weights(module: PolyAttention, q: torch.Tensor, k: torch.Tensor, *
         return ((xx + cfg.alpha) / cfg.beta) ** cfg.degree  # alpha, beta: kind='polynomial' only (validated)
 
     # exact beside the window: the attention sinks (the future ones are masked below, as every key), scored by the
-    # queries of sink_position (a query that still has a sink in its window sits at p_i < w + s - 1: not rotated)
+    # queries of sink_position (a query at p_i <= S = cfg.resolved_sink_span is not rotated)
     sink = _sink_keys(cfg, key_padding_mask, q.shape[0], lk, q.device) if cfg.sinks else False
     if cfg.sinks:
         x_raw = torch.where(sink, (_sink_queries(module, q_raw, key_padding_mask, lk) @ k_raw.transpose(-1, -2)) * s,

@@ -40,6 +40,9 @@ the real query. p_i counts the real keys before query i in its row (``sink_shift
 first real key, which is what transformers' position_ids give it whenever a row's real tokens have consecutive
 positions (generate's cumsum(mask) - 1, a forward's arange, left or right padded) and which left padding does not
 move. A query with p_i <= w + s - 1 is not rotated: the sinks still in its window are scored as window keys were.
+``sink_span`` S > w + s - 1 moves the sinks further out: P_i = min(p_i, S), so sink j sits up to S - j positions
+before the query (between StreamingLLM's place and the sinks' own positions, 'own'); the span used is
+``PolyAttnConfig.resolved_sink_span`` (S, or w + s - 1 when sink_span is 0).
 
 Linear time: the far part is the ordinary causal product with queries shifted by w
 (``lt(phi(Q)[w:], phi(K)[:-w]) V[:-w]``: row i sums keys j <= i - w), so it runs on every
@@ -101,10 +104,10 @@ class Sinks:
 
 def sink_shifts(key_mask: torch.Tensor | None, lq: int, lk: int, seen: int | torch.Tensor, span: int,
                 device) -> torch.Tensor:
-    """(B or 1, lq) int64: the rotation delta_i = min(0, span - p_i) (``span`` = w + s - 1) that moves each query of a
-    causal call to where it scores the sinks, p_i = the real keys of its row before it: ``seen`` (an int, or (B,)) of
-    the calls before, then the call's own keys (``key_mask`` (B, lk), None: all real) before query i's key lk - lq + i
-    (rows bottom-right aligned)."""
+    """(B or 1, lq) int64: the rotation delta_i = min(0, span - p_i) (``span``: ``PolyAttnConfig.resolved_sink_span``,
+    w + s - 1 unless ``sink_span`` is set) that moves each query of a causal call to where it scores the sinks, p_i =
+    the real keys of its row before it: ``seen`` (an int, or (B,)) of the calls before, then the call's own keys
+    (``key_mask`` (B, lk), None: all real) before query i's key lk - lq + i (rows bottom-right aligned)."""
     if key_mask is None:
         before = torch.arange(lk - lq, lk, device=device).unsqueeze(0)
     else:

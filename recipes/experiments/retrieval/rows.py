@@ -86,6 +86,18 @@ SELECT = {
                                                                   "sparse_observe=16")),
     "hh_max256+sparse2048+observe16+own_vault_8k": ("vault", "8182", ("decay_max_horizon=256", "sparse_cache=2048",
                                                                       "sparse_observe=16", "sink_position=own")),
+    # an intermediate sink distance (sink_span: the query scores the re-rotated sinks as if at min(p, span), 'window'
+    # being span 131 and 'own' the sinks' true positions): whether one keeps 'window''s 'classic' answers (where the
+    # far sinks of 'own' absorb the dropped keys' weight) and 'own''s 'vault' ones; the 8k 'classic' prompts alone
+    # (keys drawn first, as the 'vault' cells: not the table's 8k keys) with the preset's 'window' and 'own' beside
+    **{f"hh_max256+sparse{cache}+observe16{sinks}_{template}_8k": (
+        template, "8182", ("decay_max_horizon=256", f"sparse_cache={cache}", "sparse_observe=16", *extra))
+       for cache, sinks, extra in [(512, "+span1024", ("sink_span=1024",)), (512, "+span4096", ("sink_span=4096",)),
+                                   (2048, "+span1024", ("sink_span=1024",)), (2048, "+span4096", ("sink_span=4096",))]
+       for template in ("vault", "classic")},
+    **{f"hh_max256+sparse{cache}+observe16{sinks}_classic_8k": (
+        "classic", "8182", ("decay_max_horizon=256", f"sparse_cache={cache}", "sparse_observe=16", *extra))
+       for cache in (512, 2048) for sinks, extra in [("", ()), ("+own", ("sink_position=own",))]},
 }
 
 ROWS = {
