@@ -89,7 +89,10 @@ SELECT = {
     # an intermediate sink distance (sink_span: the query scores the re-rotated sinks as if at min(p, span), 'window'
     # being span 131 and 'own' the sinks' true positions): whether one keeps 'window''s 'classic' answers (where the
     # far sinks of 'own' absorb the dropped keys' weight) and 'own''s 'vault' ones; the 8k 'classic' prompts alone
-    # (keys drawn first, as the 'vault' cells: not the table's 8k keys) with the preset's 'window' and 'own' beside
+    # (keys drawn first, as the 'vault' cells: not the table's 8k keys) with the preset's 'window' and 'own' beside.
+    # Measured (of 10, 'window' / span 1024 / span 4096 / 'own'): 512 keys 'classic' 7 / 8 / 5 / 1, 'vault' 3 / 3 / 3 /
+    # 4; 2,048 keys 'classic' 7 / 8 / 6 / not run, 'vault' 3 / 5 / 5 / 8: span 1024 keeps (and adds one to)
+    # 'window''s 'classic' answers and takes 2 of the 5 'vault' answers 'own' adds at 2,048 keys; no span gets both
     **{f"hh_max256+sparse{cache}+observe16{sinks}_{template}_8k": (
         template, "8182", ("decay_max_horizon=256", f"sparse_cache={cache}", "sparse_observe=16", *extra))
        for cache, sinks, extra in [(512, "+span1024", ("sink_span=1024",)), (512, "+span4096", ("sink_span=4096",)),
