@@ -21,15 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .causal import _pow2
+
 __all__ = ["fused_ok", "normalised_sum_backward", "normalised_sum_forward"]
 
 MAX_D = 256
 # rows per program: 32 rows x 64 columns of fp32 is 8 KB a tensor, 16 values a thread at 4 warps
 _ROWS = 32
-
-
-def _pow2(x: int) -> int:
-    return max(16, 1 << max(0, x - 1).bit_length())
 
 
 def fused_ok(far: torch.Tensor, loc: torch.Tensor | None, far_scale: torch.Tensor | None) -> bool:
