@@ -29,12 +29,14 @@ def flags(flag: str, *settings: str) -> list[str]:
     return [x for s in settings for x in (flag, s)]
 
 
-def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str = "none") -> list[str]:
+def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str = "none",
+             threads: int = 2) -> list[str]:
     """``hf-polyattn eval`` of a saved model (another row's ``runs/retrieval/<row>/model``) with ``settings``."""
     sets = flags("--set", *settings)
     return ["-m", "hf_polyattn.cli", "eval", model, "--data", "demo", "--contexts", CONTEXTS, "--passkey", PASSKEY,
             "--passkey-templates", TEMPLATES, "--passkey-depths", "10", "--max-eval-tokens", "12288",
-            "--baselines", baselines, "--threads", "2", *(["--kind", kind] if kind else []), *sets, "--out", "{out}"]
+            "--baselines", baselines, "--threads", str(threads), *(["--kind", kind] if kind else []), *sets,
+            "--out", "{out}"]
 
 
 TRAINED = "runs/retrieval/{}/model"
@@ -43,8 +45,9 @@ TRAINED = "runs/retrieval/{}/model"
 # themselves, on the saved model, with --set
 AS_TRAINED = flags("--reconfigure", "sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0")
 
-# the linear-only preset's reconfigure, as --set on the trained row's model
-PRESET_SETS = flags("--set", "decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16")
+# the linear-only preset's reconfigure until 2026-11-28 (512 keys, the sinks at 'window'), as --set on the trained
+# row's model: the settings the diagnostic rows below vary one at a time
+SETS512 = flags("--set", "decay_max_horizon=256", "sparse_cache=512", "sparse_observe=16")
 VAULT_4K = ("hh_max256+sparse512+observe16_vault_4k", "softmax_vault_4k",
             "hh_max256+sparse512+observe16_read_all_vault_4k", "hh_max256+sparse1024+observe16_vault_4k",
             "hh_loop_vault_4k", "hh_loop_classic_1k4k", "hh_max256+sparse512+observe16_nofar_vault_4k",
@@ -55,7 +58,7 @@ PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key",
           "h2o_nofar", "h2o_window_nofar", "h2o_max_nofar", "oracle_needle_nofar", "plumbing_nofar")
 
 # inference-time settings of the bounded cache on the trained row 'hh' (nothing trained), whether one lifts the
-# 'vault' misses at 4k / 8k: the preset's settings (PRESET_SETS) with one changed, each a passkey cell
+# 'vault' misses at 4k / 8k: the preset's settings (SETS512) with one changed, each a passkey cell
 # (template, length, settings)
 SELECT = {
     "hh_max256+sparse512+observe64_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=512",
@@ -72,14 +75,14 @@ SELECT = {
     # trained row's own q, k find the far 'vault' needles that the preset's 512 keys miss
     "hh_max256+all_keys_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=4096")),
     # the preset's settings with the streaming selection ranking by the recall error over |v| (sparse_score)
-    "hh_max256+sparse512+observe16+relative_vault_4k": ("vault", "4096", (*PRESET_SETS[1::2], "sparse_score=relative")),
-    "hh_max256+sparse512+observe16+relative_vault_8k": ("vault", "8182", (*PRESET_SETS[1::2], "sparse_score=relative")),
+    "hh_max256+sparse512+observe16+relative_vault_4k": ("vault", "4096", (*SETS512[1::2], "sparse_score=relative")),
+    "hh_max256+sparse512+observe16+relative_vault_8k": ("vault", "8182", (*SETS512[1::2], "sparse_score=relative")),
     # the sinks scored at their own positions (sink_position='own') instead of StreamingLLM's, beside the window: with
     # a cache that holds far keys at their true positions, the re-rotated sinks draw attention they never drew in the
     # checkpoint (every key exact, 'window': wrong at 8k depth 0.25, where 'own' matches softmax's logits:
     # probe_against_softmax.py); caches of 1,024 and 2,048 keys on the same 8k prompts, with and without it
-    "hh_max256+sparse512+observe16+own_vault_4k": ("vault", "4096", (*PRESET_SETS[1::2], "sink_position=own")),
-    "hh_max256+sparse512+observe16+own_vault_8k": ("vault", "8182", (*PRESET_SETS[1::2], "sink_position=own")),
+    "hh_max256+sparse512+observe16+own_vault_4k": ("vault", "4096", (*SETS512[1::2], "sink_position=own")),
+    "hh_max256+sparse512+observe16+own_vault_8k": ("vault", "8182", (*SETS512[1::2], "sink_position=own")),
     "hh_max256+sparse1024+observe16+own_vault_8k": ("vault", "8182", ("decay_max_horizon=256", "sparse_cache=1024",
                                                                       "sparse_observe=16", "sink_position=own")),
     "hh_max256+sparse2048+observe16_vault_8k": ("vault", "8182", ("decay_max_horizon=256", "sparse_cache=2048",
@@ -166,6 +169,14 @@ ROWS = {
     # 'vault' 10 / 10 / 10 / 7, but 'classic' at 8k 0 of 10 and 1.27x at 8k, as with 512 keys and 'own'
     "hh_max256+sparse2048+observe16+own": evaluate(TRAINED.format("hh"), "decay_max_horizon=256",
                                                    "sparse_cache=2048", "sparse_observe=16", "sink_position=own"),
+    # the sinks at the intermediate distance that kept 'classic' at 8k (SELECT's span cells: span 1024 with 2,048 keys
+    # 'classic' 8 and 'vault' 5 of 10 on the 8k prompts alone), the full grid, with 512 keys and with 2,048; two
+    # single-threaded rows side by side. Measured: 2,048 keys perplexity 1.00-1.10x softmax's to 8k, 'classic'
+    # 10 / 10 / 10 / 9, 'vault' 10 / 10 / 10 / 5 (the linear-only preset's settings since); 512 keys 'vault' 7 / 3 at
+    # 4k / 8k and 1.17x at 8k
+    **{f"hh_max256+sparse{cache}+observe16+span1024": evaluate(
+        TRAINED.format("hh"), "decay_max_horizon=256", f"sparse_cache={cache}", "sparse_observe=16",
+        "sink_span=1024", threads=1) for cache in (512, 2048)},
     # diagnostics of the 'vault' misses at 4k (the far needles), on the 4k prompts alone (another draw of keys than
     # the table's 4k cell): the preset's settings; softmax on the same prompts; the observed queries reading every
     # key exactly (probe_observe_wide.py); a cache twice as large
@@ -173,19 +184,19 @@ ROWS = {
                             "--passkey", "4096", "--passkey-templates", "vault", "--passkey-depths", "10",
                             "--baselines", "none", "--threads", "2", *sets, "--out", "{out}"]
        for name, module, model_, sets in [
-           ("hh_max256+sparse512+observe16", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh")], PRESET_SETS),
+           ("hh_max256+sparse512+observe16", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh")], SETS512),
            ("softmax", ["-m", "hf_polyattn.cli", "eval"], ["smollm2"], []),
            ("hh_max256+sparse512+observe16_read_all", ["-m", "recipes.experiments.retrieval.probe_observe_wide"],
-            [TRAINED.format("hh"), "--keys", "4096"], PRESET_SETS),
+            [TRAINED.format("hh"), "--keys", "4096"], SETS512),
            ("hh_max256+sparse1024+observe16", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh")],
             flags("--set", "decay_max_horizon=256", "sparse_cache=1024", "sparse_observe=16")),
            # the row hh trained further with those settings in the loop (hh_loop below)
-           ("hh_loop", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh_loop")], PRESET_SETS),
-           ("hh_loop_lora", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh_loop_lora")], PRESET_SETS),
+           ("hh_loop", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh_loop")], SETS512),
+           ("hh_loop_lora", ["-m", "hf_polyattn.cli", "eval"], [TRAINED.format("hh_loop_lora")], SETS512),
            # the preset's settings with the kernel part off (probe_nofar.py: window_mix 0), the only part whose
            # parameters attention transfer trains
            ("hh_max256+sparse512+observe16_nofar", ["-m", "recipes.experiments.retrieval.probe_nofar"],
-            [TRAINED.format("hh")], PRESET_SETS),
+            [TRAINED.format("hh")], SETS512),
        ]},
     # the trained row 'hh' trained further with the preset's inference settings in the loop (train_in_loop.py): the
     # transfer's forward runs the 512-key cache (re-chosen by the last 16 queries) and the 256-token decay bound at
@@ -193,26 +204,26 @@ ROWS = {
     # preset's settings on the table's held-out tokens (perplexity 256-8k) and its 'classic' prompts at 1k-4k (the
     # same draws as the table's cells: the keys are drawn length after length), and on the 'vault' 4k prompts of the
     # diagnostic rows above (hh_loop_vault_4k)
-    "hh_loop": ["-m", "recipes.experiments.retrieval.train_in_loop", TRAINED.format("hh"), *PRESET_SETS, "--out",
+    "hh_loop": ["-m", "recipes.experiments.retrieval.train_in_loop", TRAINED.format("hh"), *SETS512, "--out",
                 "{out}", "--data", "demo", "--threads", "2", "--progress", "false", "--no_resume", "--transfer_steps",
                 "17", "--transfer_lr", "3e-3", "--transfer_schedule", "2048:14:1,4096:3:1", "--eval_before", "false",
                 "--max_eval_tokens", "512"],
     # the same settings in the loop of a LoRA fine-tuning instead (the model's own hidden states, so its keys and
     # values, train; the LM loss end to end through the cache), half the windows carrying recall tasks: 6 steps of
     # 1 x 2,048 tokens at lr 1e-3, what the session's time left allowed
-    "hh_loop_lora": ["-m", "recipes.experiments.retrieval.train_in_loop", TRAINED.format("hh"), *PRESET_SETS,
+    "hh_loop_lora": ["-m", "recipes.experiments.retrieval.train_in_loop", TRAINED.format("hh"), *SETS512,
                      "--out", "{out}", "--data", "demo", "--threads", "2", "--progress", "false", "--no_resume",
                      "--finetune_steps", "6", "--finetune_lr", "1e-3", "--finetune_schedule", "2048:6:1", "--lora",
                      "true", "--retrieval_mix", "0.5", "--eval_before", "false", "--max_eval_tokens", "512"],
     "hh_loop_classic_1k4k": ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh_loop"), "--data", "demo",
                              "--contexts", CONTEXTS, "--passkey", "1024,2048,4096", "--passkey-templates", "classic",
                              "--passkey-depths", "10", "--max-eval-tokens", "12288", "--baselines", "none",
-                             "--threads", "2", *PRESET_SETS, "--out", "{out}"],
+                             "--threads", "2", *SETS512, "--out", "{out}"],
     # the relative ranking's perplexity on the study's held-out tokens, a table row without passkey cells (its
     # 'vault' cells are SELECT's diagnostics)
     "hh_max256+sparse512+observe16+relative_ppl": ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh"), "--data",
                                                    "demo", "--contexts", CONTEXTS, "--max-eval-tokens", "12288",
-                                                   "--baselines", "none", "--threads", "1", *PRESET_SETS, "--set",
+                                                   "--baselines", "none", "--threads", "1", *SETS512, "--set",
                                                    "sparse_score=relative", "--out", "{out}"],
     # SELECT's cells, one thread each
     **{name: ["-m", "hf_polyattn.cli", "eval", TRAINED.format("hh"), "--data", "demo", "--contexts", "256",
