@@ -58,7 +58,7 @@ PROBED = ("h2o", "h2o_window", "h2o_max", "err_knorm", "err_mass", "oracle_key",
           "h2o_nofar", "h2o_window_nofar", "h2o_max_nofar", "oracle_needle_nofar", "plumbing_nofar")
 
 # inference-time settings of the bounded cache on the trained row 'hh' (nothing trained), whether one lifts the
-# 'vault' misses at 4k / 8k: the preset's settings (SETS512) with one changed, each a passkey cell
+# 'vault' misses at 4k / 8k: the then preset's settings (SETS512) with one changed, each a passkey cell
 # (template, length, settings)
 SELECT = {
     "hh_max256+sparse512+observe64_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=512",
@@ -74,7 +74,7 @@ SELECT = {
     # every key of a 4k prompt exact (a cache of 4,096 keys: nothing evicted, nothing in the state): whether the
     # trained row's own q, k find the far 'vault' needles that the preset's 512 keys miss
     "hh_max256+all_keys_vault_4k": ("vault", "4096", ("decay_max_horizon=256", "sparse_cache=4096")),
-    # the preset's settings with the streaming selection ranking by the recall error over |v| (sparse_score)
+    # SETS512 with the streaming selection ranking by the recall error over |v| (sparse_score)
     "hh_max256+sparse512+observe16+relative_vault_4k": ("vault", "4096", (*SETS512[1::2], "sparse_score=relative")),
     "hh_max256+sparse512+observe16+relative_vault_8k": ("vault", "8182", (*SETS512[1::2], "sparse_score=relative")),
     # the sinks scored at their own positions (sink_position='own') instead of StreamingLLM's, beside the window: with
