@@ -26,7 +26,7 @@ SINK_POSITIONS = ("window", "own")
 SLIDING_LAYERS = ("exact", "kind")
 SOFTCAP_MODES = ("refuse", "exact_parts")
 DECAY_HORIZON = 1024.0  # decay_horizon's default, in tokens
-SPARSE_SCORES = ("recall", "relative")
+SPARSE_SCORES = ("recall", "relative", "attention")
 SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
 # Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
 EVERY_KIND_FIELDS = ("seed", "softmax_heads")
@@ -241,7 +241,10 @@ class PolyAttnConfig:
         default="recall",
         metadata={
             "help": "how the sparse cache's streaming selection ranks a candidate: 'recall' LoLA's error |v - phi(k) "
-            "S / phi(k) z|; 'relative' that error over |v|. Under 'recall' the keys with the smallest values lose "
+            "S / phi(k) z|; 'relative' that error over |v|; 'attention' the softmax weight it draws (the model's "
+            "own q, k, over the candidates) from the sparse_chunk queries before the selection, summed over them "
+            "and the kv head's query heads, plus 0.9 times its score when last kept (an H2O / TOVA-like rule; the "
+            "decoding state keeps those queries and scores). Under 'recall' the keys with the smallest values lose "
             "first (with an empty state the error is |v|), and keys that draw much attention but carry little value "
             "(sink-like tokens) are among them: on SmolLM2-135M's linear-only retrofit, evicting 64 of 3,904 "
             "keys per head that way broke a 4k 'vault' passkey that a random eviction of 64 kept "

@@ -410,18 +410,23 @@ def _sparse_state_bytes(module: PolyAttention, prompt: int, decoded: int, batch:
     log-decays with decay), a (B,) count of waiting keys, the state, the window's log-gates. The generic state: the
     last W + C - 1 keys and values raw, the state (from the first call on), the cache's m keys and values (raw), flags,
     kernel inputs (where q/k maps or a convolution make them differ from the keys), log-decays (decay) and a (B,)
-    count of kept keys of complete blocks, the sink slots once a block is complete."""
+    count of kept keys of complete blocks, the sink slots once a block is complete. With ``sparse_score='attention'``
+    both keep the last C queries (G per kv head), their flags and the cache's m scores (float32 at least)."""
     cfg = module.config
     hk, d, n, kdim = module.num_kv_heads, module.head_dim, prompt + decoded, module.kernel_dim
     s, w, m, chunk = cfg.sinks, cfg.window, cfg.sparse_cache, cfg.sparse_chunk
     decay = cfg.decay != "none"
     state = batch * hk * module.num_features * (d + 1) * w_item
+    attention = cfg.sparse_score == "attention"
+    history = attention * (batch * hk * module.groups * chunk * d + batch * chunk + batch * hk * m * max(w_item, 4))
     if (decoded or prompt == 1) and _decodes_on_ring(module):
         slots = s + m + chunk + w
         ring = batch * hk * slots * (2 * d + 1) * w_item + batch * slots + state + 8 * batch
         ring += batch * hk * (m + chunk) * (kdim + decay) * w_item + decay * batch * hk * w * w_item
         if s and n - w < s:  # sink slots still to fill: a (B,) int64 count of them
             ring += 8 * batch
+        if attention:  # the queries in the working dtype
+            ring += history + batch * hk * module.groups * chunk * d * (w_item - 1)
         return ring
     key_value = 2 * batch * hk * d * item
     total = min(n, w + chunk - 1) * key_value + state + m * key_value + batch * hk * m + 8 * batch
@@ -433,6 +438,8 @@ def _sparse_state_bytes(module: PolyAttention, prompt: int, decoded: int, batch:
         total += s * key_value + batch * s
     if cfg.short_conv > 1:
         total += batch * hk * (module.groups + 1) * (cfg.short_conv - 1) * d * w_item
+    if attention:  # the queries in the model's dtype
+        total += history + batch * hk * module.groups * chunk * d * (item - 1)
     return total
 
 

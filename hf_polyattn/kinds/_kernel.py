@@ -69,7 +69,8 @@ def local_label(config) -> list[str]:
     if config.sparse_cache:
         observe = (f", chosen again at a prompt's end by its last {config.sparse_observe} queries (pooled over "
                    f"{config.sparse_observe_pool})" if config.sparse_observe else "")
-        score = ", relative recall error" if config.sparse_score == "relative" else ""
+        score = {"relative": ", relative recall error", "attention": ", ranked by the attention of the last "
+                 f"{config.sparse_chunk} queries"}.get(config.sparse_score, "")
         parts.append(f"sparse cache of {config.sparse_cache} keys (LoLA, blocks of {config.sparse_chunk}{score}"
                      f"{observe})")
     if config.decay == "scalar":

@@ -55,7 +55,7 @@ import torch
 from .common import soft_cap
 from .feature_maps import EluFeatureMap, HedgehogFeatureMap, ReluFeatureMap
 from .sketches import project
-from .sparse import pending_log, ring_leave, ring_select, sparse_from_recurrent, sparse_to_recurrent
+from .sparse import pending_log, ring_leave, ring_query, ring_select, sparse_from_recurrent, sparse_to_recurrent
 from .state import RecurrentState
 
 __all__ = ["WindowRing", "compiled_ring_step", "fused_ready", "fused_step", "ring_decodes", "ring_supported"]
@@ -73,7 +73,7 @@ class WindowRing:
     (``sinks_full``); ``key_dtype``: the dtype of the model's keys, restored by ``to_recurrent``. ``extra``: the
     sparse cache's slots after the sinks (``cache`` of them the cache, then the waiting block), 0 without one;
     ``kin``, ``slot_log``, ``pending``: their kernel inputs, log-decays and waiting keys per row (``ops/sparse.py``,
-    ``ring_leave``)."""
+    ``ring_leave``); ``q_hist``, ``q_real``, ``score``: what ``sparse_score='attention'`` chooses by."""
 
     kv: torch.Tensor
     keys: torch.Tensor
@@ -92,6 +92,11 @@ class WindowRing:
     kin: torch.Tensor | None = None
     slot_log: torch.Tensor | None = None
     pending: torch.Tensor | None = None
+    # sparse_score='attention': the last sparse_chunk queries (B, Hkv, G, C, d) oldest first, which are real (B, C),
+    # and the cache's scores (B, Hkv, cache) (``sparse.ring_query``)
+    q_hist: torch.Tensor | None = None
+    q_real: torch.Tensor | None = None
+    score: torch.Tensor | None = None
     # ``head`` as a (1,) int64 tensor on the ring's device, set by ``make_static``: the step then reads and writes
     # its slot through it (index_select / index_copy_) and advances it in place, so a captured CUDA graph replays
     # every later token (``integration/graphs.py``); the Python ``head`` is kept equal to it. ``real`` (B,) int64:
@@ -535,6 +540,8 @@ def ring_step(module, q5: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ring.count = min(ring.count + 1, w)
     ring.length += 1
     ring.real_run = ring.real_run + 1 if mask is None else 0
+    if ring.q_hist is not None:  # after the selection: a selection is scored by the queries before its step's
+        ring_query(ring, q5, mask)
     return _read(module, plan, q5, scale, ring, sink_q)
 
 
@@ -760,6 +767,8 @@ def fused_step(module, plan: _StepPlan, query: torch.Tensor, key: torch.Tensor, 
     ring.head = (head + 1) % ring.window
     ring.length += 1
     ring.real_run += 1
+    if ring.q_hist is not None:
+        ring_query(ring, query.view(1, hkv, g, 1, d), None)
     # ``_read``: the sinks and the window exactly, one normaliser, the state through the query features
     zero = plan.zero
     x = torch.baddbmm(zero, q3, views.kt, beta=0.0, alpha=scale)  # (Hkv, G, S + W) scaled scores

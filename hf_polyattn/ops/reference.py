@@ -24,6 +24,7 @@ import torch
 from .attention import PolyAttention
 from .conv import reference_causal_conv
 from .sketches import symmetric_square
+from .sparse import ATTENTION_CARRY
 
 __all__ = ["reference_attention", "reference_delta", "reference_lt_product", "reference_weights"]
 
@@ -113,7 +114,10 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
     ``window`` positions back and e_i = r_i // C (C = ``sparse_chunk``), every real key of block e_i or later (the
     pending block) and Cache_{e_i}; Cache_{b+1} = the ``sparse_cache`` largest of |v - phi(k) S_v / phi(k) S_1| over
     Cache_b and the non-sink keys of block b, S the kernel state of every key evicted so far (recomputed from its
-    definition each block, each key weighed by exp(G_ref - G_j), ref = block b's last key).
+    definition each block, each key weighed by exp(G_ref - G_j), ref = block b's last key). With
+    ``sparse_score='attention'`` the score is instead each candidate's softmax weight over the candidates (``x_obs``)
+    under the C real queries before the query that first needs Cache_{b+1}, summed over them and the G query heads,
+    plus ``ATTENTION_CARRY`` times the score a cached key had when it was last kept (0 for the block's keys).
 
     ``sparse_observe`` L (``calls``: the queries of each call in order, one call of all Lq when None; ``x_obs``
     (B, Hkv, G, Lq, Lk) the model's own scaled scores q.k): in every call of more than one query, each of its last L
@@ -123,7 +127,7 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
     slots then every real key from the call's first block on, are max-pooled over ``sparse_observe_pool``
     neighbours; the ``sparse_cache`` first by (pooled score, own score, layout order) are kept, the other candidates
     join the state beside what it held when the call began. The call's last query's choice is the cache every later
-    query starts from."""
+    query starts from (under ``sparse_score='attention'`` with the kept keys' own scores as their carried ones)."""
     cfg = module.config
     if v is None:
         raise ValueError("sparse_cache: the reference weights need the values (value=...): they choose the cache")
@@ -132,6 +136,9 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
     b, hkv, lk, d = v.shape
     g = _cumulative_log_gates(module, v, key_padding_mask).detach()
     fk, v = fk.detach(), v.detach()  # the choice is not differentiable
+    attn = cfg.sparse_score == "attention"
+    if attn and x_obs is None:
+        raise ValueError("sparse_score='attention': the reference weights need the scores x_obs: they choose the cache")
     calls = [lq] if calls is None else list(calls)
     if sum(calls) != lq:
         raise ValueError(f"calls must split the {lq} queries, got {calls}")
@@ -145,16 +152,22 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
             at = lk - lq + i
             left = sum(1 for j in real if j <= at - w)
             epochs.append(left // chunk)
+        asked = [i for i in range(lq) if lk - lq + i in rank]  # the row's real queries
         for h in range(hkv):
-            cache, folded, done, seen = [], [], 0, {}
+            cache, folded, done, seen, acc = [], [], 0, {}, {}
             first = 0
             for size in calls:
                 queries = range(first, first + size)
                 carried, carried_folded, start = list(cache), list(folded), done
                 for i in queries:
                     while done < epochs[i]:
-                        cache, folded = _select_block(fk[row, h, 0], v[row, h], g[row, h], real, rank, sink, chunk,
-                                                      budget, done, cache, folded, cfg.sparse_score == "relative")
+                        scores = None
+                        if attn:  # the C real queries before query i
+                            before = [t for t in asked if t < i][-chunk:]
+                            scores = (x_obs[row, h][:, before], acc)
+                        cache, folded, acc = _select_block(fk[row, h, 0], v[row, h], g[row, h], real, rank, sink,
+                                                           chunk, budget, done, cache, folded,
+                                                           cfg.sparse_score == "relative", scores)
                         done += 1
                     seen[i] = list(cache)
                 mine = [i for i in queries if lk - lq + i in rank]  # the call's real queries
@@ -177,6 +190,7 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
                         order = sorted(col, key=lambda t: (-pooled[t], -float(own[t]), t))
                         kept = sorted(order[:budget])
                         seen[r] = [layout[t] for t in kept]
+                        acc = {layout[t]: float(own[t]) for t in kept}
                     cache = seen[observed[-1]]
                     folded = carried_folded + [layout[t] for t in col if t not in kept]
                 first += size
@@ -188,15 +202,24 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
 
 
 def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int, cache: list, folded: list,
-                  relative: bool = False):
+                  relative: bool = False, scores=None):
     """One row and head's streaming selection of block ``blk`` (Cache_blk -> Cache_blk+1, ``_sparse_exact``):
-    (the new cache, the folded keys). fk (Lk, F), v (Lk, d), g (Lk,) the row and head's features, values and
-    cumulative log-gates; ``real`` its real keys, ``rank`` their real index, ``sink`` the sinks; ``relative`` ranks by
-    the error over |v| (``sparse_score='relative'``)."""
+    (the new cache, the folded keys, the kept keys' scores). fk (Lk, F), v (Lk, d), g (Lk,) the row and head's
+    features, values and cumulative log-gates; ``real`` its real keys, ``rank`` their real index, ``sink`` the
+    sinks; ``relative`` ranks by the error over |v| (``sparse_score='relative'``); ``scores`` (x (G, Q, Lk) the
+    scaled scores of the queries that choose, {key: its carried score}) ranks by ``sparse_score='attention'``."""
     d = v.shape[-1]
     members = [j for j in real if blk * chunk <= rank[j] < (blk + 1) * chunk]
     ref = members[-1]
     cands = cache + [j for j in members if j not in sink]
+    if scores is not None:
+        x, carried = scores
+        own = x[:, :, cands].double().softmax(-1).sum((0, 1)) if x.shape[1] else torch.zeros(len(cands))
+        errors = [float(own[t]) + ATTENTION_CARRY * carried.get(j, 0.0) for t, j in enumerate(cands)]
+        ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
+        kept = sorted(ranked[:budget])
+        return ([cands[t] for t in kept], folded + [cands[t] for t in ranked[budget:]],
+                {cands[t]: errors[t] for t in kept})
     state = torch.zeros(fk.shape[-1], d + 1, dtype=v.dtype, device=v.device)
     for j in folded:
         state = state + torch.exp(g[ref] - g[j]) * torch.outer(fk[j], torch.cat([v[j], v.new_ones(1)]))
@@ -209,7 +232,7 @@ def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int,
             err /= max(float(torch.linalg.vector_norm(v[j])), torch.finfo(v.dtype).tiny)
         errors.append(err)
     ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
-    return [cands[t] for t in sorted(ranked[:budget])], folded + [cands[t] for t in ranked[budget:]]
+    return [cands[t] for t in sorted(ranked[:budget])], folded + [cands[t] for t in ranked[budget:]], {}
 
 
 def _sink_keys(cfg, key_padding_mask: torch.Tensor | None, batch: int, lk: int, device) -> torch.Tensor:

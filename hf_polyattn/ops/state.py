@@ -39,7 +39,10 @@ class RecurrentState:
     ``sparse_k``/``sparse_v`` (B, Hkv, sparse_cache, D) are the keys and values of the sparse cache (raw),
     ``sparse_mask`` (B, Hkv, sparse_cache) which slots hold one, ``sparse_kin`` their kernel inputs (after the short
     convolution, projection and LayerNorm; None where those are the raw keys) and ``sparse_logs`` (decay only) the
-    log-decay from each cached key to ``kv``'s reference (<= 0).
+    log-decay from each cached key to ``kv``'s reference (<= 0). With ``sparse_score='attention'``
+    ``sparse_q`` (B, Hkv, G, sparse_chunk, D) are the last sparse_chunk queries (the model's own, zero where
+    ``sparse_q_mask`` (B, sparse_chunk) is False: no real query there) and ``sparse_score`` (B, Hkv, sparse_cache)
+    float32 the score each cached key had when last kept (``ops/sparse.py``, ``attention_score``).
     """
 
     kv: torch.Tensor | None
@@ -59,6 +62,9 @@ class RecurrentState:
     sparse_kin: torch.Tensor | None = None
     sparse_logs: torch.Tensor | None = None
     sparse_skip: torch.Tensor | None = None
+    sparse_q: torch.Tensor | None = None
+    sparse_q_mask: torch.Tensor | None = None
+    sparse_score: torch.Tensor | None = None
 
     @property
     def sinks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -32,7 +32,10 @@ CONFIGS = {**{k: KIND_CONFIGS[k] for k in CAUSAL_KINDS},
            "polysketch-sparse-hybrid": PolyAttnConfig(kind="polysketch", sketch_size=4, window=4, sparse_cache=2,
                                                       sparse_chunk=4, softmax_heads=((0, 0),)),
            "linear-sparse-conv": PolyAttnConfig(kind="linear", window=4, sinks=1, short_conv=3, sparse_cache=2,
-                                                sparse_chunk=3)}
+                                                sparse_chunk=3),
+           # ranked by attention: the last sparse_chunk queries and the cache's scores besides
+           "linear-sparse-attention": PolyAttnConfig(kind="linear", window=4, sinks=2, decay="gate", sparse_cache=3,
+                                                     sparse_chunk=3, sparse_score="attention")}
 LENGTHS = (1, 4, 5, 6, 7, 9, 13)  # around the windows (4-6) and blocks (4)
 
 

@@ -12,7 +12,7 @@ from hf_polyattn import PolyAttnConfig
 from hf_polyattn.ops import HybridState, RecurrentState, build_attention, reference_attention
 from hf_polyattn.ops.decode import WindowRing
 from hf_polyattn.ops.hybrid import HybridAttention, hybrid_reference
-from hf_polyattn.ops.sparse import recall_error, select_and_fold
+from hf_polyattn.ops.sparse import ATTENTION_CARRY, attention_score, recall_error, select_and_fold
 
 from .test_decode_ring import D, _fused
 from .test_decode_ring import _inputs as ring_inputs
@@ -45,6 +45,12 @@ CONFIGS = {
     "hedgehog-preset-relative": dict(kind="linear", feature_map="hedgehog", window=5, sinks=2, decay="gate",
                                      decay_max_horizon=3.0, window_mix=True, feature_proj=D, qk_norm=True,
                                      sparse_cache=3, sparse_chunk=4, sparse_score="relative"),
+    # ranking the candidates by the attention the last sparse_chunk queries give them (sparse_score='attention')
+    "hedgehog-preset-attention": dict(kind="linear", feature_map="hedgehog", window=5, sinks=2, decay="gate",
+                                      decay_max_horizon=3.0, window_mix=True, feature_proj=D, qk_norm=True,
+                                      sparse_cache=3, sparse_chunk=4, sparse_score="attention"),
+    "elu-attention-chunk-beyond-window": dict(kind="linear", window=3, sinks=1, sparse_cache=2, sparse_chunk=5,
+                                              sparse_score="attention"),
 }
 RING = [n for n in CONFIGS if n != "conv-learned-sinks"]  # the ring serves neither convolutions nor learned slots
 
@@ -155,17 +161,57 @@ def test_the_relative_score_keeps_a_small_value_the_recall_error_evicts():
     assert torch.isfinite(recall_error(kv, cand_f[:1], zero, relative=True)).all()  # a zero value: kept first
 
 
+def _states_against_recall(name: str):
+    """The states after one prefill of CONFIGS[name]'s layer and of the same layer (same weights) with 'recall'."""
+    q, k, v = _inputs()
+    opts = CONFIGS[name]
+    with torch.no_grad():
+        mine = _module(opts)
+        rec = _module({**opts, "sparse_score": "recall"})
+        rec.load_state_dict(mine.state_dict())
+        return (mine(q, k, v, causal=True, state=mine.init_state())[1],
+                rec(q, k, v, causal=True, state=rec.init_state())[1])
+
+
 def test_the_relative_score_chooses_another_cache_in_the_layer():
     """The layer reads sparse_score: the same weights and inputs keep other keys (and give other outputs)."""
-    q, k, v = _inputs()
-    opts = CONFIGS["hedgehog-preset-relative"]
-    with torch.no_grad():
-        rel = _module(opts)
-        rec = _module({**opts, "sparse_score": "recall"})
-        rec.load_state_dict(rel.state_dict())
-        _, s_rel = rel(q, k, v, causal=True, state=rel.init_state())
-        _, s_rec = rec(q, k, v, causal=True, state=rec.init_state())
+    s_rel, s_rec = _states_against_recall("hedgehog-preset-relative")
     assert not torch.equal(s_rel.sparse_k, s_rec.sparse_k)
+
+
+def test_the_attention_score_keeps_the_keys_the_last_queries_read():
+    """sparse_score='attention': each candidate's softmax weight over the candidates under each real query, summed
+    over the queries and the query heads, plus ATTENTION_CARRY times a cached key's carried score; a padded query
+    adds nothing, an invalid candidate gets nothing; the budget keeps the largest scores."""
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, 5.0]], dtype=torch.float64)[None, None]
+    q = torch.tensor([[[4.0, 0.0], [0.0, 9.0]]], dtype=torch.float64)[None, None]  # (1, 1, G=1, C=2, 2)
+    valid = torch.tensor([[[True, True, True, False]]])
+    one = torch.tensor([[True, False]])  # the second query is padding
+    x = torch.tensor([4.0, 0.0, -4.0], dtype=torch.float64)
+    torch.testing.assert_close(attention_score(q, one, keys, valid, 1.0)[0, 0, :3], x.softmax(-1))
+    assert attention_score(q, one, keys, valid, 1.0)[0, 0, 3] == 0
+    both = attention_score(q, torch.ones(1, 2, dtype=torch.bool), keys, valid, 0.5)
+    want = torch.tensor([2.0, 0.0, -2.0]).double().softmax(-1) + torch.tensor([0.0, 4.5, 0.0]).double().softmax(-1)
+    torch.testing.assert_close(both[0, 0, :3], want)
+    carried = torch.tensor([[[0.0, 0.0, 3.0]]], dtype=torch.float64)  # the cache's three slots, then one block key
+    with_carry = attention_score(q, one, keys, valid, 1.0, carried)
+    torch.testing.assert_close(with_carry[0, 0, 2], x.softmax(-1)[2] + ATTENTION_CARRY * 3.0)
+    feats, vext = torch.ones(1, 1, 4, 1, dtype=torch.float64), torch.ones(1, 1, 4, 3, dtype=torch.float64)
+    kv = torch.zeros(1, 1, 1, 3, dtype=torch.float64)
+    _, keep, _ = select_and_fold(kv, feats, vext, valid, 2, score=with_carry)
+    assert keep.tolist() == [[[0, 2]]]  # the read key and the carried one; the padded-query's key 1 leaves
+
+
+def test_the_attention_score_chooses_another_cache_in_the_layer():
+    """The layer reads sparse_score='attention': the same weights and inputs keep other keys than 'recall', and its
+    state carries the last sparse_chunk queries and the cache's scores (the others carry neither)."""
+    q = _inputs()[0]
+    s_att, s_rec = _states_against_recall("hedgehog-preset-attention")
+    assert not torch.equal(s_att.sparse_k, s_rec.sparse_k)
+    assert s_att.sparse_q.shape == (2, 2, 2, 4, D) and s_att.sparse_q_mask.all()
+    torch.testing.assert_close(s_att.sparse_q, q.view(2, 2, 2, N, D)[:, :, :, -4:])  # the last 4 of the queries
+    assert s_att.sparse_score.shape == (2, 2, 3) and (s_att.sparse_score > 0).all()
+    assert s_rec.sparse_q is None and s_rec.sparse_score is None
 
 
 @pytest.mark.parametrize("name,path", [*((n, "generic") for n in CONFIGS), *((n, "ring") for n in RING)])
@@ -207,7 +253,8 @@ def test_selected_rows_continue_as_those_rows(grad):
     torch.testing.assert_close(torch.cat(outs, dim=2).detach(), full[:, :, 40:].detach(), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "sinks-beyond-a-block", "softmax-heads"])
+@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "sinks-beyond-a-block", "softmax-heads",
+                                  "hedgehog-preset-attention", "elu-attention-chunk-beyond-window"])
 def test_left_padding_equals_each_row_alone(name):
     """Row 0 left-padded by 7 tokens (not a multiple of the block): the forward and decoding of that row equal the row
     computed alone, its blocks counted from its first real key; padded queries give 0."""
@@ -241,7 +288,8 @@ def test_right_padding_without_a_state_equals_the_definition():
     assert (got[1, :, 40:] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate"])
+@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "hedgehog-preset-attention",
+                                  "elu-attention-chunk-beyond-window"])
 def test_causal(name):
     """Changing tokens from position 30 on leaves every output before 30 unchanged (the selection reads only keys
     that left the window)."""
@@ -259,7 +307,8 @@ def test_causal(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "performer",
-                                  "observe:linear-sinks-gate-mix", "observe:polysketch-maps-gate"])
+                                  "observe:linear-sinks-gate-mix", "observe:polysketch-maps-gate",
+                                  "hedgehog-preset-attention", "observe:hedgehog-preset-attention"])
 def test_half_precision_is_finite_and_close(dtype, name):
     """Inputs of norm ~8 (scores ~20): the forward and decoding stay finite in the model's half dtype and near the
     float32 model's (with ``observe:``, sparse_observe, the calls of SPANS against the float32 model's same calls:
@@ -284,7 +333,8 @@ def test_half_precision_is_finite_and_close(dtype, name):
 
 
 @pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "conv-learned-sinks",
-                                  "observe:linear-sinks-gate-mix"])
+                                  "observe:linear-sinks-gate-mix", "hedgehog-preset-attention",
+                                  "observe:hedgehog-preset-attention"])
 def test_gradcheck(name):
     """float64, tiny shapes: gradients through the exact part over the selected keys, the state of the evicted ones,
     the gates and maps (the selection itself is not differentiable: a step of 1e-6 leaves it where it is); with
@@ -362,7 +412,8 @@ def test_refusals():
 # ties and the pooling both occur at N = 48)
 OBSERVE = {name: {**CONFIGS[name], "sparse_observe": 3, "sparse_observe_pool": 3}
            for name in ("linear-elu", "linear-sinks-gate-mix", "polysketch-maps-gate", "hedgehog-scalar",
-                        "conv-learned-sinks", "softmax-heads")}
+                        "conv-learned-sinks", "softmax-heads", "hedgehog-preset-attention",
+                        "elu-attention-chunk-beyond-window")}
 SPANS = [(0, 13), *((i, i + 1) for i in range(13, 27)), (27, 33), *((i, i + 1) for i in range(33, N))]
 
 
@@ -410,7 +461,7 @@ def test_observe_chunked_prefill_and_decoding_equal_the_definition(name, path):
     assert (want[:, :, 13:] - whole[:, :, 13:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate"])
+@pytest.mark.parametrize("name", ["linear-sinks-gate-mix", "polysketch-maps-gate", "hedgehog-preset-attention"])
 def test_observe_causal(name):
     """Changing tokens from position t on leaves every output before t unchanged, with the re-choice at the end: t =
     30 (before the observed queries) and t = N - 1 (the last of them: the two observed before it chose without
@@ -620,7 +671,7 @@ def test_the_question_keeps_the_needle_the_stream_drops():
 # the configs whose one-sequence decoding steps ``decode.fused_step`` takes: a softmax window, an elementwise or a
 # Hedgehog feature map on unscaled inputs (not polysketch's sketches, not FAVOR+'s scaled features)
 FUSED_RING = ["linear-elu", "linear-sinks-gate-mix", "sinks-beyond-a-block", "hedgehog-scalar", "softmax-heads",
-              "hedgehog-preset"]
+              "hedgehog-preset", "hedgehog-preset-attention"]
 
 
 def _single_steps(pa, q, k, v, prefill):

@@ -10,6 +10,8 @@ is the near part (the window, the features).
         [--data demo|licenses] [--out FILE.json]
 
 Each argument is MODEL or MODEL|FIELD=VALUE,... (``hf_polyattn.reconfigure``'s settings, as eval's --set).
+``attention_carry=X`` among them is not a field: it sets ``hf_polyattn.ops.sparse.ATTENTION_CARRY`` (what
+``sparse_score='attention'`` keeps of a cached key's earlier score, 0.9) for that model only.
 ``--data licenses`` reads the held-out license texts of ``long_context/heldout_licenses.py`` instead.
 """
 
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None, command: str = "python -m recipes.experi
     from hf_polyattn.checkpoints import load_model, load_tokenizer
     from hf_polyattn.cli import parse_settings, resolve_model
     from hf_polyattn.data import load_text_data
+    from hf_polyattn.ops import sparse
 
     torch.set_num_threads(args.threads)
     first = resolve_model(args.models[0].split("|")[0])
@@ -71,11 +74,19 @@ def main(argv: list[str] | None = None, command: str = "python -m recipes.experi
         name, _, sets = spec.partition("|")
         t0 = time.time()
         model = load_model(resolve_model(name), AutoModelForCausalLM).eval()
-        if sets:
+        items = [x for x in sets.split(",") if x] if sets else []
+        carry = [float(x.partition("=")[2]) for x in items if x.startswith("attention_carry=")]
+        items = [x for x in items if not x.startswith("attention_carry=")]
+        if items:
             kind = hf_polyattn.get_polyattn_config(model).kind
-            hf_polyattn.reconfigure(model, **parse_settings(kind, sets.split(",")))
-        with torch.inference_mode():
-            logits = model(ids[None]).logits[0, :-1].float()
+            hf_polyattn.reconfigure(model, **parse_settings(kind, items))
+        default_carry = sparse.ATTENTION_CARRY
+        sparse.ATTENTION_CARRY = carry[-1] if carry else default_carry
+        try:
+            with torch.inference_mode():
+                logits = model(ids[None]).logits[0, :-1].float()
+        finally:
+            sparse.ATTENTION_CARRY = default_carry
         nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
         means = bucket_means(nll)
         if reference is None:

@@ -177,6 +177,12 @@ ROWS = {
     **{f"hh_max256+sparse{cache}+observe16+span1024": evaluate(
         TRAINED.format("hh"), "decay_max_horizon=256", f"sparse_cache={cache}", "sparse_observe=16",
         "sink_span=1024", threads=1) for cache in (512, 2048)},
+    # the same with the streaming selection ranked by the attention the last sparse_chunk queries give each candidate
+    # (sparse_score='attention'; probe_position_loss on the first 8,192 held-out tokens: 1.074x -> 1.008x softmax's
+    # loss with 2,048 keys, diag/attention_score_8k.json)
+    "hh_max256+sparse2048+observe16+span1024+attention": evaluate(
+        TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=2048", "sparse_observe=16", "sink_span=1024",
+        "sparse_score=attention"),
     # diagnostics of the 'vault' misses at 4k (the far needles), on the 4k prompts alone (another draw of keys than
     # the table's 4k cell): the preset's settings; softmax on the same prompts; the observed queries reading every
     # key exactly (probe_observe_wide.py); a cache twice as large
