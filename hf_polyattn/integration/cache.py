@@ -417,17 +417,16 @@ def _sparse_state_bytes(module: PolyAttention, prompt: int, decoded: int, batch:
     s, w, m, chunk = cfg.sinks, cfg.window, cfg.sparse_cache, cfg.sparse_chunk
     decay = cfg.decay != "none"
     state = batch * hk * module.num_features * (d + 1) * w_item
-    attention = cfg.sparse_score == "attention"
-    history = attention * (batch * hk * module.groups * chunk * d + batch * chunk + batch * hk * m * max(w_item, 4))
+    # sparse_score='attention': the last C queries (their dtype per state), their flags, the cache's scores
+    queries = (cfg.sparse_score == "attention") * batch * hk * module.groups * chunk * d
+    flags_scores = (queries > 0) * (batch * chunk + batch * hk * m * max(w_item, 4))
     if (decoded or prompt == 1) and _decodes_on_ring(module):
         slots = s + m + chunk + w
         ring = batch * hk * slots * (2 * d + 1) * w_item + batch * slots + state + 8 * batch
         ring += batch * hk * (m + chunk) * (kdim + decay) * w_item + decay * batch * hk * w * w_item
         if s and n - w < s:  # sink slots still to fill: a (B,) int64 count of them
             ring += 8 * batch
-        if attention:  # the queries in the working dtype
-            ring += history + batch * hk * module.groups * chunk * d * (w_item - 1)
-        return ring
+        return ring + queries * w_item + flags_scores  # the ring's queries in the working dtype
     key_value = 2 * batch * hk * d * item
     total = min(n, w + chunk - 1) * key_value + state + m * key_value + batch * hk * m + 8 * batch
     if module._maps_inputs or cfg.short_conv:
@@ -438,9 +437,7 @@ def _sparse_state_bytes(module: PolyAttention, prompt: int, decoded: int, batch:
         total += s * key_value + batch * s
     if cfg.short_conv > 1:
         total += batch * hk * (module.groups + 1) * (cfg.short_conv - 1) * d * w_item
-    if attention:  # the queries in the model's dtype
-        total += history + batch * hk * module.groups * chunk * d * (item - 1)
-    return total
+    return total + queries * item + flags_scores  # the generic state's queries in the model's dtype
 
 
 @dataclasses.dataclass(frozen=True)

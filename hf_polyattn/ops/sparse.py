@@ -388,8 +388,7 @@ class SparseMixin:
                     to_ref, decay = new_ref[..., None] - pool_g.gather(2, cand), new_ref - g_ref
                 score = None
                 if attn:  # the chunk queries before the epoch's first (aligned rows a - C .. a - 1)
-                    at = epoch * chunk + w - 1
-                    score = attention_score(q_hist[:, :, :, at - chunk : at], q_real[:, at - chunk : at],
+                    score = attention_score(q_hist[:, :, :, a - chunk : a], q_real[:, a - chunk : a],
                                             _take(pool_raw, cand), cand_valid, scale, acc)
                 new_kv, keep, keep_valid = select_and_fold(
                     kv, self._full_features(_take(pool_side, cand)), _take(pool_vext, cand), cand_valid, budget,
@@ -435,7 +434,8 @@ class SparseMixin:
     def _observe(self, out, rows, pool_raw, pool_side, pool_vext, pool_valid, pool_g, kv_in, count, first, scale):
         """``sparse_observe`` at the end of a call: the last L real queries' rows of ``out`` (aligned, in place)
         computed again, each from its own re-chosen cache and state; (state, cache indices into the pool, their
-        validity) of the last one, the state after the call.
+        validity, their scores under the observed queries, which ``sparse_score='attention'`` carries) of the last
+        one, the state after the call.
 
         ``rows`` the aligned tensors ``_sparse_rows`` reads; ``pool_valid`` (B, Hkv, P) the pool's candidates (the
         carried cache's slots, then every real non-sink key of the call); ``kv_in`` the carried state (referenced
@@ -766,8 +766,7 @@ def sparse_from_recurrent(module, ring, state: RecurrentState, region: int) -> N
     ring.slot_log = None if ring.logg is None else torch.zeros(b, hkv, lam + chunk, dtype=work, device=device)
     ring.pending = torch.zeros(b, dtype=torch.long, device=device)
     if cfg.sparse_score == "attention":
-        g = module.num_heads // hkv
-        ring.q_hist = torch.zeros(b, hkv, g, chunk, d, dtype=work, device=device)
+        ring.q_hist = torch.zeros(b, hkv, module.groups, chunk, d, dtype=work, device=device)
         ring.q_real = torch.zeros(b, chunk, dtype=torch.bool, device=device)
         ring.score = torch.zeros(b, hkv, lam, dtype=torch.promote_types(work, torch.float32), device=device)
         if state.sparse_q is not None:
