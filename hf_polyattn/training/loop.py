@@ -162,6 +162,12 @@ def train_loop(
         cpu_before, wall_before = state.get("cpu_s", 0.0), state.get("wall_s", 0.0)
         if accelerator.is_main_process:
             print(f"[{cfg.desc}] resumed from {ckpt} at step {start_step}")
+    # Every process has read the checkpoint (or seen none) before any process can write one. Without this meeting
+    # the main process, with nothing left to train and no collective in its save (a stage that trains only the
+    # parameters kept whole), replaced the folder while a slower process was still about to look for it: that process
+    # saw no checkpoint, started from step 0 and waited in a forward's all-gather that never came (a 300 s hang of
+    # the FSDP resume test in CI).
+    accelerator.wait_for_everyone()
 
     cpu0, wall0 = time.process_time(), time.time()
 

@@ -10,6 +10,7 @@ import torch
 from integration_helpers import CAUSAL_KINDS, KIND_CONFIGS, build, prompt_ids
 from transformers import AutoConfig, DynamicCache
 
+import hf_polyattn
 from hf_polyattn import PolyAttnCache, PolyAttnConfig, decode_memory
 from hf_polyattn.integration.cache import cache_nbytes
 
@@ -43,9 +44,9 @@ def measured(model, cache, batch: int, length: int, steps: int = 0) -> int:
     """Bytes of ``cache`` after a prompt of ``length`` tokens, then ``steps`` decoded ones."""
     ids = prompt_ids(batch, length)
     with torch.inference_mode():
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids, **hf_polyattn.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         for _ in range(steps):
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **hf_polyattn.cache_kwargs(cache), use_cache=True)
     return cache_nbytes(cache)
 
 

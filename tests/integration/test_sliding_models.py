@@ -213,14 +213,15 @@ def test_decode_memory_is_constant_in_every_layer():
     sizes = []
     for steps in (10, 30):
         out = model.generate(ids, max_new_tokens=steps, do_sample=False, return_dict_in_generate=True)
-        cache = out.past_key_values
+        cache = hf_polyattn.returned_cache(out)
         assert isinstance(cache, PolyAttnCache)
         sizes.append([layer.nbytes() for layer in cache.layers])
         kept = [layer.state.k.shape[2] for layer, e in zip(cache.layers, layer_layout(model)) if e["role"] == "sliding"]
         assert kept == [WINDOW - 1, WINDOW - 1]
     assert sizes[0] == sizes[1] and all(sizes[0])
-    grown = [base.generate(ids, max_new_tokens=n, do_sample=False, return_dict_in_generate=True)
-             .past_key_values.get_seq_length(1) for n in (10, 30)]
+    grown = [hf_polyattn.returned_cache(base.generate(ids, max_new_tokens=n, do_sample=False,
+                                                      return_dict_in_generate=True)).get_seq_length(1)
+             for n in (10, 30)]
     assert grown[1] > grown[0]  # the softmax model's full-attention layer grows with every token
 
 
@@ -232,7 +233,7 @@ def test_chunked_forward_with_a_model_made_cache():
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         first = model(ids[:, :9], use_cache=True)
-        second = model(ids[:, 9:], past_key_values=first.past_key_values, use_cache=True)
+        second = model(ids[:, 9:], **hf_polyattn.cache_kwargs(hf_polyattn.returned_cache(first)), use_cache=True)
     torch.testing.assert_close(second.logits, full[:, 9:], rtol=1e-5, atol=1e-5)
 
 

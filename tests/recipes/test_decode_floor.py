@@ -49,11 +49,11 @@ def test_attention_off_zeroes_the_attention_and_keeps_the_state(tmp_path):
         token = _step(model, ids, cache)
         untouched = copy.deepcopy(cache)
         with floor.attention_off(model):
-            off = model(token, past_key_values=cache, use_cache=True).logits
+            off = model(token, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits
         # the layers are themselves again after the block, and the step without attention left their state as it
         # was: the next step reads the same state as a copy taken before it
-        on = model(token, past_key_values=cache, use_cache=True).logits
-        ref = model(token, past_key_values=untouched, use_cache=True).logits
+        on = model(token, **hf_polyattn.cache_kwargs(cache), use_cache=True).logits
+        ref = model(token, **hf_polyattn.cache_kwargs(untouched), use_cache=True).logits
     torch.testing.assert_close(on, ref)
     assert not torch.allclose(on, off)
     with pytest.raises(ValueError, match="no polyattn layer"), floor.attention_off(
@@ -92,8 +92,8 @@ def test_fused_off_switches_every_layer_to_the_general_step_and_back(tmp_path):
         tokens = [_step(model, ids, c) for c in caches]
         with floor.fused_off(model):
             assert not any(m.fused_decode for m in layers)
-            off = model(tokens[0], past_key_values=caches[0], use_cache=True).logits
-        on = model(tokens[1], past_key_values=caches[1], use_cache=True).logits
+            off = model(tokens[0], **hf_polyattn.cache_kwargs(caches[0]), use_cache=True).logits
+        on = model(tokens[1], **hf_polyattn.cache_kwargs(caches[1]), use_cache=True).logits
     assert all(m.fused_decode for m in layers)
     torch.testing.assert_close(off, on, rtol=1e-5, atol=1e-5)
     done = subprocess.run([sys.executable, str(RECIPE), str(retrofit), "--base", str(tmp_path / "base"), "--lengths",

@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,14 +15,22 @@ from .fsdp_worker import argv
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+def _launch(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env={**cpu_env(), **env}, capture_output=True, text=True, timeout=300)
 
 
-def _torchrun(port: int, *args) -> subprocess.CompletedProcess:
+def _torchrun(port: int, *args, **env: str) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node 2 -m hf_polyattn.retrofit` with the worker's command line for ``args``."""
     return _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(port), "-m", "hf_polyattn.retrofit", *argv(*args)])
+                    str(port), "-m", "hf_polyattn.retrofit", *argv(*args)], **env)
+
+
+# a sitecustomize that holds the main process between removing a checkpoint and moving the new one in, and the other
+# process before it looks for that checkpoint (its docstring): a resume that does not wait for every process to read
+# the checkpoint before saving hangs
+SLOW_RESUME = {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent / "slow_resume"),
+                                                           os.environ.get("PYTHONPATH")) if p),
+               "HF_POLYATTN_TEST_SLOW_RESUME": "1"}
 
 
 def _losses(folder: Path, stage: str) -> list[float]:
@@ -64,7 +73,8 @@ def test_fsdp_two_processes_match_one_process(tiny_dirs, text_file, tmp_path, mo
     of one unsharded process on the same global batch (4 sequences: 2 per process, 4 in one). Tolerance: relative
     1e-5 (measured: the transfer losses agree to 1e-7 relative, fine-tuning's to every printed digit; the saved
     weights to 6e-7). The saved folder is one whole checkpoint that reloads; a second launch resumes from the
-    sharded runs' checkpoints (whole tensors) and evaluates the same."""
+    sharded runs' checkpoints (whole tensors) and evaluates the same, with one process late to read the checkpoint
+    the other rewrites."""
     from transformers import AutoModelForCausalLM
 
     import hf_polyattn  # noqa: F401  (reloads the saved folders)
@@ -90,8 +100,9 @@ def test_fsdp_two_processes_match_one_process(tiny_dirs, text_file, tmp_path, mo
     assert set(got) == set(want) and not any("lora" in k for k in got)  # merged, as the unsharded run saves it
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
-    if mode == "full":  # resume: whole tensors back into the shards, then nothing left to train
-        again = _torchrun(29535, tiny_dirs["llama"], text_file, str(sharded), mode, 2, True)
+    if mode == "full":  # resume: whole tensors back into the shards, then nothing left to train; the main process
+        # slowed while it replaces the transfer checkpoint, the other while it looks for it (SLOW_RESUME)
+        again = _torchrun(29535, tiny_dirs["llama"], text_file, str(sharded), mode, 2, True, **SLOW_RESUME)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert "[transfer] resumed" in again.stdout and "[finetune] resumed" in again.stdout
         res2 = json.loads((sharded / "results.json").read_text())
