@@ -33,6 +33,9 @@ SPARSE = {
     # ranked by the attention of the last sparse_chunk queries: the decoding state carries them
     "attention-sinks-gate": PolyAttnConfig(kind="linear", window=4, sinks=1, decay="gate", sparse_cache=3,
                                            sparse_chunk=3, sparse_score="attention"),
+    # the same with the sinks at their own positions (RoPE: what the sinks and the cached keys are scored at)
+    "attention-own-sinks": PolyAttnConfig(kind="linear", window=4, sinks=2, sink_position="own", decay="gate",
+                                          sparse_cache=3, sparse_chunk=3, sparse_score="attention"),
 }
 
 
@@ -49,7 +52,7 @@ def test_greedy_with_cache_equals_full_forward(name, arch):
     check_greedy_steps(model, _ids(1, 17, seed=2), steps=10)
 
 
-@pytest.mark.parametrize("name", ["linear-sinks-gate", "conv-hedgehog", "attention-sinks-gate"])
+@pytest.mark.parametrize("name", ["linear-sinks-gate", "conv-hedgehog", "attention-sinks-gate", "attention-own-sinks"])
 def test_left_padded_generation_equals_rows(name):
     """Pads of 11 tokens (not a multiple of the block): the blocks count each row's own keys."""
     model = generating(build("llama", SPARSE[name]))
@@ -63,7 +66,7 @@ def test_beside_softmax_heads():
     check_greedy_steps(model, _ids(1, 15, seed=5))
 
 
-@pytest.mark.parametrize("name", ["linear-sinks-gate", "attention-sinks-gate"])
+@pytest.mark.parametrize("name", ["linear-sinks-gate", "attention-sinks-gate", "attention-own-sinks"])
 def test_bf16_model_generates_finite_logits(name):
     model = generating(build("llama", SPARSE[name])).to(torch.bfloat16)
     out = model.generate(_ids(2, 15, seed=6), attention_mask=torch.ones(2, 15, dtype=torch.long), max_new_tokens=6,
