@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_polyattn.training.loop import CKPT_DIR, META_FILE
 from tests.conftest import cpu_env
 
 from .fsdp_worker import argv
@@ -30,7 +31,7 @@ def _torchrun(port: int, *args, **env: str) -> subprocess.CompletedProcess:
 # the checkpoint before saving hangs
 SLOW_RESUME = {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent / "slow_resume"),
                                                            os.environ.get("PYTHONPATH")) if p),
-               "HF_POLYATTN_TEST_SLOW_RESUME": "1"}
+               "HF_POLYATTN_TEST_SLOW_RESUME": f"{CKPT_DIR}-transfer/{META_FILE}"}
 
 
 def _losses(folder: Path, stage: str) -> list[float]:
