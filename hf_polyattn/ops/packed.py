@@ -1,0 +1,161 @@
+"""One sequence's kernel-head state in fixed-size buffers: what a serving engine keeps per request.
+
+A serving engine (vLLM's state layers, ``serving/vllm``) allocates every request's state up front, as a few tensors
+of fixed shapes per layer, and hands the layer the slot of each request. ``RecurrentState`` (``state.py``) is what
+the kinds' modules read and return between calls; for a windowed kernel layer it holds, per sequence:
+
+* ``kv`` (1, H, 1, F, D + 1): the folded keys' sum of phi(k)^T [v 1] (None until the first key is folded);
+* ``k`` / ``v`` (1, H, n, D): the n <= ``keys`` raw keys not folded yet (the window, or an incomplete block);
+* ``sink_k`` / ``sink_v`` (1, H, S, D), ``sink_mask`` (1, S): the sinks (None until the first key leaves the
+  window);
+* ``length``: the keys seen.
+
+``PackedLayout`` names the buffers (``shapes`` / ``dtypes``: what the engine allocates), ``pack`` writes a state
+into one slot's buffers and ``unpack`` reads it back: ``unpack(pack(s)) == s``, tested field by field, and a module
+called on the unpacked state gives the outputs it gives on the original (``tests/ops/test_packed.py``). The
+buffers hold ``heads`` kv heads, the most any layer's kernel part has, so that every layer of a model shares one
+layout (an engine pads its state pages to one size); a layer with fewer uses the first ones.
+
+A state with anything else (a padded key's mask, per-row ``seen``, a short convolution's or a sparse cache's
+tensors) is refused by name: those need buffers this layout does not have.
+
+Pure PyTorch: never imports transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .decode import WindowRing
+from .state import RecurrentState
+
+__all__ = ["PackedLayout", "pack", "unpack"]
+
+# the fields ``pack`` writes; any other field of ``RecurrentState`` holding a tensor is refused
+_PACKED_FIELDS = {"kv", "k", "v", "mask", "length", "sink_k", "sink_v", "sink_mask", "seen"}
+# meta buffer: length, raw keys held, kv present, sinks present, then the S sink flags
+_META = 4
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """The fixed-size buffers of one sequence's kernel-head state in one layer (module docstring).
+
+    ``heads``: kv heads held; ``features``: F, the feature dimension of the kernel state; ``head_dim``: D;
+    ``keys``: the raw keys held at most (the window, or ``block_size`` without one); ``sinks``: S; ``key_dtype``:
+    the dtype of the model's keys and values (the state's kernel sum is float32 whatever it is)."""
+
+    heads: int
+    features: int
+    head_dim: int
+    keys: int
+    sinks: int
+    key_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "features", "head_dim", "keys"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        if not isinstance(self.key_dtype, torch.dtype) or not self.key_dtype.is_floating_point:
+            raise ValueError(f"key_dtype must be a floating torch.dtype, got {self.key_dtype!r}")
+
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-slot shapes: kv, meta, k, v, sink_k, sink_v (the order of ``dtypes``); the float32 buffers first,
+        so that every buffer starts at a multiple of its element size in a packed page."""
+        h, d, s = self.heads, self.head_dim, max(self.sinks, 1)
+        return ((h, self.features, d + 1), (_META + s,), (h, self.keys, d), (h, self.keys, d), (h, s, d), (h, s, d))
+
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.float32, *(self.key_dtype,) * 4)
+
+    def nbytes(self) -> int:
+        """Bytes of one slot."""
+        return sum(torch.Size(s).numel() * torch.empty((), dtype=t).element_size()
+                   for s, t in zip(self.shapes(), self.dtypes()))
+
+    def empty(self, slots: int, device=None) -> list[torch.Tensor]:
+        """Zeroed buffers for ``slots`` sequences: one tensor per entry of ``shapes``, slot first."""
+        return [torch.zeros(slots, *s, dtype=t, device=device) for s, t in zip(self.shapes(), self.dtypes())]
+
+
+def _check_buffers(layout: PackedLayout, buffers) -> None:
+    if len(buffers) != len(layout.shapes()):
+        raise ValueError(f"buffers must be the {len(layout.shapes())} tensors of one slot (PackedLayout.shapes), "
+                         f"got {len(buffers)}")
+    for i, (b, s, t) in enumerate(zip(buffers, layout.shapes(), layout.dtypes())):
+        if tuple(b.shape) != s or b.dtype != t:
+            raise ValueError(f"buffer {i} must be {s} {t}, got {tuple(b.shape)} {b.dtype}")
+
+
+def pack(state: RecurrentState, buffers, layout: PackedLayout) -> None:
+    """Write ``state`` (one sequence: batch 1, at most ``layout.heads`` kv heads) into one slot's ``buffers``."""
+    _check_buffers(layout, buffers)
+    if isinstance(state, WindowRing):  # a single-token call's fixed-size ring: the same state (``decode.py``)
+        state = state.to_recurrent()
+    if not isinstance(state, RecurrentState):
+        raise TypeError(f"state must be a RecurrentState or a WindowRing, got {type(state).__name__}")
+    for f in fields(state):
+        if f.name not in _PACKED_FIELDS and getattr(state, f.name) is not None:
+            raise ValueError(f"a packed state has no room for RecurrentState.{f.name} (a short convolution or a "
+                             "sparse cache): refuse the option where the state is packed")
+    for name in ("mask", "seen"):
+        if getattr(state, name) is not None:
+            raise ValueError(f"a packed state holds one unpadded sequence; RecurrentState.{name} is set (padding)")
+    present = [t for t in (state.kv, state.k, state.sink_k) if t is not None]
+    if present and present[0].shape[1] > layout.heads:
+        raise ValueError(f"the state has {present[0].shape[1]} kv heads; the layout {layout.heads}")
+    kv_buf, meta, k_buf, v_buf, sk_buf, sv_buf = buffers
+    meta.zero_()
+    meta[0] = state.length
+    if state.kv is not None:
+        if state.kv.dtype != torch.float32:
+            raise ValueError(f"the kernel state must be float32 (its sums accumulate in float32), got {state.kv.dtype}")
+        if state.kv.shape[0] != 1 or state.kv.shape[2] != 1 or tuple(state.kv.shape[3:]) != tuple(kv_buf.shape[1:]):
+            raise ValueError(f"RecurrentState.kv of shape {tuple(state.kv.shape)} does not fit the layout's "
+                             f"(1, H, 1, {', '.join(map(str, kv_buf.shape[1:]))})")
+        heads = state.kv.shape[1]
+        kv_buf[:heads].copy_(state.kv[0, :, 0])
+        meta[2] = 1
+    if state.k is not None:
+        n = state.k.shape[2]
+        if state.k.shape[0] != 1 or n > layout.keys:
+            raise ValueError(f"RecurrentState.k holds {n} keys of batch {state.k.shape[0]}; the layout has room for "
+                             f"{layout.keys} keys of one sequence")
+        heads = state.k.shape[1]
+        k_buf[:heads, :n].copy_(state.k[0])
+        v_buf[:heads, :n].copy_(state.v[0])
+        meta[1] = n
+    if state.sink_k is not None:
+        s = state.sink_k.shape[2]
+        if s != layout.sinks:
+            raise ValueError(f"RecurrentState.sink_k holds {s} sinks; the layout {layout.sinks}")
+        heads = state.sink_k.shape[1]
+        sk_buf[:heads].copy_(state.sink_k[0])
+        sv_buf[:heads].copy_(state.sink_v[0])
+        meta[3] = 1
+        meta[_META:_META + s] = state.sink_mask[0].to(meta.dtype)
+
+
+def unpack(buffers, layout: PackedLayout, heads: int) -> RecurrentState:
+    """The ``RecurrentState`` of ``heads`` kv heads that ``pack`` wrote into one slot's ``buffers`` (copies: a
+    module may write into the state it is given)."""
+    _check_buffers(layout, buffers)
+    if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= layout.heads:
+        raise ValueError(f"heads must be an int in 1..{layout.heads}, got {heads!r}")
+    kv_buf, meta, k_buf, v_buf, sk_buf, sv_buf = buffers
+    length, n, has_kv, has_sinks = (int(x) for x in meta[:_META].tolist())
+    kv = kv_buf[:heads].unsqueeze(0).unsqueeze(2).clone() if has_kv else None
+    k = k_buf[:heads, :n].unsqueeze(0).clone() if n else None
+    v = v_buf[:heads, :n].unsqueeze(0).clone() if n else None
+    sink_k = sink_v = sink_mask = None
+    if has_sinks:
+        s = layout.sinks
+        sink_k = sk_buf[:heads].unsqueeze(0).clone()
+        sink_v = sv_buf[:heads].unsqueeze(0).clone()
+        sink_mask = (meta[_META:_META + s] > 0.5).unsqueeze(0)
+    return RecurrentState(kv, k, v, None, length, sink_k=sink_k, sink_v=sink_v, sink_mask=sink_mask)

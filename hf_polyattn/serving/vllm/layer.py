@@ -1,0 +1,212 @@
+"""The converted attention layer in vLLM: softmax kv heads on vLLM's paged ``Attention``, the others on a state.
+
+``PolyAttnAttention`` replaces a decoder layer's attention module. It projects and rotates as the base model does
+(vLLM's own ``QKVParallelLinear``, ``get_rope``, ``RowParallelLinear``), then:
+
+* each softmax kv head of the layer (``config.softmax_heads``) is one vLLM ``Attention`` with one kv head and its
+  query group, so every such module has the same KV-cache spec (vLLM pads page sizes of a hybrid model to one size:
+  modules of 1, 2 and 3 kv heads would not divide evenly) and the KV memory holds exactly the softmax heads;
+* the other heads run the checkpoint's own module (``hf_polyattn.ops``: the same code transformers runs, loaded
+  with the same weights) on a per-request state kept in vLLM's state cache by ``KernelHeadsState`` (a ``MambaBase``
+  layer, as vLLM's in-tree linear-attention hybrids keep theirs), packed in fixed-size buffers
+  (``ops/packed.py``).
+
+Each scheduled request's tokens (a prompt chunk, or one decoded token) run the module on the state unpacked from
+its slot: a new request (nothing computed yet) starts from the module's ``init_state()`` whatever the slot held, and
+the state after the chunk is packed back, so chunked prefill equals one long prefill and a reused slot starts
+clean. A slot whose state does not hold the tokens vLLM says the request has computed is an error, never a silent
+restart.
+
+This is the PyTorch path (the reference, and what runs on the CPU). Requests run one after another through the
+module; a batched step over the slots is the next speed step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ...integration.rope import reads_rope
+from ...ops import HybridAttention, build_attention
+from ...ops.base import softmax_heads_of
+from ...ops.packed import PackedLayout, pack, unpack
+from ...ops.rotary import RopeRotation
+from .servable import polyattn_config, state_layout
+
+__all__ = ["KernelHeadsState", "PolyAttnAttention"]
+
+# meta buffer index of the tokens a packed state holds (ops/packed.py: length first)
+_LENGTH = 0
+
+
+class KernelHeadsState(nn.Module, MambaBase):
+    """The per-request state of one layer's kernel heads in vLLM's state cache: the buffers of ``layout``
+    (``ops.packed.PackedLayout``), one slot per request, bound by vLLM to ``self.kv_cache``."""
+
+    def __init__(self, module: nn.Module, layout: PackedLayout, heads: int, scaling: float, prefix: str):
+        super().__init__()
+        vllm_config = get_current_vllm_config()
+        self.model_config = vllm_config.model_config
+        self.cache_config = vllm_config.cache_config
+        self.__dict__["module"] = module  # the attention module's submodule, not registered twice
+        self.layout, self.heads, self.scaling, self.prefix = layout, heads, scaling, prefix
+        self.kv_cache = ()
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        # the metadata this layer reads (query_start_loc, seq_lens, state_indices_tensor, decodes first) is the
+        # linear-attention backend's
+        return MambaAttentionBackendEnum.LINEAR
+
+    def get_state_shape(self):
+        return self.layout.shapes()
+
+    def get_state_dtype(self):
+        return self.layout.dtypes()
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, metadata) -> None:
+        """Every scheduled request's tokens through the module on its slot's state; ``output`` (T, Hq, D) written
+        (zero past the scheduled tokens)."""
+        starts = metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        slots = metadata.state_indices_tensor.tolist()
+        count = metadata.num_decodes + metadata.num_prefills
+        module = self.module
+        for i in range(count):
+            a, b = starts[i], starts[i + 1]
+            computed = seq_lens[i] - (b - a)
+            slot = [t[slots[i]] for t in self.kv_cache]
+            if computed == 0:
+                state = module.init_state()
+            else:
+                held = int(slot[1][_LENGTH].item())
+                if held != computed:
+                    raise RuntimeError(f"{self.prefix}: the state in slot {slots[i]} holds {held} tokens and the "
+                                       f"request has computed {computed}; prefix caching and other reuse of a "
+                                       "request's state are not supported by the hf_polyattn plugin")
+                state = unpack(slot, self.layout, self.heads)
+            out, state = module(q[a:b].transpose(0, 1).unsqueeze(0), k[a:b].transpose(0, 1).unsqueeze(0),
+                                v[a:b].transpose(0, 1).unsqueeze(0), causal=True, scaling=self.scaling, state=state)
+            output[a:b] = out[0].transpose(0, 1).to(output.dtype)
+            pack(state, slot, self.layout)
+        output[starts[count]:].zero_()
+
+
+def _kernel_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    context = get_forward_context()
+    layer = context.no_compile_layers[layer_name]
+    metadata = context.attn_metadata
+    if isinstance(metadata, list):  # micro-batches: not planned for these layers
+        raise NotImplementedError("hf_polyattn: micro-batching (ubatching) is not supported")
+    metadata = metadata.get(layer_name) if isinstance(metadata, dict) else None
+    if metadata is None:  # a profiling or warm-up run: no request, no state
+        output.zero_()
+        return
+    layer.run(q, k, v, output, metadata)
+
+
+def _kernel_heads_fake(q, k, v, output, layer_name) -> None:
+    return None
+
+
+direct_register_custom_op(op_name="hf_polyattn_kernel_heads", op_func=_kernel_heads, mutates_args=["output"],
+                          fake_impl=_kernel_heads_fake)
+
+
+class PolyAttnAttention(nn.Module):
+    """A decoder layer's attention for a converted folder: vLLM's projections and RoPE, the softmax kv heads on
+    vLLM's ``Attention``, the others on ``KernelHeadsState`` (module docstring). Built with the keyword arguments
+    of vLLM's ``LlamaAttention``."""
+
+    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
+                 bias_o_proj: bool = False, cache_config=None, prefix: str = "",
+                 attn_type: str = AttentionType.DECODER) -> None:
+        super().__init__()
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"hf_polyattn serves causal decoders; this layer was built as {attn_type!r}")
+        if get_tensor_model_parallel_world_size() != 1:
+            raise NotImplementedError("hf_polyattn's vLLM plugin runs on one device per model (tensor parallel "
+                                      "size 1); its heads are not split across devices yet")
+        layer_idx = extract_layer_index(prefix)
+        cfg = polyattn_config(config)
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
+        self.groups = num_heads // num_kv_heads
+        self.q_size, self.kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(hidden_size=hidden_size, head_size=self.head_dim,
+                                          total_num_heads=num_heads, total_num_kv_heads=num_kv_heads, bias=bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(input_size=num_heads * self.head_dim, output_size=hidden_size,
+                                        bias=bias_o_proj, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = get_rope(self.head_dim, max_position=max_position_embeddings,
+                                   rope_parameters=getattr(config, "rope_parameters", None), is_neox_style=True)
+        # the checkpoint's module, under the name its weights have (model.layers.N.self_attn.polyattn.*)
+        self.polyattn = build_attention(cfg, num_heads, self.head_dim, num_kv_heads, layer_idx)
+        soft = softmax_heads_of(cfg, layer_idx)
+        self.softmax_kv_heads = soft
+        self.kernel_kv_heads = tuple(h for h in range(num_kv_heads) if h not in soft)
+        g = self.groups
+        self.register_buffer("kernel_q_index", torch.tensor(
+            [h * g + i for h in self.kernel_kv_heads for i in range(g)], dtype=torch.long), persistent=False)
+        self.register_buffer("kernel_kv_index", torch.tensor(self.kernel_kv_heads, dtype=torch.long),
+                             persistent=False)
+        # one vLLM Attention per softmax kv head; each its own layer index past the model's layers (as vLLM's
+        # Falcon-H1 numbers its second mixer), so that no two cache layers share one
+        model_prefix = prefix.rsplit(".layers.", 1)[0]
+        layers = config.num_hidden_layers
+        self.softmax_attn = nn.ModuleList(
+            Attention(g, self.head_dim, self.scaling, num_kv_heads=1, cache_config=cache_config,
+                      quant_config=quant_config, prefix=f"{model_prefix}.layers.{(j + 1) * layers + layer_idx}"
+                                                        f".self_attn.softmax_head")
+            for j in range(len(soft)))
+        self.state = None
+        if self.kernel_kv_heads:
+            kernel = self.polyattn.kernel if isinstance(self.polyattn, HybridAttention) else self.polyattn
+            if reads_rope(cfg):
+                # the sinks' queries are turned with the model's RoPE (sink_position='window'): the rotation vLLM
+                # applies, read from its rotary embedding (servable.py refuses RoPE types whose rotation is not
+                # inv_freq alone)
+                rotary = self.rotary_emb
+                kernel.rope = RopeRotation(inv_freq=rotary._compute_inv_freq(rotary.base).float(),
+                                           rotary_dim=rotary.rotary_dim)
+            dtype = get_current_vllm_config().model_config.dtype
+            self.state = KernelHeadsState(kernel, state_layout(config, self.head_dim, dtype),
+                                          len(self.kernel_kv_heads), self.scaling, f"{prefix}.polyattn_state")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        t, d, g = q.shape[0], self.head_dim, self.groups
+        q3, k3, v3 = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+        out = torch.empty_like(q3)
+        for j, h in enumerate(self.softmax_kv_heads):
+            o = self.softmax_attn[j](q3[:, h * g:(h + 1) * g].reshape(t, g * d), k3[:, h].contiguous(),
+                                     v3[:, h].contiguous())
+            out[:, h * g:(h + 1) * g] = o.view(t, g, d)
+        if self.state is not None:
+            kq = q3.index_select(1, self.kernel_q_index)
+            kk = k3.index_select(1, self.kernel_kv_index)
+            kv = v3.index_select(1, self.kernel_kv_index)
+            ko = torch.empty_like(kq)
+            torch.ops.vllm.hf_polyattn_kernel_heads(kq, kk, kv, ko, self.state.prefix)
+            out[:, self.kernel_q_index] = ko
+        output, _ = self.o_proj(out.view(t, self.num_heads * d))
+        return output

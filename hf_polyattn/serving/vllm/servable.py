@@ -1,0 +1,111 @@
+"""What the vLLM plugin serves, read from a folder's config; everything else refused by name at load.
+
+Imports neither vLLM nor anything that needs it: the checks run (and are tested) in the package's own venv too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import PolyAttnConfig
+from ...ops import build_attention
+from ...ops.base import softmax_heads_of
+from ...ops.packed import PackedLayout, pack
+
+__all__ = ["check_servable", "polyattn_config", "state_layout"]
+
+# model_type of the folders each served architecture runs (vLLM's model code the plugin reuses)
+MODEL_TYPES = {"PolyAttnLlamaForCausalLM": ("llama",)}
+# RoPE types whose rotation is inv_freq alone (vLLM's cos/sin carry no extra scale): what the sinks' queries are
+# turned with (sink_position='window'); YaRN and LongRoPE scale cos/sin as well
+ROPE_TYPES = ("default", "llama3")
+
+_REFUSED = "hf_polyattn's vLLM plugin cannot serve this folder: {why}. It serves {what}."
+_WHAT = ("the Llama family (model_type 'llama') with a windowed linear-time kind (window, sinks, gated decay, "
+         "feature maps, q/k LayerNorm, feature projection, window mix) and any layout of softmax kv heads; load other "
+         "folders with transformers (import hf_polyattn)")
+
+
+def _refuse(why: str) -> ValueError:
+    return ValueError(_REFUSED.format(why=why, what=_WHAT))
+
+
+def polyattn_config(config) -> PolyAttnConfig:
+    """The PolyAttnConfig a folder's config.json records (``config.polyattn``); ValueError without one."""
+    stored = getattr(config, "polyattn", None)
+    if not isinstance(stored, dict):
+        raise _refuse("its config.json has no hf_polyattn settings ('polyattn')")
+    if stored.get("sinks") and "sink_position" not in stored:
+        stored = {**stored, "sink_position": "own"}  # saved before sink_position existed (integration/settings.py)
+    return PolyAttnConfig.from_dict(stored)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def state_layout(config, head_dim: int | None = None, key_dtype: torch.dtype | None = None) -> PackedLayout:
+    """The state buffers every converted layer of ``config``'s model shares (``ops.packed.PackedLayout``): as many
+    kv heads as the layer with the most kernel heads has."""
+    cfg = polyattn_config(config)
+    d = head_dim or _head_dim(config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    groups = config.num_attention_heads // kv_heads
+    heads = max(kv_heads - len(softmax_heads_of(cfg, i)) for i in range(config.num_hidden_layers))
+    one = build_attention(cfg.replace(softmax_heads=None), groups, d, 1, 0)  # one kv head: its feature width
+    dtype = key_dtype if key_dtype is not None else _dtype(config)
+    return PackedLayout(heads=max(heads, 1), features=one.num_features, head_dim=d,
+                        keys=max(cfg.window, cfg.block_size), sinks=cfg.sinks, key_dtype=dtype)
+
+
+def _dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def check_servable(config, architecture: str) -> PolyAttnConfig:
+    """The folder's PolyAttnConfig when the plugin serves ``config`` as ``architecture``; ValueError naming what is
+    missing otherwise (never served as softmax, never silently different)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES.get(architecture, ()):
+        raise _refuse(f"{architecture} runs model_type {MODEL_TYPES.get(architecture)}, the folder's is "
+                      f"{model_type!r}")
+    cfg = polyattn_config(config)
+    if cfg.sparse_cache:
+        raise _refuse(f"sparse_cache={cfg.sparse_cache} (the bounded sparse cache of the linear-only preset) is not "
+                      "implemented in the plugin")
+    if cfg.kind in ("polysketch", "polynomial"):
+        raise _refuse(f"kind {cfg.kind!r} keeps no constant-size state the plugin implements")
+    if getattr(config, "sliding_window", None) and getattr(config, "layer_types", None):
+        raise _refuse("sliding-window layers (layer_types) are not implemented in the plugin")
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if all(len(softmax_heads_of(cfg, i)) == kv_heads for i in range(config.num_hidden_layers)):
+        raise _refuse("every kv head is softmax: serve the base model")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if cfg.sinks and cfg.sink_position == "window" and rope_type not in ROPE_TYPES:
+        raise _refuse(f"sinks scored at window positions re-rotate queries with the model's RoPE, and RoPE type "
+                      f"{rope_type!r} is not one the plugin reads ({', '.join(ROPE_TYPES)})")
+    _probe(cfg, config)
+    return cfg
+
+
+def _probe(cfg: PolyAttnConfig, config) -> None:
+    """Run the kind's module for one kv head past its window and sinks, and pack its state: a kind or option whose
+    state the layout has no room for is refused here, at load, by the field it needs."""
+    d = _head_dim(config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    groups = config.num_attention_heads // kv_heads
+    module = build_attention(cfg.replace(softmax_heads=None), groups, d, 1, 0)
+    layout = state_layout(config, d, torch.float32)
+    n = max(cfg.window, cfg.block_size) + cfg.sinks + 3
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, groups, n, d, generator=gen)
+    k = torch.randn(1, 1, n, d, generator=gen)
+    with torch.no_grad():
+        _, state = module(q, k, k, causal=True, state=module.init_state())
+        _, state = module(q[:, :, :1], k[:, :, :1], k[:, :, :1], causal=True, state=state)
+    try:
+        pack(state, [b[0] for b in layout.empty(1)], layout)
+    except (TypeError, ValueError) as err:
+        raise _refuse(f"kind {cfg.kind!r} with these settings keeps a state the plugin does not pack ({err})") from None

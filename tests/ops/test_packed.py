@@ -1,0 +1,147 @@
+"""ops/packed.py: a sequence's kernel-head state in fixed-size slot buffers (what a serving engine keeps).
+
+The engine's contract: a prompt split anywhere into chunks, each chunk run on the state unpacked from the slot the
+previous chunk packed, gives the outputs of the whole prompt in one call, and so does decoding token by token."""
+
+import pytest
+import torch
+
+from hf_polyattn import PolyAttnConfig
+from hf_polyattn.ops import build_attention
+from hf_polyattn.ops.packed import PackedLayout, pack, unpack
+
+W, S, BLOCK, D = 8, 2, 4, 16
+
+CONFIGS = {
+    # the long-context preset's layer (elu, gated decay, window mix, q/k LayerNorm, a feature projection)
+    "demo": dict(kind="linear", feature_map="elu", window=W, sinks=S, decay="gate", window_mix=True,
+                 window_mix_init=0.01, block_size=BLOCK, qk_norm=True, feature_proj=D, decay_horizon=16.0),
+    "sinks-own": dict(kind="linear", feature_map="hedgehog", window=W, sinks=S, decay="gate", block_size=BLOCK,
+                      sink_position="own"),
+    "plain-window": dict(kind="linear", window=W, block_size=BLOCK),
+    "no-window": dict(kind="linear", block_size=BLOCK),
+}
+
+
+def _module(name):
+    m = build_attention(PolyAttnConfig(**CONFIGS[name]), 4, D, 2, 0).eval()
+    with torch.no_grad():  # away from the initial values, so that a parameter read wrongly shows
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def _layout(m, dtype=torch.float32):
+    cfg = m.config
+    return PackedLayout(heads=m.num_kv_heads, features=m.num_features, head_dim=D,
+                        keys=max(cfg.window, cfg.block_size), sinks=cfg.sinks, key_dtype=dtype)
+
+
+def _inputs(n, dtype=torch.float32):
+    return (torch.randn(1, 4, n, D, dtype=dtype), torch.randn(1, 2, n, D, dtype=dtype),
+            torch.randn(1, 2, n, D, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+# split points around the window and the sinks: 1, w - 1, w, w + 1, w + sinks, and a later one
+@pytest.mark.parametrize("split", [1, W - 1, W, W + 1, W + S, 3 * W + 1])
+def test_chunks_through_a_slot_equal_one_call(name, split):
+    m = _module(name)
+    layout = _layout(m)
+    q, k, v = _inputs(40)
+    with torch.no_grad():
+        whole = m(q, k, v, causal=True)
+        slot = [b[0] for b in layout.empty(3)]  # slot 0 of three
+        out1, st = m(q[:, :, :split], k[:, :, :split], v[:, :, :split], causal=True, state=m.init_state())
+        pack(st, slot, layout)
+        out2, st = m(q[:, :, split:], k[:, :, split:], v[:, :, split:], causal=True,
+                     state=unpack(slot, layout, 2))
+    torch.testing.assert_close(torch.cat([out1, out2], dim=2), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_decoding_through_a_slot_equals_one_call(name):
+    m = _module(name)
+    layout = _layout(m)
+    q, k, v = _inputs(3 * W)
+    with torch.no_grad():
+        whole = m(q, k, v, causal=True)
+        slot = [b[1] for b in layout.empty(2)]
+        out, st = m(q[:, :, :1], k[:, :, :1], v[:, :, :1], causal=True, state=m.init_state())
+        outs = [out]
+        for t in range(1, q.shape[2]):
+            pack(st, slot, layout)
+            out, st = m(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], causal=True,
+                        state=unpack(slot, layout, 2))
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=2), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_then_unpack_gives_every_field_back():
+    m = _module("demo")
+    layout = _layout(m)
+    q, k, v = _inputs(W + S + 3)
+    with torch.no_grad():
+        _, st = m(q, k, v, causal=True, state=m.init_state())
+    slot = [b[0] for b in layout.empty(1)]
+    pack(st, slot, layout)
+    back = unpack(slot, layout, 2)
+    assert back.length == st.length == W + S + 3
+    for name in ("kv", "k", "v", "sink_k", "sink_v", "sink_mask"):
+        assert getattr(st, name) is not None, name  # the case covers every packed field
+        assert torch.equal(getattr(back, name), getattr(st, name)), name
+
+
+def test_a_layer_with_fewer_heads_uses_the_first_of_the_slot():
+    m = _module("demo")
+    big = PackedLayout(heads=3, features=m.num_features, head_dim=D, keys=W, sinks=S)
+    q, k, v = _inputs(20)
+    with torch.no_grad():
+        whole = m(q, k, v, causal=True)
+        slot = [b[0] for b in big.empty(1)]
+        out1, st = m(q[:, :, :11], k[:, :, :11], v[:, :, :11], causal=True, state=m.init_state())
+        pack(st, slot, big)
+        out2, _ = m(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], causal=True, state=unpack(slot, big, 2))
+    torch.testing.assert_close(torch.cat([out1, out2], dim=2), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keys_pack_finite_and_equal(dtype):
+    m = _module("demo").to(dtype)
+    layout = _layout(m, dtype)
+    q, k, v = _inputs(30, dtype)
+    with torch.no_grad():
+        whole = m(q, k, v, causal=True)
+        slot = [b[0] for b in layout.empty(1)]
+        out1, st = m(q[:, :, :13], k[:, :, :13], v[:, :, :13], causal=True, state=m.init_state())
+        pack(st, slot, layout)
+        out2, _ = m(q[:, :, 13:], k[:, :, 13:], v[:, :, 13:], causal=True, state=unpack(slot, layout, 2))
+    got = torch.cat([out1, out2], dim=2)
+    assert torch.isfinite(got).all() and got.dtype == dtype
+    torch.testing.assert_close(got, whole)
+
+
+def test_refusals_name_what_is_wrong():
+    m = _module("demo")
+    layout = _layout(m)
+    q, k, v = _inputs(12)
+    with torch.no_grad():
+        _, st = m(q, k, v, causal=True, state=m.init_state())
+    slot = [b[0] for b in layout.empty(1)]
+    with pytest.raises(ValueError, match="buffers must be the 6 tensors"):
+        pack(st, slot[:5], layout)
+    small = PackedLayout(heads=1, features=m.num_features, head_dim=D, keys=W, sinks=S)
+    with pytest.raises(ValueError, match="2 kv heads; the layout 1"):
+        pack(st, [b[0] for b in small.empty(1)], small)
+    few_keys = PackedLayout(heads=2, features=m.num_features, head_dim=D, keys=W - 1, sinks=S)
+    with pytest.raises(ValueError, match="room for 7 keys"):
+        pack(st, [b[0] for b in few_keys.empty(1)], few_keys)
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="RecurrentState.seen is set"):
+        pack(replace(st, seen=torch.tensor([12])), slot, layout)
+    with pytest.raises(ValueError, match="RecurrentState.conv_k"):
+        pack(replace(st, conv_k=torch.zeros(1)), slot, layout)
+    with pytest.raises(ValueError, match="heads must be an int in 1..2"):
+        unpack(slot, layout, 3)
+    with pytest.raises(ValueError, match="keys must be an int >= 1"):
+        PackedLayout(heads=1, features=4, head_dim=4, keys=0, sinks=0)

@@ -1,0 +1,76 @@
+"""Build tiny converted folders and transformers' greedy tokens for them (run by tests/serving/test_vllm.py).
+
+Runs in the package's own venv (the transformers it supports); vLLM's venv pins an older transformers. Usage:
+``python tests/serving/build_folders.py OUT`` writes OUT/<case>/ (a saved folder) and OUT/reference.json
+(case -> prompt name -> greedy token ids from ``generate()``)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_polyattn
+from hf_polyattn import PolyAttnConfig
+
+WINDOW, SINKS = 16, 4
+# prompts shorter than, equal to and longer than window + sinks, and long enough to be chunked by a budget of
+# 32 tokens a step (test_vllm.py); token ids from a fixed generator
+PROMPT_LENGTHS = {"short": 5, "window": WINDOW - 1, "window+sinks": WINDOW + SINKS, "past": WINDOW + SINKS + 1,
+                  "long": 90}
+NEW_TOKENS = 12
+
+LAYER = dict(kind="linear", feature_map="elu", window=WINDOW, sinks=SINKS, decay="gate", window_mix=True,
+             window_mix_init=0.01, block_size=16, qk_norm=True, feature_proj=64, decay_horizon=64.0)
+CASES = {
+    # the long-context preset's layout: some kv heads softmax (a layer with none, one with both)
+    "hybrid": PolyAttnConfig(**LAYER, softmax_heads=((0, 0), (1, 1), (3, 0), (3, 1))),
+    # the linear-only layout: no softmax head, the sinks at their own positions, Hedgehog features
+    "linear_only": PolyAttnConfig(**{**LAYER, "feature_map": "hedgehog", "sink_position": "own"}),
+    # what the plugin refuses at load: the bounded sparse cache
+    "sparse": PolyAttnConfig(**LAYER, sparse_cache=32),
+}
+
+
+def prompts() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return {name: torch.randint(3, 250, (n,), generator=gen).tolist() for name, n in PROMPT_LENGTHS.items()}
+
+
+def build(out: Path) -> dict:
+    reference = {}
+    for name, cfg in CASES.items():
+        torch.manual_seed(0)
+        # head_dim 64: vLLM's CPU attention refuses 32
+        config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model = hf_polyattn.convert(LlamaForCausalLM(config).eval(), cfg)
+        with torch.no_grad():  # the kernel parameters away from their initial values: a weight not loaded shows
+            for pname, p in model.named_parameters():
+                if "polyattn" in pname:
+                    p.add_(0.05 * torch.randn_like(p))
+        model.save_pretrained(out / name)
+        if name == "sparse":
+            continue
+        reloaded = LlamaForCausalLM.from_pretrained(out / name).eval()
+        tokens, logprobs = {}, {}
+        for pname, ids in prompts().items():
+            with torch.no_grad():
+                # eos never stops it: vLLM is run with ignore_eos
+                gen = reloaded.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0, output_scores=True,
+                                        return_dict_in_generate=True)
+            chosen = gen.sequences[0, len(ids):]
+            tokens[pname] = chosen.tolist()
+            # the log-probability of each chosen token: compared with vLLM's (a near tie between two tokens would
+            # let both engines pick either; the log-probabilities show a wrong state even where tokens agree)
+            logprobs[pname] = [torch.log_softmax(s[0].double(), -1)[t].item() for s, t in zip(gen.scores, chosen)]
+        reference[name] = {"tokens": tokens, "logprobs": logprobs}
+    (out / "reference.json").write_text(json.dumps({"prompts": prompts(), "cases": reference}))
+    return reference
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]))

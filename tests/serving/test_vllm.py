@@ -1,0 +1,114 @@
+"""The vLLM plugin (hf_polyattn/serving/vllm): converted folders served by vLLM give transformers' greedy tokens.
+
+Runs in vLLM's own venv (``make test-vllm``: vLLM pins an older transformers than the package), on the CPU build.
+The folders and transformers' reference tokens are made by ``build_folders.py`` in the package's venv
+(``HF_POLYATTN_REFERENCE_PYTHON``, default ``.venv/bin/python``). Each ``LLM`` takes 20-40 s to start on a 2-core
+CPU, so one engine serves every prompt case of a folder: prompts shorter than, equal to and longer than window +
+sinks, in one batch of mixed lengths, under a budget of 32 tokens a step (chunked prefill of the long prompts) and at
+most 2 sequences at a time (slots reused by later requests).
+
+Skipped where vLLM is not installed (the package's own venv); ``make test-vllm`` sets HF_POLYATTN_REQUIRE_VLLM=1,
+which turns that skip into a failure.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    if os.environ.get("HF_POLYATTN_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip("vLLM is not installed here (make test-vllm runs these tests in its own venv)",
+                allow_module_level=True)
+
+# the engine's settings for every case: float32 as the reference, a small budget so that the 90-token prompt is
+# prefilled in chunks, two sequences at a time so that later requests reuse slots
+ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.05,
+              skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=2, seed=0)
+LOGPROB_TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = tmp_path_factory.mktemp("served")
+    python = os.environ.get("HF_POLYATTN_REFERENCE_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run([python, str(ROOT / "tests" / "serving" / "build_folders.py"), str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads((out / "reference.json").read_text())
+
+
+def _serve(folder: Path, prompts: dict, extra: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run vLLM in a fresh process (``LLM`` spawns its engine; one engine per process) on ``prompts``; prints a
+    JSON line of prompt name -> (tokens, logprobs)."""
+    code = textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        if __name__ == "__main__":
+            llm = LLM(model={str(folder)!r}, **{ENGINE!r}{extra})
+            names = list({prompts!r})
+            params = SamplingParams(temperature=0, max_tokens={NEW_TOKENS}, ignore_eos=True, logprobs=0)
+            outs = llm.generate([TokensPrompt(prompt_token_ids={prompts!r}[n]) for n in names], params)
+            result = {{}}
+            for name, out in zip(names, outs):
+                o = out.outputs[0]
+                result[name] = [list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]]
+            print("RESULT " + json.dumps(result))
+    """)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, **(env or {})))
+
+
+sys.path.insert(0, str(ROOT))
+from tests.serving.build_folders import NEW_TOKENS  # noqa: E402
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("case", ["hybrid", "linear_only"])
+def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
+    out, reference = folders
+    served = _result(_serve(out / case, reference["prompts"]))
+    expected = reference["cases"][case]
+    for name in reference["prompts"]:
+        tokens, logprobs = served[name]
+        assert tokens == expected["tokens"][name], (case, name)
+        assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, (case, name)
+
+
+def test_without_the_plugin_vllm_refuses_the_folder(folders):
+    out, reference = folders
+    # VLLM_PLUGINS names the plugins vLLM loads: none of ours
+    proc = _serve(out / "hybrid", {"short": reference["prompts"]["short"]}, env={"VLLM_PLUGINS": "none"})
+    assert proc.returncode != 0
+    assert "PolyAttnLlamaForCausalLM" in proc.stderr and "are not supported" in proc.stderr
+
+
+def test_transformers_backend_refuses_instead_of_serving_softmax(folders):
+    out, reference = folders
+    proc = _serve(out / "hybrid", {"short": reference["prompts"]["short"]},
+                  extra=", model_impl='transformers', trust_remote_code=True")
+    assert proc.returncode != 0
+    assert "vLLM's Transformers backend (model_impl='transformers') would replace" in proc.stdout + proc.stderr
+
+
+def test_a_folder_the_plugin_cannot_serve_is_refused_by_name(folders):
+    out, reference = folders
+    proc = _serve(out / "sparse", {"short": reference["prompts"]["short"]})
+    assert proc.returncode != 0
+    assert "sparse_cache=32" in proc.stdout + proc.stderr and "cannot serve this folder" in proc.stdout + proc.stderr
