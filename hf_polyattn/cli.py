@@ -332,6 +332,40 @@ def cmd_bench(args, argv) -> int:
     return bench.run(args, command=" ".join([PROG, "bench", *rest]))
 
 
+ENGINES = ("transformers", "vllm")
+
+
+def cmd_bench_engine(argv: list[str]) -> int:
+    """``bench --engine vllm ...``: the converted folder and its base in vLLM (``serving/vllm/bench.py``, its own
+    options); ``--engine transformers`` is the plain ``bench``."""
+    rest, engine, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--engine" and i + 1 < len(argv):
+            engine, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--engine="):
+            engine = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if engine not in ENGINES:
+        print(f"{PROG} bench: error: --engine must be one of {', '.join(ENGINES)}, got {engine!r}", file=sys.stderr)
+        return 2
+    if engine == "transformers":
+        return main(["bench", *rest])
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print(f"{PROG} bench: error: --engine vllm needs vLLM in this environment (vLLM pins transformers < 5.20: "
+              "give it its own venv, e.g. `make install-vllm`, and run .venv-vllm/bin/hf-polyattn there)",
+              file=sys.stderr)
+        return 2
+    from .serving.vllm.bench import main as vllm_bench
+
+    return vllm_bench([*rest, "--command", " ".join([PROG, "bench", *argv])])
+
+
 def resolve_model(name: str) -> str:
     """A local checkpoint directory, an offline alias or a Hub id -> what from_pretrained reads."""
     from .checkpoints import CheckpointError, resolve_checkpoint
@@ -1080,6 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lm-eval"]:  # lm-eval parses its own arguments: none of ours may reject them first
         return cmd_lm_eval(argv[1:])
+    if argv[:1] == ["bench"] and any(a == "--engine" or a.startswith("--engine=") for a in argv):
+        return cmd_bench_engine(argv[1:])
     parser = build_parser()
     args = None
     try:

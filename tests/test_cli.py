@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import random
@@ -570,3 +571,17 @@ def test_score_heads_writes_scores_and_pairs(tiny, long_tiny, tmp_path, capsys):
     assert code == 0 and len(json.loads((tmp_path / "all.json").read_text())["softmax_heads"]) == 4
     code, _, err = run(["score-heads", long_tiny, "--out", tmp_path / "x.json", "--length", 400, "--top", 5], capsys)
     assert code == 2 and "--top 5: the model has 4 kv heads (2 layers x 2)" in err
+
+
+# ----------------------------------------------------------------------------------------------- bench --engine
+
+
+def test_bench_engine_names_the_allowed_engines(capsys):
+    code, _, err = run(["bench", "--engine", "tgi", "--model", "x"], capsys)
+    assert code == 2 and "--engine must be one of transformers, vllm, got 'tgi'" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_bench_engine_vllm_without_vllm_says_where_to_run_it(capsys):
+    code, _, err = run(["bench", "--engine=vllm", "--model", "x", "--base", "y"], capsys)
+    assert code == 2 and "--engine vllm needs vLLM in this environment" in err and "make install-vllm" in err
