@@ -13,16 +13,13 @@ record or a preset; the test fails until then).
 from __future__ import annotations
 
 import json
-import sys
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere: the package beside this folder
-    sys.path.insert(0, str(ROOT))
+from hf_polyattn.bench_model import size
+from hf_polyattn.presets import PRESETS, Preset
 
-from hf_polyattn.bench_model import size  # noqa: E402
-from hf_polyattn.presets import PRESETS, Preset  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DOC = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
