@@ -4,6 +4,7 @@ figure typed outside that table (nor a date, a clock time or a machine's history
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -127,3 +128,59 @@ def test_readme_links_resolve():
             headings = [re.sub(r"[^\w\- ]", "", h.strip("# ").lower()).replace(" ", "-")
                         for h in (ROOT / path).read_text().splitlines() if h.startswith("#")]
             assert anchor[1:] in headings, (path, anchor)
+
+
+# the hand-written docs; docs/performance.md and docs/supported_models.md are generated and checked by regeneration
+HAND_WRITTEN_DOCS = ("kinds.md", "long_context.md", "numerics_and_backends.md", "integration.md")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# a figure in prose: a number with a unit of speed, share, size or time, or any number with two or more decimals
+# (an arXiv id, arXiv:2309.17453, and a version, torch 2.13.0, are not figures)
+DOC_FIGURE = re.compile(r"(?<![\w.\-/:])(\d[\d,]*(?:\.\d+)?)\s?(?:x\b|%|[KMG]iB|ms\b|s\b|us\b)"
+                        r"|(?<![\w.\-/:])(\d+\.\d{2,})(?![\w.])")
+
+
+def recorded_numbers() -> set[str]:
+    """Every number the result files hold, as written and rounded to 0-4 decimals (a doc quotes 1.0737 as 1.07 or
+    1.074), commas dropped."""
+    known: set[str] = set()
+
+    def add(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            known.add(str(value))
+            known.update(f"{round(value, digits):.{digits}f}" for digits in range(5))
+
+    def walk(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+        else:
+            add(node)
+
+    for path in (ROOT / "recipes" / "results").rglob("*"):
+        if not path.is_file() or path.suffix not in (".md", ".json", ".txt", ".log"):
+            continue
+        text = path.read_text(errors="replace")
+        for token in _NUMBER.findall(text):
+            known.add(token.replace(",", ""))
+            add(float(token.replace(",", "")))
+        if path.suffix == ".json":
+            walk(json.loads(text))
+    return known
+
+
+def test_every_figure_of_the_docs_is_in_a_record():
+    """Each figure the hand-written docs quote is a number some result file holds (as written or rounded): a
+    figure typed from memory, or one whose record was removed, fails. (It traces the value, not which record: the
+    generated pages and the presets are traced to their own record by the tests above.)"""
+    known = recorded_numbers()
+    assert "1.77" in known and "123.456" not in known  # the set holds the records' numbers, not every number
+    missing = {}
+    for name in HAND_WRITTEN_DOCS:
+        text = (ROOT / "docs" / name).read_text()
+        figures = [m.group(1) or m.group(2) for m in DOC_FIGURE.finditer(text)]
+        assert figures or name == "integration.md", name  # the pattern sees the docs' figures
+        missing[name] = [f for f in figures if f.replace(",", "") not in known]
+    assert not any(missing.values()), missing
