@@ -32,7 +32,7 @@ Writes DEVICE-DTYPE.md (tables), .json (every number) and .png (the plot) under 
 end of a run (``make demo`` prints its row at 4,096 tokens, into runs/demo/linear/speed.md).
 
 The .md and .json are rewritten after every (batch, length) row, each replaced atomically (as the kernel benchmark
-does: ``bench.write_atomic``), so a run stopped from outside (``timeout``, a job's time limit, Ctrl-C, SIGTERM)
+does: ``bench_common.write_atomic``), so a run stopped from outside (``timeout``, a job's time limit, Ctrl-C, SIGTERM)
 keeps every row it measured: while rows remain the .md says "Partial: k of N cells done" and the JSON has
 ``"complete": false``, ``cells_done``, ``cells_planned``; the last write says ``"complete": true``. The .png is
 drawn once, at the end (a partial run has none). A SIGTERM stops the run as Ctrl-C does and exits with status 143.
@@ -51,6 +51,9 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+
+from . import bench_common
+from .bench_common import flat, int_at_least, int_items, is_oom, save_figure
 
 DEFAULTS = {
     "cpu": {"lengths": [1024, 4096, 16384], "batches": [1, 8], "dtype": "fp32", "repeats": 2, "decode_steps": 16,
@@ -342,8 +345,6 @@ def compare(model, base, lengths=(1024, 4096), *, batches=(1,), decode_steps: in
             except Exception as err:  # noqa: BLE001 - a failed cell becomes a row, the grid goes on
                 first = (str(err).splitlines() or [type(err).__name__])[0][:200]
                 row = {"batch": batch, "length": length, "error": f"{type(err).__name__}: {first}"}
-                from .bench import is_oom  # bench imports this module: not at the top
-
                 if is_oom(err):
                     oom_at = length
             gc.collect()
@@ -464,8 +465,6 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    from .bench import save_figure  # bench imports this module: not at the top
-
     save_figure(fig, path)
     plt.close(fig)
     return True
@@ -476,8 +475,6 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The whole-model options of ``hf-polyattn bench`` (an argument group)."""
-    from .bench import int_at_least, int_items
-
     cpu, cuda = DEFAULTS["cpu"], DEFAULTS["cuda"]
     g = p.add_argument_group("whole model (--model)", textwrap.fill(
         "A retrofitted checkpoint against its softmax base, both loaded in this process and run interleaved "
@@ -548,8 +545,6 @@ def _checkpoint_dir(parser, option: str, path: str) -> Path:
 
 def resolve(parser, args) -> argparse.Namespace:
     """Check the whole-model options and fill their defaults in place (usage errors through ``parser``)."""
-    from .bench import flat
-
     args.batches = flat(args.batches)
     if not args.model:
         given = [f"--{name.replace('_', '-')}" for name in MODEL_ONLY if getattr(args, name, None) is not None]
@@ -639,12 +634,11 @@ def run(args, *, command: str) -> int:
     module docstring)."""
     import torch
 
-    from . import bench
     from .machine import cpu_snapshot, others_between
 
     torch.set_num_threads(args.threads)
-    where = bench.machine(args)
-    info = bench.machine_info(args)
+    where = bench_common.machine(args)
+    info = bench_common.machine_info(args)
     model, base, base_label = load_pair(args)
     from .integration.state import get_polyattn_config
 
@@ -665,7 +659,7 @@ def run(args, *, command: str) -> int:
     def write(rows: list[dict], planned: int) -> None:
         """The .md and .json of the rows so far (the load and the other processes up to now); the .png once
         complete: drawing it takes 1-2 s of this process's CPU (and heap) between timed cells, so only at the end."""
-        fields, note = bench.completion(len(rows), planned)
+        fields, note = bench_common.completion(len(rows), planned)
         others = others_between(snap, cpu_snapshot())
         load_after, wall = describe_load(), others["wall_s"]
         busiest = [(n, s) for n, s in others["busiest"] if s >= 0.05 * wall]  # 5% of a core or more
@@ -687,9 +681,9 @@ def run(args, *, command: str) -> int:
         ]
         text = "\n".join(header) + "\n\n" + markdown(rows) + "\n\n" + mem_text
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        bench.write_atomic(args.out / f"{tag}.md", f"Run {stamp}: `{command}`\n\n"
+        bench_common.write_atomic(args.out / f"{tag}.md", f"Run {stamp}: `{command}`\n\n"
                            + (f"{note}\n\n" if note else "") + f"{text}\n")
-        bench.write_atomic(args.out / f"{tag}.json", json.dumps(
+        bench_common.write_atomic(args.out / f"{tag}.json", json.dumps(
             {"date": stamp, "command": command, "machine": where, "machine_info": info,
              "decode_graphs": None if args.graphs is None else dict(args.graphs.counts),
              "load_before": load_before, "load_after": load_after, "wall_s": wall, "other_processes": others,
@@ -705,13 +699,13 @@ def run(args, *, command: str) -> int:
         print(f"wrote {args.out}/{tag}.md, .json" + (", .png" if drew else " (matplotlib not installed: no plot)"))
 
     try:
-        with bench.sigterm_exits():
+        with bench_common.sigterm_exits():
             compare(model, base, args.lengths, batches=args.batches, decode_steps=args.decode_steps,
                            warmup=args.warmup, repeats=args.repeats, max_tokens=args.max_tokens, progress=True,
                            after_cell=write)
     except BaseException:  # noqa: BLE001 - Ctrl-C, SIGTERM, a failure: say what was kept, then re-raise
         if written[0]:
-            print(bench.kept(written[0], len(args.batches) * len(args.lengths), args.out / f"{tag}.md"),
+            print(bench_common.kept(written[0], len(args.batches) * len(args.lengths), args.out / f"{tag}.md"),
                   file=sys.stderr)
         raise
     return 0

@@ -30,6 +30,32 @@ SPARSE_SCORES = ("recall", "relative", "attention")
 SPARSE_CHUNK = 64  # sparse_chunk's default, in keys: the selection's granularity (ops/sparse.py)
 # Shared fields every kind reads (the others are read by the kinds whose KindSpec.fields name them).
 EVERY_KIND_FIELDS = ("seed", "softmax_heads")
+# Settings that are read only while another one is on: field -> whether this config has it on. __post_init__ refuses
+# each one at a value other than its default while its gate is off, so a config with the gate off computes the same
+# attention whatever the field says; read_settings (a model card's list) leaves it out. Every ``sparse_*`` field,
+# sparse_cache itself included, is gated on sparse_cache > 0 (``_read_when``), new ones too.
+READ_WHEN = {
+    "local_kernel": lambda c: bool(c.local_exact or c.window),
+    "window_mix": lambda c: bool(c.window),
+    "window_mix_init": lambda c: bool(c.window and c.window_mix),
+    "sinks": lambda c: bool(c.window),
+    "learned_sinks": lambda c: bool(c.window),
+    "sink_position": lambda c: bool(c.window and c.sinks),
+    "sink_span": lambda c: bool(c.window and c.sinks and c.sink_position == "window"),
+    "decay_horizon": lambda c: c.decay != "none",
+    "decay_max_horizon": lambda c: c.decay != "none",
+    "sparse_observe_pool": lambda c: bool(c.sparse_cache and c.sparse_observe),
+}
+
+
+def _read_when(name: str, config: PolyAttnConfig) -> bool:
+    """Whether ``config``'s attention reads the field ``name`` (``READ_WHEN``; the sparse cache's fields only with a
+    sparse cache)."""
+    if name in READ_WHEN:
+        return READ_WHEN[name](config)
+    if name.startswith("sparse_"):
+        return bool(config.sparse_cache)
+    return True
 
 # Allowed values of every str field and the minimum of every int field: __post_init__
 # validates each field by its annotation, so a new field without an entry here fails loudly.
@@ -521,9 +547,12 @@ class PolyAttnConfig:
         """The settings this kind reads, JSON-ready: ``kind``, the shared fields its ``KindSpec.fields`` names, those
         every kind reads (``EVERY_KIND_FIELDS``) and its own ``options``; the fields it ignores are left out (a model
         card shows these), and ``softcap_mode`` where it is not the default. ``from_dict`` of it gives a config that
-        computes the same attention."""
+        computes the same attention. A field read only while another is on (``READ_WHEN``: the sparse cache's
+        fields without a sparse cache, the decay's horizons without a decay, ...) is left out while that one is off.
+        """
         d = self.to_dict()
-        out = {name: d[name] for name in dict.fromkeys(("kind", *self.spec.fields, *EVERY_KIND_FIELDS))}
+        out = {name: d[name] for name in dict.fromkeys(("kind", *self.spec.fields, *EVERY_KIND_FIELDS))
+               if _read_when(name, self)}
         if self.softcap_mode != "refuse":  # only where set: the cards of models without soft-capping stay as they were
             out["softcap_mode"] = self.softcap_mode
         if "options" in d:

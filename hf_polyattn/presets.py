@@ -2,8 +2,10 @@
 
 A preset is an attention (the fields of a :class:`~hf_polyattn.PolyAttnConfig`), a training budget, the data it
 reads by default, and the figure it was measured at with the command that measured it. Every figure is copied from
-a result file of the repository (``source``; ``tests/test_presets.py`` reads the file and checks each number and
-setting), never typed from memory. Every user-facing default of a retrofit lives here: the pipeline applies none.
+a result file of the repository (``source``, and ``speed_source`` for the whole-model benchmark;
+``tests/test_presets.py`` reads the files and checks each number and setting, and ``recipes/performance.py`` writes
+docs/performance.md and the README's table from the same files), never typed from memory; the summaries and notes
+hold settings, not measurements. Every user-facing default of a retrofit lives here: the pipeline applies none.
 
 Two attention values depend on the model and are resolved when it is loaded:
 
@@ -46,9 +48,14 @@ WINDOW_RECIPE = {"window": 128, "sinks": 4, "decay": "gate", "window_mix": True,
 TRANSFER_1K = {"transfer_steps": 60, "transfer_lr": 1e-2, "transfer_schedule": "1024:60:2"}
 LORA_1K_2K = {"finetune_steps": 40, "finetune_lr": 1e-4, "lora": True, "lora_r": 8, "lora_alpha": 16,
               "finetune_schedule": "1024:20:1,2048:20:1"}
+# the whole-model benchmark of the demo's model (the long-context preset's attention, 22 softmax kv heads, with the
+# demo's shorter training: speed and decode memory depend on the attention, not on the weights) against SmolLM2
+DEMO_SPEED_SOURCE = "recipes/results/bench_model/demo_xeon_repeats2/cpu-fp32.json"
+DEMO_SPEED = {"decode_speedup": {4096: 1.42, 16384: 3.33}, "prefill_speedup": {4096: 1.03, 16384: 1.6},
+              "decode_state": {32768: 420963440}, "base_state": {32768: 1509949440}}
 AUTO_HEADS_NOTE = ("measured with the 22 kv heads that `hf-polyattn score-heads` ranked best on 8 passkey prompts of "
                    "2,048 tokens (recipes/results/long_context/head_scores_smollm2.json); softmax_heads='auto' "
-                   "scores 4 prompts of 1,024 when the run starts and chose 21 of the same 22 on SmolLM2")
+                   "scores 4 prompts of 1,024 when the run starts and chose nearly the same heads on SmolLM2")
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,14 @@ class Preset:
     model: str = "smollm2"
     # what it was measured at: "perplexity" {context: value} (causal LM) or "accuracy" (classification), "passkey"
     # {length: "hits/depths"} (and "passkey_vault", the second template), the softmax reference in the same form,
-    # and "train_cpu_s"
+    # "train_cpu_s"; from ``speed_source``: "decode_speedup" and "prefill_speedup" {length: base time / this
+    # model's time, batch 1} and "decode_state" / "base_state" {length: bytes one sequence's cache holds}
     figures: dict[str, Any] = field(default_factory=dict)
     setting: str = ""  # how the figures were measured (model, data, machine)
     source: str = ""  # the repository's result file the figures come from
+    # the whole-model benchmark (hf-polyattn bench --model) of this attention against its base, the file its speed
+    # and decode-memory figures come from ("" when none was run)
+    speed_source: str = ""
     command: str = ""  # the command that measured them
     note: str = ""
 
@@ -92,6 +103,16 @@ class Preset:
             text = f"accuracy {f['accuracy']:.4f} (softmax {f['softmax']['accuracy']:.4f})"
         if f.get("train_cpu_s"):
             text += f"; training {f['train_cpu_s']:,} CPU-s"
+        if f.get("decode_speedup"):
+            from .bench_model import size
+
+            at = " / ".join(_tokens(n) for n in f["decode_speedup"])
+            text += (f"; against the base at {at} tokens: decode "
+                     f"{' / '.join(f'{v:.2f}x' for v in f['decode_speedup'].values())}, prefill "
+                     f"{' / '.join(f'{v:.2f}x' for v in f['prefill_speedup'].values())}")
+            text += "; decode state " + ", ".join(f"{size(b)} at {_tokens(n)} (base {size(f['base_state'][n])})"
+                                                  for n, b in f["decode_state"].items())
+            text += f" ({self.speed_source})"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,8 +134,9 @@ _PRESETS = [
         figures={"perplexity": {256: 40.79, 1024: 30.44, 2048: 28.77, 4096: 27.74, 8192: 26.97},
                  "passkey": {1024: "10/10", 2048: "10/10", 4096: "10/10"},
                  "softmax": SOFTMAX_ROW,
-                 "train_cpu_s": 1056},
+                 "train_cpu_s": 1056, **DEMO_SPEED},
         setting=LONG_CONTEXT_EVAL, source=f"{ROWS}/lin_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k.json",
+        speed_source=DEMO_SPEED_SOURCE,
         command=RUN_ROW + "lin_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k", note=AUTO_HEADS_NOTE),
     Preset(
         name="linear-only",
@@ -122,10 +144,9 @@ _PRESETS = [
                 "128 window + 4 sinks + gated decay, attention transfer at 1k; then, without training, a bounded "
                 "sparse cache of 2,048 keys per kv head ranked by the attention the last 64 queries give them "
                 "(sparse_score='attention') and chosen again by a prompt's last 16 queries (sparse_observe), the "
-                "decayed state's memory bounded to 256 tokens and the sinks scored at their own positions: a "
-                "constant 152 MiB decode state at any length (softmax's key/value cache: 360 MiB at 8k, 1.41 GiB at "
-                "32k). Retrieves both passkey templates to 4k and 7 of 10 of each at 8k (softmax: 9 and 7), within "
-                "1.02x softmax's perplexity to 8k; prefills slower than softmax to 16k on a CPU",
+                "decayed state's memory bounded to 256 tokens and the sinks scored at their own positions: a decode "
+                "state of constant size at any length. Retrieves passkeys beyond its window without any softmax "
+                "head; prefills slower than softmax on a CPU (the figures below)",
         attention={"kind": "linear", "feature_map": "hedgehog", **WINDOW_RECIPE, "decay_horizon": 1024.0},
         train=dict(TRANSFER_1K), data=WEB,
         reconfigure={"decay_max_horizon": 256.0, "sparse_cache": 2048, "sparse_observe": 16, "sink_position": "own",
@@ -134,21 +155,22 @@ _PRESETS = [
                  "passkey": {1024: "10/10", 2048: "10/10", 4096: "10/10", 8182: "7/10"},
                  "passkey_vault": {1024: "10/10", 2048: "10/10", 4096: "10/10", 8182: "7/10"},
                  "softmax": SOFTMAX_ROW,
-                 "train_cpu_s": 830.3},
+                 "train_cpu_s": 830.3,
+                 "decode_speedup": {4096: 1.27, 16384: 3.73}, "prefill_speedup": {4096: 0.26, 16384: 0.6},
+                 "decode_state": {32768: 159623400}, "base_state": {32768: 1509949440}},
         setting="SmolLM2-135M-Instruct, held-out Tiny Shakespeare (first 12,288 tokens), perplexity at 256 / 1k / "
                 "2k / 4k / 8k tokens, passkey 'classic' and 'vault' at 1k / 2k / 4k / 8,182 tokens (10 depths), "
                 "2-core CPU (recipes/results/SECTION_retrieval.md)",
         source="recipes/results/retrieval/hh_max256+sparse2048+observe16+own+attention.json",
+        speed_source="recipes/results/bench_model/linear_only_own_attention_2048/cpu-fp32.json",
         command="python recipes/experiments/run.py retrieval hh hh_max256+sparse2048+observe16+own+attention",
         note="the study trained with --data demo (the bundled Tiny Shakespeare: what 'web' reads offline); the rows "
              "'hh' (trained, then evaluated as trained) and 'hh_max256+sparse2048+observe16+own+attention' (its "
-             "saved model with the preset's reconfigure as --set). On the license texts (text no row trained on, "
-             "recipes/results/long_context/heldout/licenses.md) 1.00 / 1.00 / 1.01 / 1.04x softmax's at 1k-8k. "
-             "Until 2026-11-28 the preset ranked the cache by LoLA's recall error with the sinks scored as if at "
-             "most 1,024 positions back (--reconfigure sparse_score=recall sink_position=window sink_span=1024: "
-             "147 MiB, faster prefill; perplexity 1.10x at 8k, 'classic' 9 and 'vault' 5 of 10 at 8k, row "
-             "hh_max256+sparse2048+observe16+span1024). With 512 keys instead (--reconfigure sparse_cache=512) the "
-             "state is smaller and the 8k needles fewer (the 512-key rows of SECTION_retrieval.md)"),
+             "saved model with the preset's reconfigure as --set). Ranking the cache by LoLA's recall error with the "
+             "sinks scored as if at most 1,024 positions back (--reconfigure sparse_score=recall sink_position=window "
+             "sink_span=1024, row hh_max256+sparse2048+observe16+span1024) prefills faster and retrieves fewer 8k "
+             "needles; with 512 keys (--reconfigure sparse_cache=512) the state is smaller and the 8k needles "
+             "fewer (docs/performance.md, SECTION_retrieval.md)"),
     Preset(
         name="demo",
         summary="`make demo`: the long-context preset's attention with attention transfer only (30 steps of "
@@ -162,15 +184,14 @@ _PRESETS = [
         data={"data": "demo"},
         figures={"perplexity": {256: 44.41, 1024: 33.49, 2048: 31.45, 4096: 30.12},
                  "passkey": {1024: "5/5", 2048: "5/5"},
-                 "softmax": {"perplexity": {256: 44.09, 1024: 32.03, 2048: 29.84, 4096: 28.36}}},
+                 "softmax": {"perplexity": {256: 44.09, 1024: 32.03, 2048: 29.84, 4096: 28.36}}, **DEMO_SPEED},
         setting="SmolLM2-135M-Instruct, held-out Tiny Shakespeare (first 4,096 tokens), perplexity at 256 / 1k / "
-                "2k / 4k tokens, passkey at 1k / 2k (5 depths), 2-core CPU; 5 min 14 s wall with the checkpoint "
-                "cached (recipes/results/SECTION_demo.md)",
-        source="recipes/results/demo/long_context.json", command="make demo"),
+                "2k / 4k tokens, passkey at 1k / 2k (5 depths), 2-core CPU (recipes/results/SECTION_demo.md)",
+        source="recipes/results/demo/long_context.json", speed_source=DEMO_SPEED_SOURCE, command="make demo"),
     Preset(
         name="polysketch",
         summary="the long-context recipe with a learned polysketch (r=16, degree 4) kernel: closer to softmax up to "
-                "2k, rising from 4k",
+                "2k, further from it from 4k",
         attention={"kind": "polysketch", "sketch": "learned", "sketch_size": 16, **WINDOW_RECIPE,
                    "decay_horizon": 256.0, "softmax_heads": "auto"},
         train={**TRANSFER_1K, **LORA_1K_2K}, data=WEB,

@@ -37,6 +37,9 @@ def long_context_record(row: dict, baselines: dict[str, dict]) -> dict:
     for r in rows:
         assert r["tokens"] == row["tokens"] and r["settings"]["contexts"] == row["settings"]["contexts"], r["row"]
     keep = ("label", "attention", "perplexity", "passkey", "baseline")
+    # a study row records its attention as "polyattn" (the pipeline's name); the long-context record's rows call it
+    # "attention" (the plot names the model by its kind from it)
+    rows = [{**r, "attention": r["polyattn"]} if r.get("polyattn") and "attention" not in r else r for r in rows]
     return {"settings": {**row["settings"], "baselines": list(baselines)}, "tokens": row["tokens"],
             "rows": [{k: r[k] for k in keep if k in r} for r in rows], "machine": row["machine"]}
 

@@ -350,15 +350,15 @@ def long_context_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + note + "\n"
 
 
-def plot_long_context(result: dict[str, Any], path: str | Path) -> Path | None:
-    """perplexity vs context (left) and a passkey heatmap per row (right); None without matplotlib."""
-    try:
-        import matplotlib
+def long_context_figure(result: dict[str, Any]):
+    """The matplotlib figure of ``plot_long_context``: perplexity vs context (left), a passkey heatmap per row
+    (right). Each row is named by ``plot_label`` (short enough for a legend and a panel title: the full labels are
+    in the table beside the plot). Raises ImportError without matplotlib."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = result["rows"]
     with_pk = [r for r in rows if r.get("passkey")]
     ncols = 1 + len(with_pk)
@@ -368,30 +368,57 @@ def plot_long_context(result: dict[str, Any], path: str | Path) -> Path | None:
     for r in rows:
         xs = [p["context"] for p in r["perplexity"]]
         ys = [p["perplexity"] for p in r["perplexity"]]
-        ax.plot(xs, ys, marker="o", label=_short(r["label"]))
+        ax.plot(xs, ys, marker="o", label=plot_label(r))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("perplexity")
     ax.set_title("held-out perplexity vs context")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
     for ax, r in zip(axes[0][1:], with_pk):
         pk = r["passkey"]
         ax.imshow(torch.tensor(pk["hits"], dtype=torch.float32).numpy(), vmin=0, vmax=1, cmap="RdYlGn",
                   aspect="auto")
         ax.set_yticks(range(len(pk["lengths"])), [f"{n:,}" for n in pk["lengths"]])
-        ax.set_xticks(range(len(pk["depths"])), [f"{d:.1f}" for d in pk["depths"]], fontsize=6)
-        ax.set_xlabel("needle depth")
-        ax.set_title(_short(r["label"]), fontsize=8)
+        # depths in percent of the prompt: one decimal of a fraction printed 0.05 and 0.15 both as 0.1
+        ax.set_xticks(range(len(pk["depths"])), [f"{100 * d:.0f}" for d in pk["depths"]], fontsize=6)
+        ax.set_xlabel("needle depth (%)")
+        ax.set_title(f"passkey: {plot_label(r)}", fontsize=8)
     axes[0][1 if with_pk else 0].set_ylabel("prompt length" if with_pk else "perplexity")
     fig.tight_layout()
+    return fig
+
+
+def plot_long_context(result: dict[str, Any], path: str | Path) -> Path | None:
+    """perplexity vs context (left) and a passkey heatmap per row (right), as a PNG at ``path``; None without
+    matplotlib."""
+    try:
+        import matplotlib.pyplot as plt
+
+        fig = long_context_figure(result)
+    except ImportError:
+        return None
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def _short(label: str, width: int = 48) -> str:
+# how the plot names a baseline row (its table row keeps the full label)
+PLOT_BASELINES = {"softmax": "softmax", "streaming": "StreamingLLM"}
+
+
+def plot_label(row: dict[str, Any], width: int = 24) -> str:
+    """A row's name in the plot: a baseline's short name, the model's kind ('this model (linear)'), else its label
+    cut to ``width`` characters. The full labels (a kind's settings run to 150 characters) overflowed the legend
+    and ran the heatmaps' titles into each other and off the figure."""
+    if row.get("baseline"):
+        return PLOT_BASELINES.get(row["baseline"], row["baseline"])
+    attention = row.get("attention")
+    kind = attention.get("kind") if isinstance(attention, dict) else None
+    if kind:
+        return f"this model ({kind})"
+    label = row["label"]
     return label if len(label) <= width else label[: width - 1] + "…"
 
 

@@ -327,6 +327,16 @@ class PolyAttention(LocalExactMixin, RecurrentMixin, SparseMixin, AttentionBase)
         """Whether a single token with a state takes ``_decode_step`` (a few matmuls) on this path."""
         return path == "linear"
 
+    def decodes_on_ring(self) -> bool:
+        """Whether this module's single-token steps without gradients run on a ``WindowRing``
+        (``ops.decode.ring_decodes`` asks the module: that file cannot import this class, which imports it)."""
+        cfg, cls = self.config, type(self)
+        return (bool(cfg.window) and not cfg.learned_sinks and not cfg.short_conv and self.feature_map is not None
+                and (self.decodes_by_step(self._recurrent_path()) or self._recurrent_path() == "sparse")
+                # a kind with its own path or input precision (the polynomial kind's float64 tensor features) keeps
+                # the generic step, which computes what its path computes
+                and cls.run_path is PolyAttention.run_path and cls.path_inputs is PolyAttention.path_inputs)
+
     def path_inputs(self, path, q5, k5, v5):
         """q, k, v in the precision the path computes in (the working dtype unless a path needs more)."""
         return q5, k5, v5

@@ -206,17 +206,10 @@ def ring_supported(module, state) -> bool:
 
 def ring_decodes(module) -> bool:
     """Whether ``module``'s single-token steps without gradients run on a ``WindowRing`` (``ring_supported``'s
-    settings part)."""
-    from .attention import PolyAttention  # the module class this serves (imports this file)
-
-    if not isinstance(module, PolyAttention):
-        return False
-    cfg, cls = module.config, type(module)
-    return (bool(cfg.window) and not cfg.learned_sinks and not cfg.short_conv and module.feature_map is not None
-            and (module.decodes_by_step(module._recurrent_path()) or module._recurrent_path() == "sparse")
-            # a kind with its own path or input precision (the polynomial kind's float64 tensor features) keeps the
-            # generic step, which computes what its path computes
-            and cls.run_path is PolyAttention.run_path and cls.path_inputs is PolyAttention.path_inputs)
+    settings part): the module says so (``PolyAttention.decodes_on_ring``); a module of any other class never does.
+    The class is asked rather than imported here because ops/attention.py imports this file."""
+    decodes_on_ring = getattr(module, "decodes_on_ring", None)
+    return decodes_on_ring is not None and bool(decodes_on_ring())
 
 
 def from_recurrent(module, state: RecurrentState, batch: int, device, work: torch.dtype,

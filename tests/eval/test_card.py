@@ -149,3 +149,106 @@ def test_bf16_decoder_and_encoder_cards(tmp_path):
     card = ModelCard.load(tmp_path / "gpt2" / "README.md")
     assert "### Decode memory" in card.text and card.data.polyattn["kind"] == "performer"
     assert_no_local_path(card.content, tmp_path)
+
+
+def test_card_lists_a_gated_setting_only_while_its_gate_is_on(tmp_path):
+    """A model without a sparse cache lists none of the sparse cache's settings (card table and metadata); with one
+    it lists them. A field left out is at the value every config with its gate off must hold, so the listed
+    settings still rebuild the same config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64, vocab_size=64,
+                 num_key_value_heads=2)
+    sparse_fields = {f for f in PolyAttnConfig().to_dict() if f.startswith("sparse_")}
+    assert len(sparse_fields) >= 5  # the walk below sees the sparse cache's fields
+    for name, cfg, listed in (
+            ("off", PolyAttnConfig(kind="linear", window=8, sinks=2, decay="gate"), set()),
+            ("on", PolyAttnConfig(kind="linear", window=8, sinks=2, decay="gate", sparse_cache=16, sparse_observe=4),
+             sparse_fields)):
+        torch.manual_seed(0)
+        model = hf_polyattn.convert(LlamaForCausalLM(LlamaConfig(**small)), cfg)
+        model.save_pretrained(tmp_path / name)
+        text = (tmp_path / name / "README.md").read_text()
+        table = set(re.findall(r"^\| `(\w+)` \|", text, flags=re.M))
+        card = ModelCard.load(tmp_path / name / "README.md")
+        assert table & sparse_fields == set(card.data.polyattn) & sparse_fields == listed, name
+        assert {"window", "sinks", "sink_position", "decay", "decay_horizon"} <= table
+        assert PolyAttnConfig.from_dict(card.data.polyattn) == cfg
+    bare = PolyAttnConfig(kind="linear").read_settings()  # no window, no decay: nothing they gate
+    assert not {"sinks", "window_mix", "sink_position", "decay_horizon", "decay_max_horizon", "local_kernel"} & set(
+        bare)
+
+
+def test_every_gated_setting_is_refused_off_its_gate():
+    """READ_WHEN and the sparse prefix say a field is unread while its gate is off; that holds only because the
+    config refuses the field at any other value then: each one, set away from its default with its gate off, is an
+    error (else read_settings would drop a setting that changes the attention)."""
+    from hf_polyattn.config import READ_WHEN
+
+    off = {"window": 0, "local_exact": False, "decay": "none", "sparse_cache": 0}
+    other = {"local_kernel": "softmax", "window_mix": True, "window_mix_init": 0.5, "sinks": 2, "learned_sinks": 2,
+             "sink_position": "own", "sink_span": 300, "decay_horizon": 64.0, "decay_max_horizon": 64.0,
+             "sparse_observe_pool": 3, "sparse_chunk": 32, "sparse_score": "attention", "sparse_observe": 4}
+    gated = set(READ_WHEN) | {f for f in PolyAttnConfig().to_dict() if f.startswith("sparse_")} - {"sparse_cache"}
+    assert gated == set(other)
+    for name, value in other.items():
+        with pytest.raises(ValueError, match="needs"):
+            PolyAttnConfig(kind="linear", **{**off, name: value})
+    # and each gate is off in that config, on in one that sets it
+    cfg = PolyAttnConfig(kind="linear", **off)
+    assert not any(READ_WHEN[n](cfg) for n in READ_WHEN)
+    on = PolyAttnConfig(kind="linear", window=8, sinks=2, window_mix=True, decay="gate", sparse_cache=16,
+                        sparse_observe=4)
+    assert all(READ_WHEN[n](on) for n in READ_WHEN if n != "local_kernel") and READ_WHEN["local_kernel"](on)
+
+
+def test_long_context_plot_titles_and_legend_fit():
+    """The card's plot with the labels a real record carries (a kind's settings run to 150 characters): every title,
+    label and legend lies inside the figure, the heatmaps' titles do not run into each other, the legend stays
+    inside its panel, and each row is named whole (no '…'). Before: the titles overlapped and ran off the right
+    edge, the legend cut the model's name."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from hf_polyattn.eval.long_context import long_context_figure
+
+    long_label = ("linear (elu, exact softmax 128-token sliding window (mixed) + 4 sink tokens (positions within the "
+                  "window), gated decay, learnable projection to 64, qk LayerNorm; 22 kv heads exact softmax)")
+    passkey = {"lengths": [1024, 2048, 4096], "depths": [0.05 + 0.1 * i for i in range(10)], "seed": 0,
+               "hits": [[1] * 10] * 3}
+    curve = [{"context": c, "perplexity": 40.0 - i} for i, c in enumerate((256, 1024, 2048, 4096, 8192))]
+    rows = [{"label": "softmax (the checkpoint)", "baseline": "softmax", "perplexity": curve, "passkey": passkey},
+            {"label": "sliding_window (exact softmax 128-token sliding window + 4 sink tokens (positions within the "
+                      "window))", "baseline": "streaming", "perplexity": curve, "passkey": passkey},
+            {"label": long_label, "attention": {"kind": "linear"}, "perplexity": curve, "passkey": passkey}]
+    fig = long_context_figure({"rows": rows})
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        page = fig.bbox
+        axes = fig.axes
+
+        def shown(ticks, labels, limits):  # matplotlib keeps labels of ticks outside the view: not drawn
+            lo, hi = sorted(limits)
+            return [label for tick, label in zip(ticks, labels) if lo <= tick <= hi]
+
+        texts = [t for ax in axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label,
+                                            *shown(ax.get_xticks(), ax.get_xticklabels(), ax.get_xlim()),
+                                            *shown(ax.get_yticks(), ax.get_yticklabels(), ax.get_ylim()))
+                 if t.get_text()]
+        for t in texts:
+            box = t.get_window_extent(renderer)
+            assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, t.get_text()
+        titles = [ax.title.get_window_extent(renderer) for ax in axes]
+        for i in range(len(titles) - 1):
+            assert titles[i].x1 < titles[i + 1].x0, (axes[i].get_title(), axes[i + 1].get_title())
+        legend = axes[0].get_legend()
+        assert axes[0].bbox.contains(*legend.get_window_extent(renderer).p0)
+        assert axes[0].bbox.contains(*legend.get_window_extent(renderer).p1)
+        names = [t.get_text() for t in legend.get_texts()]
+        assert names == ["softmax", "StreamingLLM", "this model (linear)"]
+        assert [ax.get_title() for ax in axes[1:]] == [f"passkey: {n}" for n in names]
+        assert not any("…" in t.get_text() for t in texts)
+    finally:
+        plt.close(fig)
