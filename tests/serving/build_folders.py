@@ -33,6 +33,30 @@ CASES = {
 }
 
 
+# the demo's attention on the real SmolLM2-135M (its 22 softmax kv heads scattered over 30 layers, window 128, 4
+# sinks, gated decay), untrained: the plugin's layout at full size; greedy tokens after 300 tokens of real text
+DEMO_RECORD = Path(__file__).resolve().parents[2] / "recipes/results/long_context/" \
+    "lin_w128_s4w_top22_dgate_h256_mix_t1k_lora1k2k.json"
+DEMO_PROMPT_TOKENS = 300
+
+
+def build_demo(out: Path) -> dict:
+    from hf_polyattn.checkpoints import load_tokenizer, resolve_checkpoint
+
+    path = resolve_checkpoint("smollm2")
+    cfg = PolyAttnConfig.from_dict(json.loads(DEMO_RECORD.read_text())["polyattn"])
+    model = hf_polyattn.convert(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), cfg)
+    model.save_pretrained(out / "smollm2_demo")
+    text = (Path(hf_polyattn.__file__).parent / "bundled" / "tinyshakespeare.txt").read_text()[:4000]
+    ids = load_tokenizer(path)(text)["input_ids"][:DEMO_PROMPT_TOKENS]
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    chosen = gen.sequences[0, len(ids):]
+    return {"prompt": ids, "tokens": chosen.tolist(),
+            "logprobs": [torch.log_softmax(s[0].double(), -1)[t].item() for s, t in zip(gen.scores, chosen)]}
+
+
 def prompts() -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(1)
     return {name: torch.randint(3, 250, (n,), generator=gen).tolist() for name, n in PROMPT_LENGTHS.items()}
@@ -68,7 +92,8 @@ def build(out: Path) -> dict:
             # let both engines pick either; the log-probabilities show a wrong state even where tokens agree)
             logprobs[pname] = [torch.log_softmax(s[0].double(), -1)[t].item() for s, t in zip(gen.scores, chosen)]
         reference[name] = {"tokens": tokens, "logprobs": logprobs}
-    (out / "reference.json").write_text(json.dumps({"prompts": prompts(), "cases": reference}))
+    (out / "reference.json").write_text(json.dumps({"prompts": prompts(), "cases": reference,
+                                                    "smollm2_demo": build_demo(out)}))
     return reference
 
 

@@ -32,7 +32,7 @@ except ImportError:
 
 # the engine's settings for every case: float32 as the reference, a small budget so that the 90-token prompt is
 # prefilled in chunks, two sequences at a time so that later requests reuse slots
-ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.05,
+ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=2 ** 28,
               skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=2, seed=0)
 LOGPROB_TOLERANCE = 2e-3
 
@@ -89,6 +89,15 @@ def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
         tokens, logprobs = served[name]
         assert tokens == expected["tokens"][name], (case, name)
         assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, (case, name)
+
+
+def test_the_demo_layout_on_smollm2_equals_transformers(folders):
+    """The demo's attention on the real SmolLM2-135M (30 layers, 22 softmax kv heads scattered over them)."""
+    out, reference = folders
+    demo = reference["smollm2_demo"]
+    tokens, logprobs = _result(_serve(out / "smollm2_demo", {"text": demo["prompt"]}))["text"]
+    assert tokens == demo["tokens"]
+    assert max(abs(a - b) for a, b in zip(logprobs, demo["logprobs"])) < LOGPROB_TOLERANCE
 
 
 def test_without_the_plugin_vllm_refuses_the_folder(folders):
