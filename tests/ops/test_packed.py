@@ -145,3 +145,91 @@ def test_refusals_name_what_is_wrong():
         unpack(slot, layout, 3)
     with pytest.raises(ValueError, match="keys must be an int >= 1"):
         PackedLayout(heads=1, features=4, head_dim=4, keys=0, sinks=0)
+
+
+# ----------------------------------------------------------------------------------------------- the ring layout
+RING_CONFIGS = ["demo", "sinks-own", "plain-window"]
+
+
+def _ring_layout(m, dtype=torch.float32, heads=None):
+    from hf_polyattn.ops.packed import RingLayout
+
+    cfg = m.config
+    return RingLayout(heads=heads or m.num_kv_heads, features=m.num_features, head_dim=D, window=cfg.window,
+                      sinks=cfg.sinks, decay=cfg.decay != "none", key_dtype=dtype)
+
+
+def _through_ring_slot(m, layout, q, k, v, cuts, heads=2):
+    """Run ``m`` over the chunks between ``cuts``, packing its state as a ring after each and unpacking it for the
+    next; the outputs concatenated."""
+    from hf_polyattn.ops.packed import pack_ring, ring_from_state, unpack_ring
+
+    slot = [b[1] for b in layout.empty(2)]
+    outs, state = [], m.init_state()
+    bounds = [0, *cuts, q.shape[2]]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if i:
+            state = unpack_ring(slot, layout, heads)
+        out, state = m(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, state=state)
+        pack_ring(ring_from_state(m, state, layout), slot, layout)
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("name", RING_CONFIGS)
+@pytest.mark.parametrize("split", [1, W - 1, W, W + 1, W + S, 3 * W + 1])
+def test_chunks_through_a_ring_slot_equal_one_call(name, split):
+    m = _module(name)
+    q, k, v = _inputs(40)
+    with torch.no_grad():
+        whole = m(q, k, v, causal=True)
+        got = _through_ring_slot(m, _ring_layout(m), q, k, v, [split, split + 1, split + 2])
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", RING_CONFIGS)
+def test_decoding_through_a_ring_slot_writes_the_slot_in_place(name):
+    from hf_polyattn.ops.packed import unpack_ring
+
+    m = _module(name)
+    layout = _ring_layout(m, heads=3)  # more heads than the layer's: the first ones used
+    q, k, v = _inputs(3 * W)
+    with torch.no_grad():
+        whole = m(q, k, v, causal=True)
+        got = _through_ring_slot(m, layout, q, k, v, list(range(1, 3 * W)))
+        # a decoding step on the unpacked ring writes the slot's own tensors
+        slot = [b[0] for b in layout.empty(1)]
+        ring = unpack_ring(slot, layout, 2)
+        assert ring.keys.data_ptr() == slot[1].data_ptr() and ring.kv.data_ptr() == slot[0].data_ptr()
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ring_slot_in_half_precision_is_finite_and_equal(dtype):
+    m = _module("demo").to(dtype)
+    q, k, v = _inputs(30, dtype)
+    with torch.no_grad():
+        whole = m(q, k, v, causal=True)
+        got = _through_ring_slot(m, _ring_layout(m, dtype), q, k, v, [13, 14, 15, 16, 17])
+    assert torch.isfinite(got).all() and got.dtype == dtype
+    torch.testing.assert_close(got, whole)
+
+
+def test_ring_refusals_name_what_is_wrong():
+    from dataclasses import replace
+
+    from hf_polyattn.ops.packed import pack_ring, ring_from_state
+
+    m = _module("demo")
+    layout = _ring_layout(m)
+    q, k, v = _inputs(12)
+    with torch.no_grad():
+        _, st = m(q, k, v, causal=True, state=m.init_state())
+    ring = ring_from_state(m, st, layout)
+    slot = [b[0] for b in layout.empty(1)]
+    with pytest.raises(ValueError, match="seen set: True"):
+        pack_ring(replace(ring, seen=torch.tensor([12])), slot, layout)
+    with pytest.raises(ValueError, match="does not fit the layout"):
+        pack_ring(ring, [b[0] for b in _ring_layout(m, heads=1).empty(1)], _ring_layout(m, heads=1))
+    with pytest.raises(TypeError, match="must be a WindowRing"):
+        pack_ring(st, slot, layout)

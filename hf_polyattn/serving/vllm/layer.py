@@ -40,21 +40,18 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from ...integration.rope import reads_rope
 from ...ops import HybridAttention, build_attention
 from ...ops.base import softmax_heads_of
-from ...ops.packed import PackedLayout, pack, unpack
+from ...ops.packed import PackedLayout, RingLayout, pack, pack_ring, ring_from_state, unpack, unpack_ring
 from ...ops.rotary import RopeRotation
 from .servable import polyattn_config, state_layout
 
 __all__ = ["KernelHeadsState", "PolyAttnAttention"]
 
-# meta buffer index of the tokens a packed state holds (ops/packed.py: length first)
-_LENGTH = 0
-
-
 class KernelHeadsState(nn.Module, MambaBase):
     """The per-request state of one layer's kernel heads in vLLM's state cache: the buffers of ``layout``
     (``ops.packed.PackedLayout``), one slot per request, bound by vLLM to ``self.kv_cache``."""
 
-    def __init__(self, module: nn.Module, layout: PackedLayout, heads: int, scaling: float, prefix: str):
+    def __init__(self, module: nn.Module, layout: PackedLayout | RingLayout, heads: int, scaling: float,
+                 prefix: str):
         super().__init__()
         vllm_config = get_current_vllm_config()
         self.model_config = vllm_config.model_config
@@ -86,7 +83,8 @@ class KernelHeadsState(nn.Module, MambaBase):
         seq_lens = metadata.seq_lens.tolist()
         slots = metadata.state_indices_tensor.tolist()
         count = metadata.num_decodes + metadata.num_prefills
-        module = self.module
+        module, layout = self.module, self.layout
+        ring = isinstance(layout, RingLayout)
         for i in range(count):
             a, b = starts[i], starts[i + 1]
             computed = seq_lens[i] - (b - a)
@@ -94,16 +92,19 @@ class KernelHeadsState(nn.Module, MambaBase):
             if computed == 0:
                 state = module.init_state()
             else:
-                held = int(slot[1][_LENGTH].item())
+                held = layout.length(slot)
                 if held != computed:
                     raise RuntimeError(f"{self.prefix}: the state in slot {slots[i]} holds {held} tokens and the "
                                        f"request has computed {computed}; prefix caching and other reuse of a "
                                        "request's state are not supported by the hf_polyattn plugin")
-                state = unpack(slot, self.layout, self.heads)
+                state = unpack_ring(slot, layout, self.heads) if ring else unpack(slot, layout, self.heads)
             out, state = module(q[a:b].transpose(0, 1).unsqueeze(0), k[a:b].transpose(0, 1).unsqueeze(0),
                                 v[a:b].transpose(0, 1).unsqueeze(0), causal=True, scaling=self.scaling, state=state)
             output[a:b] = out[0].transpose(0, 1).to(output.dtype)
-            pack(state, slot, self.layout)
+            if ring:  # a decoding step wrote the slot in place: the counters and flags are written here
+                pack_ring(ring_from_state(module, state, layout), slot, layout)
+            else:
+                pack(state, slot, layout)
         output[starts[count]:].zero_()
 
 

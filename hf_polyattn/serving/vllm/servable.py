@@ -10,7 +10,8 @@ import torch
 from ...config import PolyAttnConfig
 from ...ops import build_attention
 from ...ops.base import softmax_heads_of
-from ...ops.packed import PackedLayout, pack
+from ...ops.decode import ring_decodes
+from ...ops.packed import PackedLayout, RingLayout, pack, pack_ring, ring_from_state
 
 __all__ = ["check_servable", "polyattn_config", "state_layout"]
 
@@ -44,9 +45,11 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def state_layout(config, head_dim: int | None = None, key_dtype: torch.dtype | None = None) -> PackedLayout:
-    """The state buffers every converted layer of ``config``'s model shares (``ops.packed.PackedLayout``): as many
-    kv heads as the layer with the most kernel heads has."""
+def state_layout(config, head_dim: int | None = None,
+                 key_dtype: torch.dtype | None = None) -> PackedLayout | RingLayout:
+    """The state buffers every converted layer of ``config``'s model shares: as many kv heads as the layer with the
+    most kernel heads has; the ``WindowRing`` a windowed layer decodes on (``ops.packed.RingLayout``: a step writes
+    the slot in place) where the kind decodes on one, else the ``RecurrentState``'s (``ops.packed.PackedLayout``)."""
     cfg = polyattn_config(config)
     d = head_dim or _head_dim(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -54,6 +57,9 @@ def state_layout(config, head_dim: int | None = None, key_dtype: torch.dtype | N
     heads = max(kv_heads - len(softmax_heads_of(cfg, i)) for i in range(config.num_hidden_layers))
     one = build_attention(cfg.replace(softmax_heads=None), groups, d, 1, 0)  # one kv head: its feature width
     dtype = key_dtype if key_dtype is not None else _dtype(config)
+    if ring_decodes(one):
+        return RingLayout(heads=max(heads, 1), features=one.num_features, head_dim=d, window=cfg.window,
+                          sinks=cfg.sinks, decay=cfg.decay != "none", key_dtype=dtype)
     return PackedLayout(heads=max(heads, 1), features=one.num_features, head_dim=d,
                         keys=max(cfg.window, cfg.block_size), sinks=cfg.sinks, key_dtype=dtype)
 
@@ -106,6 +112,9 @@ def _probe(cfg: PolyAttnConfig, config) -> None:
         _, state = module(q, k, k, causal=True, state=module.init_state())
         _, state = module(q[:, :, :1], k[:, :, :1], k[:, :, :1], causal=True, state=state)
     try:
-        pack(state, [b[0] for b in layout.empty(1)], layout)
+        if isinstance(layout, RingLayout):
+            pack_ring(ring_from_state(module, state, layout), [b[0] for b in layout.empty(1)], layout)
+        else:
+            pack(state, [b[0] for b in layout.empty(1)], layout)
     except (TypeError, ValueError) as err:
         raise _refuse(f"kind {cfg.kind!r} with these settings keeps a state the plugin does not pack ({err})") from None
