@@ -39,7 +39,8 @@ from .common import work_dtype
 from .decode import WindowRing, from_recurrent
 from .state import RecurrentState
 
-__all__ = ["PackedLayout", "RingLayout", "pack", "pack_ring", "unpack", "unpack_ring"]
+__all__ = ["PackedLayout", "RingLayout", "gather_rings", "pack", "pack_ring", "ring_steady", "scatter_rings", "unpack",
+           "unpack_ring"]
 
 # the fields ``pack`` writes; any other field of ``RecurrentState`` holding a tensor is refused
 _PACKED_FIELDS = {"kv", "k", "v", "mask", "length", "sink_k", "sink_v", "sink_mask", "seen"}
@@ -286,3 +287,67 @@ def state_device(state: RecurrentState) -> torch.device:
     for t in state.tensors():
         return t.device
     return torch.device("cpu")
+
+
+def ring_steady(meta_row: list, layout: RingLayout) -> bool:
+    """Whether the ring whose meta buffer reads ``meta_row`` (``tolist()`` of it) is steady: full, every sink
+    filled, no sink waiting (``WindowRing.steady``), so that its step can run in a batch with others'."""
+    _, _, count, filled, _, waiting = meta_row
+    return int(count) == layout.window and int(filled) < 0 and not int(waiting)
+
+
+def gather_rings(buffers, layout: RingLayout, index: torch.Tensor, heads: int):
+    """One ``WindowRing`` of batch B holding the steady rings of slots ``index`` (B,) of the layer's ``buffers``
+    (every slot: (slots, ...) each), and the slot positions it was read from (for ``scatter_rings``).
+
+    ``WindowRing`` has one ring position (``head``) for the whole batch, and each request's ring is at its own: the
+    rows are read rotated so that every row's oldest key is at ring position 0 (a softmax over a set of keys does not
+    depend on their order), and each row's count of real keys goes in ``seen`` (B,) (what its sinks' query shift
+    reads)."""
+    kv, keys, vext, valid, logg, meta = buffers
+    s, w = layout.sinks, layout.window
+    rows = meta.index_select(0, index)
+    head = rows[:, 1].long()
+    ring_pos = (torch.arange(w, device=index.device)[None] + head[:, None]) % w  # (B, W): batch j <- slot pos
+    pos = torch.cat([torch.arange(s, device=index.device).expand(index.shape[0], s), s + ring_pos], dim=1)
+
+    def read(buf: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        x = buf.index_select(0, index)[:, :heads]
+        return torch.gather(x, 2, at[:, None, :, None].expand(-1, heads, -1, x.shape[-1]))
+
+    ring = WindowRing(kv.index_select(0, index)[:, :heads].contiguous(), read(keys, pos), read(vext, pos),
+                      torch.gather(valid.index_select(0, index), 1, pos) > 0.5,
+                      torch.gather(logg.index_select(0, index)[:, :heads], 2,
+                                   ring_pos[:, None, :].expand(-1, heads, -1)) if layout.decay else None,
+                      None, 0, w, int(rows[:, 0].max()), rows[:, 0].long(), s, layout.key_dtype, real_run=w)
+    return ring, pos
+
+
+def scatter_rings(ring: WindowRing, buffers, layout: RingLayout, index: torch.Tensor, pos: torch.Tensor) -> None:
+    """Write the batch ring of ``gather_rings`` back to its slots after one step, each row at its own rotation, and
+    advance each slot's counters by the one token."""
+    kv, keys, vext, valid, logg, meta = buffers
+    s, w = layout.sinks, layout.window
+    heads = ring.keys.shape[1]
+
+    def write(buf: torch.Tensor, src: torch.Tensor, at: torch.Tensor) -> None:
+        rows = buf.index_select(0, index)
+        part = rows[:, :heads].scatter(2, at[:, None, :, None].expand(-1, heads, -1, src.shape[-1]), src)
+        rows[:, :heads] = part
+        buf.index_copy_(0, index, rows)
+
+    rows = kv.index_select(0, index)
+    rows[:, :heads] = ring.kv
+    kv.index_copy_(0, index, rows)
+    write(keys, ring.keys, pos)
+    write(vext, ring.vext, pos)
+    valid.index_copy_(0, index, valid.index_select(0, index).scatter(1, pos, ring.valid.to(valid.dtype)))
+    if layout.decay:
+        lg = logg.index_select(0, index)
+        lg[:, :heads] = lg[:, :heads].scatter(2, (pos[:, s:] - s)[:, None, :].expand(-1, heads, -1), ring.logg)
+        logg.index_copy_(0, index, lg)
+    m = meta.index_select(0, index)
+    m[:, 0] += 1  # length
+    m[:, 1] = (m[:, 1] + 1) % w  # head: the batch's ring advanced one position from each row's own
+    m[:, 4] += 1  # real_run
+    meta.index_copy_(0, index, m)

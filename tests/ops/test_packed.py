@@ -233,3 +233,34 @@ def test_ring_refusals_name_what_is_wrong():
         pack_ring(ring, [b[0] for b in _ring_layout(m, heads=1).empty(1)], _ring_layout(m, heads=1))
     with pytest.raises(TypeError, match="must be a WindowRing"):
         pack_ring(st, slot, layout)
+
+
+@pytest.mark.parametrize("name", RING_CONFIGS)
+def test_a_batch_of_rings_at_different_positions_steps_as_each_alone(name):
+    """Requests of different lengths decode in one batch (``gather_rings``: each row rotated to one ring position,
+    ``scatter_rings``: written back at its own): each row's outputs equal its whole sequence's."""
+    from hf_polyattn.ops.packed import gather_rings, pack_ring, ring_from_state, ring_steady, scatter_rings
+
+    m = _module(name)
+    layout = _ring_layout(m, heads=3)
+    lengths, steps, slots = [W + S + 1, 2 * W + 5, 4 * W + 3], 2 * W + 1, [3, 0, 2]
+    buffers = layout.empty(4)
+    seqs = [_inputs(n + steps) for n in lengths]
+    with torch.no_grad():
+        wholes = [m(q, k, v, causal=True) for q, k, v in seqs]
+        for (q, k, v), n, slot in zip(seqs, lengths, slots):
+            _, st = m(q[:, :, :n], k[:, :, :n], v[:, :, :n], causal=True, state=m.init_state())
+            pack_ring(ring_from_state(m, st, layout), [b[slot] for b in buffers], layout)
+        index = torch.tensor(slots)
+        outs = []
+        for t in range(steps):
+            assert all(ring_steady(buffers[5][i].tolist(), layout) for i in slots)
+            ring, pos = gather_rings(buffers, layout, index, 2)
+            step = [torch.cat([s[j][:, :, n + t:n + t + 1] for s, n in zip(seqs, lengths)]) for j in range(3)]
+            out, ring = m(*step, causal=True, state=ring)
+            scatter_rings(ring, buffers, layout, index, pos)
+            outs.append(out)
+        got = torch.cat(outs, dim=2)
+    for r, (whole, n) in enumerate(zip(wholes, lengths)):
+        torch.testing.assert_close(got[r:r + 1], whole[:, :, n:n + steps], rtol=1e-5, atol=1e-5)
+        assert int(buffers[5][slots[r]][0]) == n + steps  # each slot's length advanced by its own tokens
