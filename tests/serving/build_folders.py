@@ -28,6 +28,9 @@ CASES = {
     "hybrid": PolyAttnConfig(**LAYER, softmax_heads=((0, 0), (1, 1), (3, 0), (3, 1))),
     # the linear-only layout: no softmax head, the sinks at their own positions, Hedgehog features
     "linear_only": PolyAttnConfig(**{**LAYER, "feature_map": "hedgehog", "sink_position": "own"}),
+    # no learned parameter at all (exact softmax over the window and the sinks): the folder vLLM served as the base
+    # model before it named its own architecture
+    "sliding": PolyAttnConfig(kind="sliding_window", window=WINDOW, sinks=SINKS),
     # what the plugin refuses at load: the bounded sparse cache
     "sparse": PolyAttnConfig(**LAYER, sparse_cache=32),
 }
@@ -72,7 +75,7 @@ def build(out: Path) -> dict:
                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
         model = hf_polyattn.convert(LlamaForCausalLM(config).eval(), cfg)
         with torch.no_grad():  # the kernel parameters away from their initial values: a weight not loaded shows
-            for pname, p in model.named_parameters():
+            for pname, p in model.named_parameters():  # (none in 'sliding')
                 if "polyattn" in pname:
                     p.add_(0.05 * torch.randn_like(p))
         model.save_pretrained(out / name)

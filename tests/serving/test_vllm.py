@@ -80,7 +80,7 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("case", ["hybrid", "linear_only"])
+@pytest.mark.parametrize("case", ["hybrid", "linear_only", "sliding"])
 def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
     out, reference = folders
     served = _result(_serve(out / case, reference["prompts"]))

@@ -60,7 +60,9 @@ def state_layout(config, head_dim: int | None = None,
     if ring_decodes(one):
         return RingLayout(heads=max(heads, 1), features=one.num_features, head_dim=d, window=cfg.window,
                           sinks=cfg.sinks, decay=cfg.decay != "none", key_dtype=dtype)
-    return PackedLayout(heads=max(heads, 1), features=one.num_features, head_dim=d,
+    # a kind without a kernel state (sliding_window: exact softmax over the window and the sinks) keeps no kv sum: a
+    # one-wide buffer it never writes
+    return PackedLayout(heads=max(heads, 1), features=max(one.num_features, 1), head_dim=d,
                         keys=max(cfg.window, cfg.block_size), sinks=cfg.sinks, key_dtype=dtype)
 
 
