@@ -311,14 +311,15 @@ def gather_rings(buffers, layout: RingLayout, index: torch.Tensor, heads: int):
     ring_pos = (torch.arange(w, device=index.device)[None] + head[:, None]) % w  # (B, W): batch j <- slot pos
     pos = torch.cat([torch.arange(s, device=index.device).expand(index.shape[0], s), s + ring_pos], dim=1)
 
-    def read(buf: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        x = buf.index_select(0, index)[:, :heads]
-        return torch.gather(x, 2, at[:, None, :, None].expand(-1, heads, -1, x.shape[-1]))
+    # one advanced index per buffer: (slot, head, position) -> one copy each way (an index_select, then a gather
+    # of its result, copied every buffer twice)
+    rows_at, heads_at = index[:, None, None], torch.arange(heads, device=index.device)[None, :, None]
 
-    ring = WindowRing(kv.index_select(0, index)[:, :heads].contiguous(), read(keys, pos), read(vext, pos),
-                      torch.gather(valid.index_select(0, index), 1, pos) > 0.5,
-                      torch.gather(logg.index_select(0, index)[:, :heads], 2,
-                                   ring_pos[:, None, :].expand(-1, heads, -1)) if layout.decay else None,
+    def read(buf: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return buf[rows_at, heads_at, at[:, None, :]]
+
+    ring = WindowRing(kv[index, :heads], read(keys, pos), read(vext, pos), valid[index[:, None], pos] > 0.5,
+                      read(logg, ring_pos) if layout.decay else None,
                       None, 0, w, int(rows[:, 0].max()), rows[:, 0].long(), s, layout.key_dtype, real_run=w)
     return ring, pos
 
@@ -330,22 +331,13 @@ def scatter_rings(ring: WindowRing, buffers, layout: RingLayout, index: torch.Te
     s, w = layout.sinks, layout.window
     heads = ring.keys.shape[1]
 
-    def write(buf: torch.Tensor, src: torch.Tensor, at: torch.Tensor) -> None:
-        rows = buf.index_select(0, index)
-        part = rows[:, :heads].scatter(2, at[:, None, :, None].expand(-1, heads, -1, src.shape[-1]), src)
-        rows[:, :heads] = part
-        buf.index_copy_(0, index, rows)
-
-    rows = kv.index_select(0, index)
-    rows[:, :heads] = ring.kv
-    kv.index_copy_(0, index, rows)
-    write(keys, ring.keys, pos)
-    write(vext, ring.vext, pos)
-    valid.index_copy_(0, index, valid.index_select(0, index).scatter(1, pos, ring.valid.to(valid.dtype)))
+    rows_at, heads_at = index[:, None, None], torch.arange(heads, device=index.device)[None, :, None]
+    kv[index, :heads] = ring.kv
+    keys[rows_at, heads_at, pos[:, None, :]] = ring.keys
+    vext[rows_at, heads_at, pos[:, None, :]] = ring.vext
+    valid[index[:, None], pos] = ring.valid.to(valid.dtype)
     if layout.decay:
-        lg = logg.index_select(0, index)
-        lg[:, :heads] = lg[:, :heads].scatter(2, (pos[:, s:] - s)[:, None, :].expand(-1, heads, -1), ring.logg)
-        logg.index_copy_(0, index, lg)
+        logg[rows_at, heads_at, (pos[:, s:] - s)[:, None, :]] = ring.logg
     m = meta.index_select(0, index)
     m[:, 0] += 1  # length
     m[:, 1] = (m[:, 1] + 1) % w  # head: the batch's ring advanced one position from each row's own

@@ -5,10 +5,13 @@ engine settings: the same KV-cache memory (``--kv_cache_gib``), prefix caching o
 off for converted folders; a base that reused cached prompts would be timed on less work), the same seeded random
 prompts (token ids; no tokenizer), greedy decoding that ignores end-of-sequence. Per context length L:
 
-* ``prefill_s``: one prompt of L tokens, ``max_tokens=1`` (best of ``--repeats``);
-* ``decode_ms``: batch 1, (time for 1 + n tokens - time for 1 token) / n: the decoding step after L tokens;
-* ``batch_tok_s``: ``--batch`` prompts of L tokens at once, batch x n / (time for 1 + n tokens - time for 1):
-  output tokens per second of the decoding steps, the prefill left out;
+* ``prefill_s``: one prompt of L tokens, until its first token (best of ``--repeats``);
+* ``decode_ms``: batch 1, the mean time between the next n tokens' arrivals: the decoding step after L tokens;
+* ``batch_tok_s``: ``--batch`` prompts of L tokens at once, the tokens of the steps after every request has its
+  first token over those steps' time: output tokens per second of decoding, the prefill left out.
+
+Requests go through vLLM's engine step by step (``LLMEngine.add_request`` / ``step``), each output timed as it
+arrives, so that a figure never subtracts two runs' prefill times;
 * ``kv_tokens`` / ``concurrency``: vLLM's own account of the KV memory (its log line "KV cache size: N tokens,
   Maximum concurrency for M tokens per request: Cx"), with ``max_model_len`` the longest L plus the decoded
   tokens: how many sequences of that length the same memory holds.
@@ -43,6 +46,8 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def _measure(args) -> dict:
     """One model's figures (runs in the child process)."""
+    import itertools
+
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -51,35 +56,53 @@ def _measure(args) -> dict:
     llm = LLM(model=args.one, dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False,
               kv_cache_memory_bytes=int(args.kv_cache_gib * 2 ** 30), max_num_seqs=max(args.batch, 1),
               skip_tokenizer_init=True, seed=0, enforce_eager=args.eager)
-    vocab = llm.llm_engine.model_config.get_vocab_size()
+    engine = llm.llm_engine
+    vocab = engine.model_config.get_vocab_size()
+    ids = itertools.count()
 
-    def timed(prompts, tokens):
+    def run(prompts, tokens) -> dict:
+        """The requests through the engine's steps, each output's arrival timed: ``prefill_s`` until every request
+        has its first token, then the decoding steps (every request past its prefill) and their tokens."""
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        start = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
-        return elapsed
+        names = []
+        for p in prompts:
+            names.append(f"bench-{next(ids)}")
+            engine.add_request(names[-1], TokensPrompt(prompt_token_ids=p), params)
+        start = last = time.perf_counter()
+        produced = dict.fromkeys(names, 0)
+        first_all, decode_s, decode_tokens, steps = None, 0.0, 0, 0
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            new = 0
+            for o in outs:
+                n = len(o.outputs[0].token_ids)
+                new += n - produced[o.request_id]
+                produced[o.request_id] = n
+            if first_all is not None and new:
+                decode_s, decode_tokens, steps = decode_s + now - last, decode_tokens + new, steps + 1
+            if first_all is None and all(produced.values()):
+                first_all = now
+            if new:
+                last = now
+        assert all(n == tokens for n in produced.values())
+        return {"prefill_s": first_all - start, "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+                "step_ms": 1000 * decode_s / steps if steps else 0.0}
 
     seed = 1
-    timed(_prompts(1, 16, vocab, 0), 4)  # warm-up: the first call pays one-time costs
+    run(_prompts(1, 16, vocab, 0), 4)  # warm-up: the first call pays one-time costs
     rows = {}
-    n = args.decode_tokens
     for length in lengths:
         best = {"prefill_s": float("inf"), "decode_ms": float("inf"), "batch_tok_s": 0.0}
         for _ in range(args.repeats):
             seed += 1
-            one = timed(_prompts(1, length, vocab, seed), 1)
-            seed += 1
-            more = timed(_prompts(1, length, vocab, seed), 1 + n)
-            best["prefill_s"] = min(best["prefill_s"], one)
-            best["decode_ms"] = min(best["decode_ms"], 1000 * (more - one) / n)
+            one = run(_prompts(1, length, vocab, seed), 1 + args.decode_tokens)
+            best["prefill_s"] = min(best["prefill_s"], one["prefill_s"])
+            best["decode_ms"] = min(best["decode_ms"], one["step_ms"])
             if args.batch > 1 and length <= args.batch_max_length:
                 seed += 1
-                b_one = timed(_prompts(args.batch, length, vocab, seed), 1)
-                seed += 1
-                b_more = timed(_prompts(args.batch, length, vocab, seed), 1 + n)
-                best["batch_tok_s"] = max(best["batch_tok_s"], args.batch * n / (b_more - b_one))
+                many = run(_prompts(args.batch, length, vocab, seed), 1 + args.decode_tokens)
+                best["batch_tok_s"] = max(best["batch_tok_s"], many["decode_tok_s"])
         rows[str(length)] = best
     return {"rows": rows, "max_model_len": max_len}
 
