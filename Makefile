@@ -13,6 +13,11 @@ TRANSFORMERS_MIN := 5.23.0
 TEST_WORKERS ?= 2
 VENV_MIN := .venv-min
 BIN_MIN := $(VENV_MIN)/bin
+# the canary: the newest transformers release on the package index, unpinned (installed at CI time), so that the first
+# landing after a release this plugin does not support yet fails in CI with the failing test's name, before anyone
+# moves pyproject.toml's upper bound (5.25 broke every RoPE model's recipe while the pin still said <5.25)
+VENV_CANARY := .venv-canary
+BIN_CANARY := $(VENV_CANARY)/bin
 
 # `python -c "$$REQUIREMENTS_MET" NAME VERSION`: NAME imports at VERSION from this venv and each of its declared
 # requirements (extras aside) is installed at a version it allows; exits 1 naming what is not
@@ -35,7 +40,7 @@ sys.exit("; ".join(bad) or None)
 endef
 export REQUIREMENTS_MET
 
-.PHONY: install install-min demo test test-newest test-min bench lint
+.PHONY: install install-min install-canary demo test test-newest test-min test-canary bench lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,6 +56,12 @@ $(BIN_MIN)/python: $(BIN)/python
 	$(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
 		"$$($(BIN_MIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/zz_newest_venv.pth"
 
+# the same for the canary's venv (its own transformers, everything else from .venv)
+$(BIN_CANARY)/python: $(BIN)/python
+	$(PY) -m venv --without-pip $(VENV_CANARY)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
+		"$$($(BIN_CANARY)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/zz_newest_venv.pth"
+
 install: $(BIN)/python
 	# torch first and pinned: this CPU build lies on the local disk (other versions pull GBs of CUDA).
 	$(BIN)/pip install -q torch==2.13.0
@@ -63,9 +74,9 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/hf-polyattn retrofit --model smollm2 --preset demo --threads 2 --no_resume --output_dir runs/demo/linear
 
-# what CI runs (.ci/run): ruff and the whole suite on the newest transformers, then the integration tests on the
-# pinned minimum
-test: test-newest test-min
+# what CI runs (.ci/run): ruff and the whole suite on the newest transformers pyproject.toml allows, then the
+# integration tests on the pinned minimum and on the newest release (the canary)
+test: test-newest test-min test-canary
 
 test-newest: install
 	$(BIN)/ruff check hf_polyattn tests recipes
@@ -80,6 +91,27 @@ install-min: install $(BIN_MIN)/python
 # the integration tests (every model type of the matrix included) on the pinned minimum transformers
 test-min: install-min
 	$(BIN_MIN)/python -m pytest -q -n $(TEST_WORKERS) tests/integration
+
+# the newest transformers release, unpinned. With its dependencies: pip installs into the canary's venv only what
+# .venv does not already satisfy (5.25 added `kernels`, which a --no-deps install would leave out, failing the
+# import instead of a test); the check below then names any requirement still unmet.
+install-canary: install $(BIN_CANARY)/python
+	$(BIN)/pip --python $(BIN_CANARY)/python install -q -U transformers
+	$(BIN)/pip --python $(BIN_CANARY)/python install -q --no-deps -e .
+	$(BIN_CANARY)/python -c "$$REQUIREMENTS_MET" transformers \
+		"$$($(BIN_CANARY)/python -c 'from importlib.metadata import version; print(version("transformers"))')"
+
+# the integration tests on the newest release; skipped (saying so) when that is the release .venv has, which
+# test-newest has just run the whole suite on: the canary costs CI time only when there is a release to catch
+test-canary: install-canary
+	@canary="$$($(BIN_CANARY)/python -c 'import transformers; print(transformers.__version__)')"; \
+	pinned="$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"; \
+	if [ "$$canary" = "$$pinned" ]; then \
+		echo "test-canary: the newest transformers release is $$canary, .venv's own (test-newest ran it)"; \
+	else \
+		echo "test-canary: transformers $$canary (the newest release; .venv has $$pinned)"; \
+		$(BIN_CANARY)/python -m pytest -q -n $(TEST_WORKERS) tests/integration; \
+	fi
 
 bench: install
 	$(BIN)/python recipes/benchmark_attention.py
