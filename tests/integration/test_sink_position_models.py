@@ -391,10 +391,13 @@ def test_a_hub_kernel_in_place_of_apply_rotary_pos_emb_is_the_rotation_read():
     Such a kernel (here one turning interleaved pairs) changes the model's queries, and the rotation convert reads is
     the kernel's, not the Python function's: generate() with the recurrent cache still equals the uncached forward
     at every step beyond w + s."""
-    pytest.importorskip("kernels")
     import types
 
     import transformers
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():  # not installed, or outside this release's range (5.23 with kernels 0.19)
+        pytest.skip("this transformers uses no kernels package: its apply_rotary_pos_emb is the plain function")
 
     from hf_polyattn.integration import rope as rope_module
 
