@@ -67,7 +67,7 @@ class Row:
     refused_also: tuple = ()
     converts_with: dict | None = None
     # the first transformers release whose modeling code routes this type's attention through AttentionInterface
-    # (GPT-J and CodeGen: 5.24); before it the row is refused as computing its attention itself
+    # (GPT-J and CodeGen: 5.24, Falcon: 5.25); before it the row is refused as computing its attention itself
     since: tuple[int, int] | None = None
     rope: tuple = ()
     layout: tuple | None = None
