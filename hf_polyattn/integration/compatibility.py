@@ -50,6 +50,7 @@ __all__ = [
     "check_call_kwargs",
     "check_model_options",
     "check_softmax_heads",
+    "computed_mask",
     "find_attention_modules",
     "cross_blocker",
     "has_cross_attention",
@@ -236,6 +237,54 @@ def attention_call_keywords(cls: type) -> list[tuple[str, ast.expr]]:
     return found
 
 
+def computed_mask(cls: type) -> str | None:
+    """The mask ``cls.forward`` hands its attention function where the module computes it itself, as source text
+    (Doge's ``attn_mask``: ``self.prepare_dynamic_mask(hidden states, ...)`` per head, repeated per group; the
+    sparse-attention indexers of DeepSeek-V3.2 and its kin: ``attention_mask`` masked by ``self.indexer``'s top-k
+    keys); None where
+    it hands on the mask the model gave it (its ``attention_mask`` argument, sliced or looked up: no call of a method
+    of its own on the way), or where the source cannot be read (the attention function refuses a mask it cannot use
+    at run time).
+
+    hf_polyattn's kernels use the model's mask for padding only (the 2-D key-padding mask its mask function builds):
+    a mask computed per head from the states is a part of the scores they cannot apply."""
+    src = _forward_source(cls)
+    try:
+        tree = ast.parse(textwrap.dedent(src)) if src else None
+    except SyntaxError:
+        return None
+    if tree is None:
+        return None
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    assigned.setdefault(t.id, []).append(node.value)
+    callers = {name for name, values in assigned.items() if any("ALL_ATTENTION_FUNCTIONS" in ast.unparse(v)
+                                                                for v in values)}
+
+    def own_call(expr: ast.expr, seen: frozenset) -> bool:  # a call of self.<method> on the way to the mask
+        for node in ast.walk(expr):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+                return True
+            if isinstance(node, ast.Name) and node.id in assigned and node.id not in seen:
+                if any(own_call(v, seen | {node.id}) for v in assigned[node.id]):
+                    return True
+        return False
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in callers:
+            mask = next((kw.value for kw in node.keywords if kw.arg == "attention_mask"), None)
+            if mask is None and len(node.args) > 4:
+                mask = node.args[4]
+            if mask is not None and own_call(mask, frozenset()):
+                return ast.unparse(mask)
+    return None
+
+
 _UNKNOWN = UNKNOWN = object()  # a call-site value that cannot be read statically
 
 
@@ -300,6 +349,17 @@ def check_attention_module(module: nn.Module, cfg: PolyAttnConfig, owner: str, *
     (``ops.hybrid.softcap_refusal``: the kernel part forms no score, ``PolyAttnConfig.softcap_mode`` decides)."""
     cls = type(module)
     where = f"{owner} ({cls.__name__}.forward)"
+    mask = computed_mask(cls)
+    if mask is not None:
+        # refused here rather than at the first forward (where the attention function meets a 4-D mask it cannot
+        # apply): convert must not return a model that fails when run
+        raise ValueError(
+            f"{where} (model_type={getattr(module.config, 'model_type', None)!r}) passes attention_mask={mask} to "
+            "its attention function: a mask the module computes itself from its states (Doge's per-head dynamic "
+            "mask, a sparse-attention indexer's top-k keys), not the padding / causal mask the model builds. "
+            "hf_polyattn attention uses the model's mask for padding only and cannot apply a per-head 4-D mask (at "
+            "run time: 'received an attention_mask of shape (batch, heads, q, k)'); this model is not supported by "
+            "hf_polyattn attention")
     honoured = EXACT_WINDOW_KWARGS if exact_window else ()
     for name, expr in attention_call_keywords(cls):
         if name in HANDLED_KWARGS or name in honoured:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import PreTrainedModel
 
-from .cache import check_cache_layers
+from .cache import check_cache_layers, check_own_cache
 from .compatibility import check_attention_module, check_model_options, is_attention_module, mark_checked
 from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
@@ -94,6 +94,7 @@ def _registration_hook(parent: nn.Module, name: str, child):
                                                        kind=parent.config._attn_implementation))
         check_supported_config(parent.config)
         check_cache_layers(parent.config)
+        check_own_cache(parent)
         check_model_options([parent.config], resolve_polyattn_config(parent.config), _owner(parent))
         prepare_model_instance(parent)
         sync_config(parent)

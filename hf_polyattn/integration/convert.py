@@ -17,7 +17,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from .. import registry
 from ..config import PolyAttnConfig
-from .cache import check_cache_layers
+from .cache import check_cache_layers, check_own_cache
 from .compatibility import check_attention_module, check_model_options, find_attention_modules, mark_checked
 from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
@@ -66,7 +66,8 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     interface, uses chunked attention, soft-caps the logits of a layer the kind converts where
     the layer cannot apply the cap (a kernel part without ``softcap_mode='exact_parts'``, or no exact part at all),
     has no layer left to convert (every layer sliding), keeps attention and a state-space mixer
-    in one cache layer (Falcon-H1), passes its attention function an
+    in one cache layer (Falcon-H1), keeps its cache in a class of its own (MiniMax), hands its attention function a
+    mask it computes itself (Doge's per-head mask), passes its attention function an
     argument the kernels cannot honour (T5's ``position_bias``, attention sinks, ...), or has
     cross-attention with ``local_exact=True``.
     """
@@ -91,6 +92,7 @@ def convert(model: PreTrainedModel, config: PolyAttnConfig | dict | str | None =
     for c in configs.values():
         check_supported_config(c)
     check_cache_layers(model.config)  # a layer PolyAttnCache cannot hold: refused here, not in generate()
+    check_own_cache(model)  # a cache class of the model's own (MiniMax): refused here, not at the first forward
     check_model_options(list(configs.values()), cfg, owner)
     windows = plan_layers(found, cfg, owner)  # sliding-window layers kept exact: their window, else None
     for (_, mod, idx), window in zip(found, windows):

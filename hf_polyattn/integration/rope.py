@@ -12,12 +12,13 @@ convert / construction) from the model's own code, never from a list of model ty
    a call reaches beyond the original context (``dynamic_rope_update``), so a key rotated early and a query rotated
    late would not share one R(delta); that is found by calling it once with short and once with far positions and is
    refused.
-2. **the layout**: the modeling module's own ``apply_rotary_pos_emb`` applied to the basis vectors e_0 .. e_(d-1)
-   with those cos/sin gives the model's R(p) column by column, exactly: every rotated dim turns with exactly one
-   partner (rotate_half: t with t + F; GPT-J, Cohere, GLM: 2t with 2t + 1), dims it leaves alone are the partial
-   rotary's pass-through; a yarn/llama3 ``attention_scaling`` multiplies cos and sin and cancels in R(p + d) R(p)^-1.
-   The frequency of each pair is its angle at position 1, refined at a far position and snapped to the rotary
-   embedding's own ``inv_freq`` buffer (where it has one: GPT-J keeps a sin/cos table instead).
+2. **the layout**: the ``apply_rotary_pos_emb`` the module calls (``_rotation_function``: its own hub-kernel
+   wrapper where transformers gives it one, else the modeling module's function) applied to the basis vectors
+   e_0 .. e_(d-1) with those cos/sin gives the model's R(p) column by column, exactly: every rotated dim turns with
+   exactly one partner (rotate_half: t with t + F; GPT-J, Cohere, GLM: 2t with 2t + 1), dims it leaves alone are the
+   partial rotary's pass-through; a yarn/llama3 ``attention_scaling`` multiplies cos and sin and cancels in
+   R(p + d) R(p)^-1. The frequency of each pair is its angle at position 1, refined at a far position and snapped
+   to the rotary embedding's own ``inv_freq`` buffer (where it has one: GPT-J keeps a sin/cos table instead).
 3. **the module itself**: a copy of the attention module (random weights; the real ones are never touched) is run
    on one hidden state at positions 0 .. 4,095 and the queries it hands the attention function are captured. The
    rotation read in 1-2 must turn its query at p into its query at p' for every pair of positions, both ways. That
@@ -156,9 +157,20 @@ def _signature(module: nn.Module, layer_type: str | None):
         settings = module.config.to_dict()
         for name in ("polyattn", "_attn_implementation_internal", "attn_implementation", "auto_map"):
             settings.pop(name, None)
-        return type(module), layer_type, attrs, json.dumps(settings, sort_keys=True, default=repr)
+        return (type(module), layer_type, attrs, json.dumps(settings, sort_keys=True, default=repr),
+                _module_device(module).type, _kernel_forwards(module))
     except Exception:  # noqa: BLE001 - a config that cannot be serialised is read every time
         return None
+
+
+def _kernel_forwards(module: nn.Module) -> tuple:
+    """The forward each of the module's own hub-kernel function wrappers runs (``_rotation_function``): kernelize
+    replaces it per module, so two modules of one class can rotate with different code."""
+    funcs = module.__dict__.get("_kernel_funcs")
+    if not isinstance(funcs, dict):
+        return ()
+    return tuple(sorted((str(name), repr(getattr(f.__dict__.get("forward"), "__func__", None)))
+                        for name, f in funcs.items()))
 
 
 # ----------------------------------------------------------------------------- reading
@@ -175,7 +187,8 @@ def _read(module, modeling, rotary_class, layer_type) -> RopeRotation | None:
     if embed is None:
         raise _Unreadable("its queries depend on the position but its modeling module has no rotary embedding "
                           "class (<Name>RotaryEmbedding) to read the rotation from")
-    rope = _layout(modeling, embed, queries.shape[-1], max(positions))
+    rope = _layout(_rotation_function(module, modeling), embed, queries.shape[-1], max(positions),
+                   _module_device(module))
     _check_module(rope, queries, positions)
     return rope
 
@@ -253,32 +266,84 @@ def _split_cos_sin(out) -> tuple[torch.Tensor, torch.Tensor]:
     raise _Unreadable("its rotary embedding's output at position 0 is not (cos, sin) = (scaling, 0)")
 
 
-def _apply_matrices(modeling, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
-    """R(p) (P, width, width) of the modeling module's ``apply_rotary_pos_emb`` at each of the P columns of cos/sin
-    (1, P, W): column i is its image of the basis vector e_i, given as P * width rows of one head and one position."""
+def _module_device(module: nn.Module) -> torch.device:
+    """Where the module's weights are (a hub kernel runs on its own device only); the CPU for weights not yet
+    materialised (from_pretrained builds on the meta device)."""
+    return next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+def _python_function(fn):
+    """The Python function behind ``fn``: through ``functools.wraps`` wrappers (``__wrapped__``) and through the
+    ``kernels`` package's function module (``use_kernel_forward_from_hub`` on a function, transformers >= 5.25: an
+    ``nn.Module`` instance of signature (*args, **kwargs) whose forward calls the function it was made from, held in
+    that forward's closure). None where no function is found."""
+    fn = inspect.unwrap(fn)
+    if inspect.isfunction(fn):
+        return fn
+    if isinstance(fn, nn.Module) and hasattr(fn, "kernel_layer_name"):
+        inner = [cell.cell_contents for cell in (getattr(type(fn).forward, "__closure__", None) or ())
+                 if inspect.isfunction(cell.cell_contents)]
+        if len(inner) == 1:
+            return inner[0]
+    return None
+
+
+def _rotation_function(module: nn.Module, modeling):
+    """(what ``module`` calls as ``apply_rotary_pos_emb``, the argument names of the function it stands for, or None
+    where they cannot be read).
+
+    transformers 5.25 decorates the function with ``use_kernel_forward_from_hub("rotary_pos_emb")``, which (with the
+    ``kernels`` package, a requirement from 5.25 on) makes it an ``nn.Module`` of signature (*args, **kwargs), and
+    the attention class with ``use_kernelized_func``, which gives each attention module its own instance in
+    ``module._kernel_funcs`` and routes the module's calls to it. ``kernelize`` (``from_pretrained(use_kernels=...)``,
+    on by default in 5.25) may replace that instance's forward with a hub kernel for the module's device: the
+    rotation read must be that one, so the module's own instance is what is called here, and the arguments are named
+    after the Python function it was made from."""
     fn = getattr(modeling, "apply_rotary_pos_emb", None)
     if fn is None:
         raise _Unreadable("its modeling module has no apply_rotary_pos_emb to read the layout from")
-    params = inspect.signature(fn).parameters
-    if "cos" not in params or "sin" not in params:
+    own = None
+    funcs = module.__dict__.get("_kernel_funcs")
+    if isinstance(funcs, dict):
+        own = next((f for f in funcs.values() if type(f) is type(fn)), None)
+    python = _python_function(fn)
+    params = None if python is None else inspect.signature(python).parameters
+    named = [p for p in (params or {}).values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not named:
+        params = None  # a wrapper of signature (*args, **kwargs) without __wrapped__: called positionally
+    elif "cos" not in params or "sin" not in params:
         raise _Unreadable("its apply_rotary_pos_emb takes no cos/sin arguments")
-    tensors = [n for n, p in params.items() if n not in ("cos", "sin") and p.default is inspect.Parameter.empty]
+    return (own if own is not None else fn), params
+
+
+def _apply_matrices(rotation, cos: torch.Tensor, sin: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+    """R(p) (P, width, width) of ``rotation`` (``_rotation_function``) at each of the P columns of cos/sin (1, P, W):
+    column i is its image of the basis vector e_i, given as P * width rows of one head and one position, on
+    ``device`` (the module's)."""
+    fn, params = rotation
     n = cos.shape[1]
-    basis = torch.eye(width, dtype=torch.float32).repeat(n, 1).reshape(n * width, 1, 1, width)
+    basis = torch.eye(width, dtype=torch.float32).repeat(n, 1).reshape(n * width, 1, 1, width).to(device)
 
     def rows(t):  # (1, P, W) -> (P * width, 1, W): position j's cos/sin beside each of its basis vectors
-        return t[0].repeat_interleave(width, dim=0)[:, None, :]
+        return t[0].repeat_interleave(width, dim=0)[:, None, :].to(device)
 
     with torch.no_grad():
-        out = fn(**{name: basis.clone() for name in tensors}, cos=rows(cos), sin=rows(sin))
+        if params is None:
+            # no Python function to name the arguments after: called as every transformers model calls it,
+            # apply_rotary_pos_emb(query, key, cos, sin); _layout and _check_module verify what comes back
+            out = fn(basis.clone(), basis.clone(), rows(cos), rows(sin))
+        else:
+            tensors = [k for k, p in params.items() if k not in ("cos", "sin") and p.default is inspect.Parameter.empty]
+            out = fn(**{name: basis.clone() for name in tensors}, cos=rows(cos), sin=rows(sin))
     out = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(out, torch.Tensor) or out.shape != basis.shape:
         raise RuntimeError("not a rotation of the whole vector")
-    return out.double().reshape(n, width, width).transpose(1, 2)
+    return out.detach().cpu().double().reshape(n, width, width).transpose(1, 2)
 
 
-def _layout(modeling, embed, head_dim: int, far: int) -> RopeRotation:
-    """The pairs and frequencies of the model's R(p), read off ``apply_rotary_pos_emb`` (module docstring, 2)."""
+def _layout(rotation, embed, head_dim: int, far: int, device: torch.device) -> RopeRotation:
+    """The pairs and frequencies of the model's R(p), read off the module's ``apply_rotary_pos_emb`` (``rotation``,
+    module docstring, 2)."""
     near = [0, 1, 2, 3, 7]
     cos, sin = _split_cos_sin(embed(near + [far]))
     width = cos.shape[-1]
@@ -287,7 +352,7 @@ def _layout(modeling, embed, head_dim: int, far: int) -> RopeRotation:
         if w > head_dim:
             continue
         try:
-            matrices = _apply_matrices(modeling, cos, sin, w)
+            matrices = _apply_matrices(rotation, cos, sin, w, device)
             break
         except (RuntimeError, IndexError, ValueError):
             continue
@@ -382,7 +447,8 @@ def _probe_copy(module: nn.Module) -> nn.Module:
         for name, b in list(sub._buffers.items()):
             if b is not None and b.is_meta:  # built on the meta device: a buffer the module computes at __init__
                 sub._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
-    probe = probe.float().eval()
+    # on the module's device: a hub kernel it calls (its apply_rotary_pos_emb, _rotation_function) runs there only
+    probe = probe.float().eval().to(_module_device(module))
     probe.config._attn_implementation = _PROBE_NAME
     return probe
 
@@ -395,13 +461,14 @@ def _module_queries(module: nn.Module, embed, positions: list[int]) -> torch.Ten
     hidden = getattr(module.config, "hidden_size", None)
     if not isinstance(hidden, int):
         raise _Unreadable("its config names no hidden_size to probe the attention module with")
+    device = _module_device(module)
     states = torch.randn(2, 1, hidden, generator=torch.Generator().manual_seed(1), dtype=torch.float32)
-    states = states.expand(2, len(positions), hidden)
-    ids = torch.tensor([positions, positions], dtype=torch.long)
+    states = states.expand(2, len(positions), hidden).to(device)
+    ids = torch.tensor([positions, positions], dtype=torch.long, device=device)
     kwargs = {"attention_mask": None}
     if embed is not None:
         emb = embed(positions)
-        kwargs["position_embeddings"] = tuple(t.expand(2, *t.shape[1:]) for t in emb)
+        kwargs["position_embeddings"] = tuple(t.expand(2, *t.shape[1:]).to(device) for t in emb)
     takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
     if "position_ids" in params or takes_any:
         kwargs["position_ids"] = ids
@@ -412,7 +479,7 @@ def _module_queries(module: nn.Module, embed, positions: list[int]) -> torch.Ten
         with torch.no_grad():
             probe(states.contiguous(), **kwargs)
     except _Captured as got:
-        query, key = got.query.double(), got.key.double()
+        query, key = got.query.cpu().double(), got.key.cpu().double()
     except Exception as err:  # noqa: BLE001 - the module's own forward refused the probe
         raise _Unreadable(f"its attention module could not be run on a probe ({type(err).__name__}: {err})") from None
     else:

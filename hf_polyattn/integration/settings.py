@@ -123,7 +123,8 @@ def config_sliding(config: PreTrainedConfig, layer_idx: int) -> bool:
 
 def check_supported_config(config: PreTrainedConfig) -> None:
     """Refuse model configs whose attention the kernels cannot reproduce: chunked attention (Llama 4's
-    ``attention_chunk_size``, ``chunked_attention`` layers), a pattern a 2-D padding mask cannot express.
+    ``attention_chunk_size``, ``chunked_attention`` layers), a pattern a 2-D padding mask cannot express, and an
+    ALiBi bias (``config.alibi``: Falcon adds it to the mask it hands the attention function).
 
     Sliding-window layers are no longer refused here: ``layout.py`` decides per layer (kept exact, or converted on
     request), and logit soft-capping is checked where it is passed, per attention module (``compatibility.py``):
@@ -136,6 +137,14 @@ def check_supported_config(config: PreTrainedConfig) -> None:
             "hf_polyattn does not implement ['chunked_attention'] layers (config.layer_types): its kernels attend to "
             "the whole causal past and chunked attention resets at every chunk boundary"
         )
+    if getattr(config, "alibi", None) is True:
+        # Falcon (transformers >= 5.25, which routes it through AttentionInterface) adds the ALiBi bias to the 4-D
+        # mask it hands the attention function: refused here rather than at the first forward
+        raise ValueError(
+            f"config.alibi=True (model_type={getattr(config, 'model_type', None)!r}): the model adds an ALiBi position "
+            "bias to the attention scores, added to the attention mask it hands the attention function; hf_polyattn "
+            "attention uses the mask for padding only and cannot apply a position bias (BLOOM, MPT and ALiBi Falcon "
+            "are not supported)")
     if getattr(config, "attention_chunk_size", None) is not None:
         raise ValueError("config.attention_chunk_size is set: chunked attention is not supported by hf_polyattn; "
                          "set it to None")

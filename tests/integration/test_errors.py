@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from integration_helpers import VOCAB, build
+from model_matrix import ROWS
 from transformers import (
+    AutoModelForCausalLM,
     BertConfig,
     BertForMaskedLM,
-    FalconConfig,
-    FalconForCausalLM,
+    BloomConfig,
+    BloomForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     MistralConfig,
@@ -41,16 +43,17 @@ def test_not_a_transformers_model():
         hf_polyattn.convert(build("llama"), 3)
 
 
-def _falcon_config(**kw):
-    return FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **kw)
+def _bloom_config(**kw):
+    # BLOOM computes its softmax (with ALiBi) itself on every supported transformers (Falcon did until 5.24)
+    return BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, **kw)
 
 
 def test_model_class_bypassing_attention_interface_is_refused():
-    with pytest.raises(ValueError, match="FalconForCausalLM does not route its attention through"):
-        hf_polyattn.convert(FalconForCausalLM(_falcon_config()), "polysketch")
+    with pytest.raises(ValueError, match="BloomForCausalLM does not route its attention through"):
+        hf_polyattn.convert(BloomForCausalLM(_bloom_config()), "polysketch")
     # attn_implementation=KIND at construction: refused instead of building a softmax model
     with pytest.raises(ValueError, match="does not route its attention through.*silent softmax"):
-        FalconForCausalLM(_falcon_config(attn_implementation="polysketch"))
+        BloomForCausalLM(_bloom_config(attn_implementation="polysketch"))
 
 
 def test_output_attentions_refused():
@@ -162,3 +165,20 @@ def test_cross_attention_supported_without_local_blocks():
     with pytest.raises(ValueError, match=r"local_exact=True is not supported with cross-attention.*add_cross"):
         hf_polyattn.convert(GPT2LMHeadModel(config).eval(), PolyAttnConfig(kind="linear", local_exact=True,
                                                                            block_size=4))
+
+
+@pytest.mark.parametrize("model_type,why", [
+    ("minimax", r"model_type 'minimax' \(MiniMax\w*\) keeps its generation cache in a class of its own "
+                r"\(MiniMaxCache"),
+    ("doge", r"\(model_type='doge'\) passes attention_mask=attn_mask to its attention function: a mask the module "
+             r"computes itself"),
+], ids=["minimax", "doge"])
+def test_a_model_that_would_fail_when_run_is_refused_when_built_too(model_type, why):
+    """The model-matrix rows' refusals (MiniMax's own cache class, Doge's per-head mask) also where the model is
+    built with the kind (attn_implementation at construction, as from_pretrained does), not at its first forward."""
+    row = next(r for r in ROWS if r.id == model_type)
+    config = row.make_config()
+    config.polyattn = PolyAttnConfig(kind="linear", window=16, sinks=2, decay="gate").to_dict()
+    config._attn_implementation = "linear"
+    with pytest.raises(ValueError, match=why):
+        AutoModelForCausalLM.from_config(config)

@@ -336,3 +336,89 @@ def test_reload_keeps_the_setting_and_reads_old_configs_as_own(tmp_path):
     with torch.no_grad():
         own = _model("llama", STREAMING.replace(sink_position="own"))(ids).logits
         torch.testing.assert_close(old(ids).logits, own, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- apply_rotary_pos_emb behind a wrapper
+def _bare_wrapper(fn):
+    """A wrapper of signature (*args, **kwargs) that keeps no ``__wrapped__``: the arguments cannot be named."""
+    return lambda *args, **kwargs: fn(*args, **kwargs)
+
+
+def _wraps_wrapper(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("wrap", [_bare_wrapper, _wraps_wrapper], ids=["bare", "functools.wraps"])
+def test_a_wrapped_apply_rotary_pos_emb_is_read_through_its_wrapper(wrap):
+    """transformers 5.25 wraps apply_rotary_pos_emb (use_kernel_forward_from_hub): its visible signature is
+    (*args, **kwargs). The fake modeling module's function behind a bare wrapper (called as the models call it,
+    (q, k, cos, sin)) and behind functools.wraps (named through __wrapped__) reads Llama's own rotation."""
+    attention = _twisted_attention(lambda x: x)
+    fake = sys.modules[_FAKE]
+    plain = fake.apply_rotary_pos_emb
+    try:
+        fake.apply_rotary_pos_emb = wrap(plain)
+        rope = model_rope(attention, 0)
+    finally:
+        fake.apply_rotary_pos_emb = plain
+    want = _rotary_emb(_model("llama")).inv_freq
+    assert rope.pairs is None and torch.equal(rope.inv_freq, want) and rope.rotary_dim == 16
+
+
+def _interleaved_kernel(self, q, k, cos, sin, unsqueeze_dim=1):
+    """A stand-in for a hub kernel that kernelize puts in place of apply_rotary_pos_emb: it turns the pairs
+    (2t, 2t + 1) by frequency t (GPT-J's layout) where the Python function turns (t, t + d/2): a different rotation,
+    so a reading of the Python function instead of what the model runs would be wrong."""
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+
+    def turn(x):
+        partner = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+        return x * cos + partner * sin
+
+    return turn(q), turn(k)
+
+
+def test_a_hub_kernel_in_place_of_apply_rotary_pos_emb_is_the_rotation_read():
+    """With the kernels package (transformers >= 5.25 requires it), each attention module calls its own
+    apply_rotary_pos_emb wrapper, whose forward kernelize may replace with a hub kernel for the module's device.
+    Such a kernel (here one turning interleaved pairs) changes the model's queries, and the rotation convert reads is
+    the kernel's, not the Python function's: generate() with the recurrent cache still equals the uncached forward
+    at every step beyond w + s."""
+    import types
+
+    import transformers
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():  # not installed, or outside this release's range (5.23 with kernels 0.19)
+        pytest.skip("this transformers uses no kernels package: its apply_rotary_pos_emb is the plain function")
+
+    from hf_polyattn.integration import rope as rope_module
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config("llama")).eval()
+    ids = _prompt(1, 12, seed=7)
+    with torch.no_grad():
+        before = model(ids).logits
+    wrappers = [m.__dict__["_kernel_funcs"] for m in model.modules() if "_kernel_funcs" in m.__dict__]
+    assert wrappers and all(len(funcs) == 1 for funcs in wrappers)
+    for funcs in wrappers:
+        (func,) = funcs.values()
+        func.forward = types.MethodType(_interleaved_kernel, func)  # what kernelize does with a layer it finds
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, before, atol=1e-3)  # the model runs the kernel
+    rope_module._CACHE.clear()
+    hf_polyattn.convert(model, STREAMING)
+    perturb_polyattn(model)
+    model.generation_config.eos_token_id = None
+    for layer in _layers(model):
+        assert layer.rope.pairs is not None and torch.equal(layer.rope.pairs, torch.arange(16).reshape(8, 2).T)
+    check_greedy_steps(model, ids)
+    plain = _model("llama")  # the same class without the kernel: the Python function's rotate_half
+    assert all(layer.rope.pairs is None for layer in _layers(plain))
