@@ -86,3 +86,8 @@ def test_matched_config_copies_the_evaluated_models_rules_and_takes_the_budget()
         matched_memory_config(8, like=hf_polyattn.PolyAttnConfig.for_kind("linear", window=8))
     with pytest.raises(ValueError, match="matched_cache"):
         LongContextSettings(contexts=(64,), matched_cache=0)
+
+
+def test_sliding_window_refusing_a_sparse_cache_names_the_matched_builder():
+    with pytest.raises(ValueError, match=r"does not read sparse_cache .*matched_memory_config"):
+        hf_polyattn.PolyAttnConfig.for_kind("sliding_window", window=8, sparse_cache=4)
