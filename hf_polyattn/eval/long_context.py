@@ -11,9 +11,16 @@ evaluates a causal LM
   given length in tokens, then "What is the pass key? The pass key is"; the model answers by greedy decoding
   through its own ``generate()`` (its own cache: a recurrent state for the linear-time kinds), and a hit is an
   exact match of the first number it writes. Keys are drawn from a seeded generator, one per (length, depth) cell;
-* beside two **baselines** on the same tokens and prompts: the checkpoint's softmax attention, and StreamingLLM
+* beside **baselines** on the same tokens and prompts: the checkpoint's softmax attention, StreamingLLM
   (Xiao et al. 2023, arXiv:2309.17453: exact softmax on the first ``sinks`` tokens plus a recent window, everything
-  else dropped, no training), which is the library's ``sliding_window`` kind with ``sinks``.
+  else dropped, no training), which is the library's ``sliding_window`` kind with ``sinks``, and two rows at matched
+  memory: ``sparse`` (the sparse cache's selection on the checkpoint's own softmax, ``matched_memory_config``) and
+  ``streaming_matched`` (StreamingLLM whose window holds as many keys);
+* optionally **multi-turn** (``multi_turn``): every passkey and RULER prompt again with the document read into the
+  cache by its own forward call and the question asked after on that cache (``generate_turns``), and a second
+  passkey question after the first answer: what a chat server or a prefix cache serves, where a bounded cache chose
+  its keys before any question existed;
+* optionally the **RULER-style suite** (``ruler_lengths``, ``eval/ruler.py``).
 
 Nothing here builds an n x n tensor on the linear-time path: a model is run as it is (batch 1 at 8k fits a 2-core
 CPU's 24 GiB for SmolLM2-135M). ``write_long_context`` writes the results as JSON, a Markdown table and two plots
