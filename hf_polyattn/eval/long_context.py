@@ -414,6 +414,7 @@ def _matched(settings: LongContextSettings, like) -> tuple[int, Any]:
 def _matched_label(settings: LongContextSettings, like=None) -> str:
     budget, cfg = _matched(settings, like)
     obs = f", sparse_observe {cfg.sparse_observe}" if cfg.sparse_observe else ""
+    obs += ", sinks at their own positions" if cfg.sink_position == "own" else ""
     return (f"sparse cache on softmax (matched memory): exact softmax on {cfg.sinks} sinks + a {cfg.window}-token "
             f"window + {budget} selected keys (sparse_score {cfg.sparse_score!r}, blocks of {cfg.sparse_chunk}{obs}), "
             "no training")

@@ -16,6 +16,7 @@ threads) and ``collect.py`` joins them into one table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -39,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ruler", default="1024,2048")
     p.add_argument("--ruler-tasks", default="")
     p.add_argument("--ruler-samples", type=int, default=2)
-    p.add_argument("--no-multi-turn", action="store_true")
+    p.add_argument("--multi-turn", choices=["none", "passkey", "all"], default="all",
+                   help="which retrieval also runs multi-turn: a row whose cache does not depend on where calls end "
+                        "(softmax, StreamingLLM, a sparse cache without sparse_observe) answers the same either way "
+                        "(tests/eval/test_multi_turn.py), so its RULER multi-turn run can be left out")
+    p.add_argument("--sparse-observe", type=int, default=0, help="sparse row: sparse_observe (0: off)")
+    p.add_argument("--sink-position", default="window", help="sparse row: sink_position of the sinks")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default=None, help="result file name (default: the row, with the budget if matched)")
     args = p.parse_args(argv)
@@ -52,18 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     from hf_polyattn.eval.long_context import (
         BASELINES,
         LongContextSettings,
-        _matched,
+        _matched_label,
         _streaming_matched,
         evaluate_model,
+        matched_memory_config,
         streaming_config,
     )
+    from hf_polyattn.eval.ruler import run_ruler
 
     torch.set_num_threads(args.threads)
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
     settings = LongContextSettings(
         contexts=ints(args.contexts), max_tokens=args.max_eval_tokens, passkey_lengths=ints(args.passkey),
         passkey_depths=args.passkey_depths, baselines=(), matched_cache=args.matched_cache,
-        multi_turn=not args.no_multi_turn, ruler_lengths=ints(args.ruler),
+        multi_turn=args.multi_turn != "none", ruler_lengths=ints(args.ruler),
         ruler_tasks=tuple(t for t in args.ruler_tasks.split(",") if t), ruler_samples=args.ruler_samples)
     path = cli.resolve_model(args.model)
     tokenizer = cli.load_tokenizer(path)
@@ -75,9 +83,23 @@ def main(argv: list[str] | None = None) -> int:
     elif args.row == "streaming_matched":
         hf_polyattn.convert(model, streaming_config(*_streaming_matched(settings, None)))
     elif args.row == "sparse":
-        hf_polyattn.convert(model, _matched(settings, None)[1])
+        selection = {"sink_position": args.sink_position}
+        if args.sparse_observe:
+            selection["sparse_observe"] = args.sparse_observe
+        cfg = matched_memory_config(args.matched_cache, sinks=settings.streaming_sinks,
+                                    window=settings.streaming_window, **selection)
+        hf_polyattn.convert(model, cfg)
     t0 = time.time()
-    row = evaluate_model(BASELINES[args.row](settings), model, tokenizer, data.eval_ids, settings)
+    label = BASELINES[args.row](settings)
+    if args.row == "sparse":
+        label = _matched_label(settings, cfg)
+    # multi_turn='passkey': the RULER suite runs once, single-prompt, after the passkey's two modes
+    ruler_multi = args.multi_turn == "all"
+    first = dataclasses.replace(settings, ruler_lengths=()) if not ruler_multi else settings
+    row = evaluate_model(label, model, tokenizer, data.eval_ids, first)
+    if not ruler_multi and settings.ruler_lengths:
+        row["ruler"] = run_ruler(model, tokenizer, settings.ruler_lengths, settings.ruler_tasks,
+                                 samples=settings.ruler_samples, seed=settings.ruler_seed)
     row["baseline"] = args.row
     name = args.name or (args.row if args.row in ("softmax", "streaming") else f"{args.row}{args.matched_cache}")
     record = {"command": "python recipes/experiments/ruler_matched/run_row.py " + shlex.join(argv),
