@@ -372,7 +372,9 @@ def ruler_markdown(rows: Sequence[dict[str, Any]]) -> str:
     if not with_ruler:
         return ""
     first = with_ruler[0]["ruler"]
-    tasks, lengths = first["tasks"], first["lengths"]
+    # the union of the rows' tasks and lengths, in first-seen order: a row run at fewer of them shows "–" there
+    tasks = list(dict.fromkeys(t for r in with_ruler for t in r["ruler"]["tasks"]))
+    lengths = list(dict.fromkeys(n for r in with_ruler for n in r["ruler"]["lengths"]))
     head = ["attention", "turns", *[f"{t} @ {n:,}" for t in tasks for n in lengths],
             *[f"mean @ {n:,}" for n in lengths]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -381,10 +383,16 @@ def ruler_markdown(rows: Sequence[dict[str, Any]]) -> str:
             res = r.get(key)
             if not res:
                 continue
-            cells = [r["label"], turns, *[f"{100 * res['scores'][t][str(n)]:.0f}" for t in tasks for n in lengths],
-                     *[f"{100 * res['average'][str(n)]:.1f}" for n in lengths]]
+            def pct(score, fmt):
+                return "–" if score is None else format(100 * score, fmt)
+
+            cells = [r["label"], turns,
+                     *[pct(res["scores"].get(t, {}).get(str(n)), ".0f") for t in tasks for n in lengths],
+                     *[pct(res["average"].get(str(n)) if res["tasks"] == tasks else None, ".1f") for n in lengths]]
             lines.append("| " + " | ".join(cells) + " |")
-    note = (f"\nRULER-style suite (hf_polyattn/eval/ruler.py): {first['samples']} samples per task and length, seed "
-            f"{first['seed']}, greedy decoding, string-match recall in % (the share of the gold strings found in the "
-            "answer). 'multi': the haystack read in its own forward call first, the question asked on that cache.")
+    samples = sorted({r["ruler"]["samples"] for r in with_ruler})
+    note = (f"\nRULER-style suite (hf_polyattn/eval/ruler.py): {'/'.join(map(str, samples))} samples per task and "
+            f"length, seed {first['seed']}, greedy decoding, string-match recall in % (the share of the gold strings "
+            "found in the answer). 'multi': the haystack read in its own forward call first, the question asked on "
+            "that cache.")
     return "\n".join(lines) + "\n" + note + "\n"
