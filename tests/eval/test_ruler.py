@@ -168,3 +168,16 @@ def test_tiny_model_runs_the_suite_end_to_end(tok, tiny_dirs, tmp_path, text_fil
     assert "passkey turn 2 @ 300" in md and "niah_single_1 @ 900" in md and "| multi |" in md
     assert cli.main(["eval", str(d), "--data", text_file, "--ruler", "900", "--ruler-tasks", "nope"]) == 2
     assert "expected distinct comma-separated names" in capsys.readouterr().err
+
+
+def test_ruler_table_shows_the_union_of_the_rows_lengths():
+    both = {"tasks": ["vt", "cwe"], "lengths": [1024, 2048], "samples": 2, "seed": 0,
+            "scores": {"vt": {"1024": 1.0, "2048": 0.5}, "cwe": {"1024": 0.25, "2048": 0.0}},
+            "average": {"1024": 0.625, "2048": 0.25}}
+    short = {"tasks": ["vt", "cwe"], "lengths": [1024], "samples": 2, "seed": 0,
+             "scores": {"vt": {"1024": 0.5}, "cwe": {"1024": 0.0}}, "average": {"1024": 0.25}}
+    table = ruler_markdown([{"label": "A", "ruler": both}, {"label": "B", "ruler": short, "ruler_multi_turn": short}])
+    assert "| A | single | 100 | 50 | 25 | 0 | 62.5 | 25.0 |" in table
+    assert "| B | single | 50 | – | 0 | – | 25.0 | – |" in table
+    assert "| B | multi | 50 | – | 0 | – | 25.0 | – |" in table
+    assert ruler_markdown([{"label": "no ruler"}]) == ""
