@@ -579,7 +579,7 @@ LONG_CONTEXT_TOKENS = 12288  # eval's default held-out tokens with --contexts / 
 
 
 def _long_context_mode(args) -> bool:
-    return bool(args.contexts or args.passkey)
+    return bool(args.contexts or args.passkey or args.ruler)
 
 
 def _eval_long_context(args, model, cls, path, tokenizer, data, attention, stored, device) -> int:
@@ -598,7 +598,9 @@ def _eval_long_context(args, model, cls, path, tokenizer, data, attention, store
             contexts=tuple(args.contexts or DEFAULT_CONTEXTS), max_tokens=int(data.eval_ids.numel()),
             passkey_lengths=tuple(args.passkey or ()), passkey_depths=args.passkey_depths,
             passkey_seed=args.passkey_seed, passkey_templates=tuple(args.passkey_templates),
-            baselines=baselines, streaming_sinks=args.streaming_sinks, streaming_window=args.streaming_window)
+            baselines=baselines, streaming_sinks=args.streaming_sinks, streaming_window=args.streaming_window,
+            matched_cache=args.matched_cache, multi_turn=args.multi_turn, ruler_lengths=tuple(args.ruler or ()),
+            ruler_tasks=tuple(args.ruler_tasks or ()), ruler_samples=args.ruler_samples, ruler_seed=args.ruler_seed)
         settings.check_positions(model.config)  # before minutes of perplexity, not after
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -834,7 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     g = p.add_argument_group("long context", _wrap(
-        "--contexts or --passkey switch to the long-context evaluation (hf_polyattn.eval.long_context): "
+        "--contexts, --passkey or --ruler switch to the long-context evaluation (hf_polyattn.eval.long_context): "
         "perplexity at every context on the same held-out tokens, passkey retrieval by greedy decoding, beside a "
         "softmax and a StreamingLLM row on the same tokens and prompts; --out writes JSON, Markdown and a plot."))
     g.add_argument("--contexts", type=_int_list(2), metavar="N,N,...",
@@ -849,11 +851,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "('classic': the Landmark-Attention prompt; 'vault': another filler, phrasing and 4-7 digit "
                         "keys; 'multi': four labelled 4-7 digit keys, one asked)")
     g.add_argument("--baselines", type=_baseline_list, default=["softmax", "streaming"], metavar="LIST",
-                   help="baseline rows: a comma-separated subset of softmax,streaming, or none")
+                   help="baseline rows: a comma-separated subset of softmax,streaming,sparse,streaming_matched, or "
+                        "none ('sparse': the sparse cache on the softmax checkpoint's own attention with "
+                        "--matched-cache selected keys beside the sinks and window, training-free; "
+                        "'streaming_matched': StreamingLLM whose window holds as many keys)")
     g.add_argument("--base", metavar="MODEL", help="the softmax checkpoint of the baselines (default: MODEL when it is "
                                                    "softmax, else the base model its config records)")
     g.add_argument("--streaming-sinks", type=int_at_least(0), default=4, help="StreamingLLM row: sink tokens")
     g.add_argument("--streaming-window", type=int_at_least(1), default=128, help="StreamingLLM row: window")
+    g.add_argument("--matched-cache", type=int_at_least(1), default=None, metavar="N",
+                   help="keys of the matched-memory rows (--baselines sparse,streaming_matched): the sparse cache's "
+                        "selected keys, and the StreamingLLM window's beyond the sparse row's window (default: MODEL's "
+                        "sparse_cache when it has one, else 2048)")
+    g.add_argument("--multi-turn", action="store_true",
+                   help="also score each passkey and RULER prompt with the document read first in its own forward "
+                        "call and the question asked on that cache (two passkey questions in a row), beside the "
+                        "single-prompt score")
+    from .eval.ruler import RULER_TASKS
+
+    g.add_argument("--ruler", type=_int_list(64), metavar="N,N,...",
+                   help="RULER-style suite (hf_polyattn.eval.ruler) at these prompt lengths, e.g. 1024,2048")
+    g.add_argument("--ruler-tasks", type=_name_list(RULER_TASKS), default=None, metavar="NAME,...",
+                   help=f"RULER tasks (default: all): {', '.join(RULER_TASKS)}")
+    g.add_argument("--ruler-samples", type=int_at_least(1), default=4, help="RULER samples per task and length")
+    g.add_argument("--ruler-seed", type=int_at_least(0), default=0, help="seed of the RULER samples")
     g.add_argument("--out", metavar="DIR", help="write long_context.json / .md / .png there")
     p.set_defaults(func=cmd_eval, _parser=p)
 

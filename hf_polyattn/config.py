@@ -482,8 +482,14 @@ class PolyAttnConfig:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if getattr(self, f.name) != default:
+                hint = ""
+                if self.kind == "sliding_window" and f.name.startswith("sparse_"):
+                    # the sparse cache lives in the kernel kinds' layer; the training-free softmax form is built there
+                    hint = (" (the sparse cache on exact softmax over sinks + window + selected keys, training-free: "
+                            "hf_polyattn.eval.long_context.matched_memory_config, `hf-polyattn eval --baselines "
+                            "sparse`)")
                 raise ValueError(f"kind={self.kind!r} does not read {f.name} (it reads {list(spec.fields)} and its "
-                                 f"options {sorted(spec.options)}): leave {f.name}={default!r}")
+                                 f"options {sorted(spec.options)}): leave {f.name}={default!r}{hint}")
 
     @classmethod
     def for_kind(cls, kind: str, **overrides: Any) -> PolyAttnConfig:

@@ -11,9 +11,16 @@ evaluates a causal LM
   given length in tokens, then "What is the pass key? The pass key is"; the model answers by greedy decoding
   through its own ``generate()`` (its own cache: a recurrent state for the linear-time kinds), and a hit is an
   exact match of the first number it writes. Keys are drawn from a seeded generator, one per (length, depth) cell;
-* beside two **baselines** on the same tokens and prompts: the checkpoint's softmax attention, and StreamingLLM
+* beside **baselines** on the same tokens and prompts: the checkpoint's softmax attention, StreamingLLM
   (Xiao et al. 2023, arXiv:2309.17453: exact softmax on the first ``sinks`` tokens plus a recent window, everything
-  else dropped, no training), which is the library's ``sliding_window`` kind with ``sinks``.
+  else dropped, no training), which is the library's ``sliding_window`` kind with ``sinks``, and two rows at matched
+  memory: ``sparse`` (the sparse cache's selection on the checkpoint's own softmax, ``matched_memory_config``) and
+  ``streaming_matched`` (StreamingLLM whose window holds as many keys);
+* optionally **multi-turn** (``multi_turn``): every passkey and RULER prompt again with the document read into the
+  cache by its own forward call and the question asked after on that cache (``generate_turns``), and a second
+  passkey question after the first answer: what a chat server or a prefix cache serves, where a bounded cache chose
+  its keys before any question existed;
+* optionally the **RULER-style suite** (``ruler_lengths``, ``eval/ruler.py``).
 
 Nothing here builds an n x n tensor on the linear-time path: a model is run as it is (batch 1 at 8k fits a 2-core
 CPU's 24 GiB for SmolLM2-135M). ``write_long_context`` writes the results as JSON, a Markdown table and two plots
@@ -22,6 +29,7 @@ CPU's 24 GiB for SmolLM2-135M). ``write_long_context`` writes the results as JSO
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import re
@@ -46,12 +54,15 @@ __all__ = [
     "passkey_retrieval",
     "perplexity_curve",
     "plot_long_context",
+    "generate_turns",
+    "matched_memory_config",
     "streaming_config",
     "write_long_context",
 ]
 
 DEFAULT_CONTEXTS = (256, 1024, 2048, 4096, 8192)
 DEFAULT_PASSKEY_LENGTHS = (1024, 2048, 4096)
+MATCHED_CACHE = 2048  # the matched-memory rows' keys when neither the settings nor the evaluated model name them
 
 def _check_lengths(name: str, values: Iterable[int], minimum: int) -> tuple[int, ...]:
     out = tuple(values)
@@ -83,6 +94,18 @@ class LongContextSettings:
         "help": "baseline rows on the same tokens: 'softmax' (the checkpoint), 'streaming' (StreamingLLM)"})
     streaming_sinks: int = field(default=4, metadata={"help": "StreamingLLM row: sink tokens"})
     streaming_window: int = field(default=128, metadata={"help": "StreamingLLM row: window"})
+    matched_cache: int | None = field(default=None, metadata={
+        "help": "keys of the matched-memory rows: the 'sparse' row's sparse_cache beside its sinks and window, and the "
+                "'streaming_matched' row's window beyond the sparse row's (None: the evaluated model's sparse_cache, "
+                f"else {MATCHED_CACHE})"})
+    multi_turn: bool = field(default=False, metadata={
+        "help": "also score retrieval with the document read first in its own forward call and the question(s) "
+                "asked after on that cache (two passkey questions in a row), beside the single-prompt scores"})
+    ruler_lengths: tuple[int, ...] = field(default=(), metadata={
+        "help": "RULER-style suite (eval/ruler.py) at these prompt lengths in tokens (empty: none)"})
+    ruler_tasks: tuple[str, ...] = field(default=(), metadata={"help": "RULER tasks (empty: all of them)"})
+    ruler_samples: int = field(default=4, metadata={"help": "RULER samples per task and length"})
+    ruler_seed: int = field(default=0, metadata={"help": "seed of the RULER samples"})
 
     def __post_init__(self) -> None:
         self.contexts = _check_lengths("contexts", self.contexts, 2)
@@ -104,6 +127,21 @@ class LongContextSettings:
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise ValueError(f"baselines must be a subset of {list(BASELINES)}, got {list(self.baselines)!r}")
+        if self.matched_cache is not None and (isinstance(self.matched_cache, bool)
+                                               or not isinstance(self.matched_cache, int) or self.matched_cache < 1):
+            raise ValueError(f"matched_cache must be None or an int >= 1, got {self.matched_cache!r}")
+        if not isinstance(self.multi_turn, bool):
+            raise ValueError(f"multi_turn must be True or False, got {self.multi_turn!r}")
+        from .ruler import RULER_TASKS, _check_list
+
+        self.ruler_lengths = tuple(self.ruler_lengths)
+        if self.ruler_lengths:
+            self.ruler_lengths = _check_list("ruler_lengths", self.ruler_lengths, minimum=64)
+        self.ruler_tasks = _check_list("ruler_tasks", self.ruler_tasks or tuple(RULER_TASKS), allowed=RULER_TASKS)
+        for name in ("ruler_samples", "ruler_seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "ruler_samples" else 0):
+                raise ValueError(f"{name} must be an int >= {1 if name == 'ruler_samples' else 0}, got {v!r}")
 
     def check_positions(self, config) -> None:
         """Refuse (ValueError) a context or passkey prompt (+ its template's answer tokens) longer than the model's
@@ -122,6 +160,20 @@ class LongContextSettings:
                 raise ValueError(f"passkey_lengths: {max(self.passkey_lengths)} (+{answer} answer tokens of the "
                                  f"templates {list(self.passkey_templates)}) is longer than the model's {limit} "
                                  f"positions: use at most {limit - answer}")
+            if self.multi_turn:
+                # the second question comes after the first answer and its own tokens: at most 2 x (question + answer)
+                second = answer + 40
+                if max(self.passkey_lengths) + answer + second > limit:
+                    raise ValueError(f"passkey_lengths: {max(self.passkey_lengths)} with multi_turn (two questions "
+                                     f"and answers, up to {answer + second} tokens) is longer than the model's "
+                                     f"{limit} positions: use at most {limit - answer - second}")
+        if self.ruler_lengths:
+            from .ruler import RULER_TASKS
+
+            answer = max(RULER_TASKS[t].max_new_tokens for t in self.ruler_tasks)
+            if max(self.ruler_lengths) + answer > limit:
+                raise ValueError(f"ruler_lengths: {max(self.ruler_lengths)} (+{answer} answer tokens) is longer than "
+                                 f"the model's {limit} positions: use at most {limit - answer}")
 
 
 # ----------------------------------------------------------------------------------------------- perplexity
@@ -170,13 +222,70 @@ _NUMBER = re.compile(r"\d+")
 
 
 @torch.no_grad()
+def generate_turns(model, document: Sequence[int], questions: Sequence[Sequence[int]], *, max_new_tokens: int,
+                   pad_token_id: int | None) -> list[list[int]]:
+    """Greedy answers to ``questions`` asked one after another about ``document`` (token ids, batch 1), served as a
+    chat server or a prefix cache serves them: the document is read into the model's cache by its own forward call,
+    then each question is appended to everything before it (the document, the earlier questions and the answers
+    generated to them) and answered by ``generate()`` on that cache, which only reads the tokens the cache has not
+    seen. The cache is the one the model's forward makes (a DynamicCache for softmax; hf_polyattn's recurrent layers
+    for a converted model), passed and read back by ``hf_polyattn.cache_kwargs`` / ``returned_cache``.
+
+    Why a separate path: a bounded cache (a sparse cache, a recurrent state) chooses what it keeps while reading the
+    document, before any question exists; a single prompt lets a prefill-time rule (``sparse_observe``) see the
+    question first. For softmax the split changes nothing but rounding (tests/eval/test_multi_turn.py)."""
+    from ..integration import cache_kwargs, returned_cache
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(document)], device=device)
+    # the document's logits are never read (generate() computes the question's): keep the last one where the model
+    # allows it, sparing the output layer over every document token (a 2k-token document x 49,152 words on SmolLM2)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, **keep)
+    cache = returned_cache(out)
+    if cache is None:
+        raise ValueError(f"{type(model).__name__} returned no cache from a forward with use_cache=True: multi-turn "
+                         "retrieval needs one")
+    answers = []
+    for q in questions:
+        ids = torch.cat([ids, torch.tensor([list(q)], device=device)], dim=1)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad_token_id, return_dict_in_generate=True,
+                             **cache_kwargs(cache))
+        cache = returned_cache(gen)  # the same object, now holding the question and the answer but its last token
+        answers.append(gen.sequences[0, ids.shape[1]:].tolist())
+        ids = gen.sequences
+    return answers
+
+
+def _second_question(tokenizer, p) -> tuple[list[int], str]:
+    """The second question of a multi-turn passkey cell and its key: another label's key for a multi-key template
+    (the first of the others), else the same question again."""
+    t = TEMPLATES[p.template]
+    if not t.labels:
+        return p.question(tokenizer), p.key
+    rest = [lab for lab in t.labels if lab != p.label]
+    return p.question(tokenizer, rest[0]), p.others[0]
+
+
+def _hit(text: str, key: str) -> int:
+    found = _NUMBER.search(text)
+    return int(found is not None and found.group(0) == key)
+
+
+@torch.no_grad()
 def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10, *, seed: int = 0,
                       max_new_tokens: int | None = None, progress: bool = False,
-                      template: str = "classic") -> dict[str, Any]:
+                      template: str = "classic", multi_turn: bool = False) -> dict[str, Any]:
     """Greedy passkey retrieval at every (length, depth) with the prompts of ``template`` (``passkey.TEMPLATES``);
     hits are exact matches of the first number answered. The keys come from ``seed`` (the classic template's are
     those of earlier runs: one 5-digit draw per cell). ``max_new_tokens``: the template's longest key + 3 by default
-    (8 for the classic 5-digit keys, as before)."""
+    (8 for the classic 5-digit keys, as before).
+
+    ``multi_turn``: the same prompts, the document (all before the question) read first in its own forward call and
+    the question asked on that cache (``generate_turns``); then a second question after the first answer, on the
+    same cache (another label's key for the 'multi' template, the same key again otherwise): ``hits`` / ``answers``
+    score the first question, ``hits_second`` / ``answers_second`` / ``keys_second`` the second."""
     lengths = _check_lengths("lengths", lengths, 64)
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
         raise ValueError(f"depths must be an int >= 1, got {depths!r}")
@@ -197,6 +306,7 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     # softmax checkpoint answers by copying the question's own words ("the pass key. ...") instead of the key
     grid = [(i + 0.5) / depths for i in range(depths)]
     hits, answers, keys, seconds = [], [], [], []
+    hits2, answers2, keys2 = [], [], []
     cells = [(length, d) for length in lengths for d in grid]
     it = cells
     if progress:
@@ -207,15 +317,26 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
         for length, depth in it:
             drawn = draw_passkey(rng, template)
             key = drawn["key"]
-            ids = torch.tensor([passkey_prompt(tokenizer, length=length, depth=depth, template=template,
-                                               **drawn).prompt], device=device)
+            p = passkey_prompt(tokenizer, length=length, depth=depth, template=template, **drawn)
             t0 = time.time()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad)
+            if multi_turn:
+                second, key2 = _second_question(tokenizer, p)
+                first_ids = p.prompt[p.question_start:]
+                gen = generate_turns(model, p.document, [first_ids, second], max_new_tokens=max_new_tokens,
+                                     pad_token_id=pad)
+                text2 = tokenizer.decode(gen[1], skip_special_tokens=True)
+                hits2.append(_hit(text2, key2))
+                answers2.append(text2)
+                keys2.append(key2)
+                new = gen[0]
+            else:
+                ids = torch.tensor([p.prompt], device=device)
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=pad)
+                new = out[0, ids.shape[1]:]
             seconds.append(time.time() - t0)
-            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            found = _NUMBER.search(text)
-            hits.append(int(found is not None and found.group(0) == key))
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            hits.append(_hit(text, key))
             answers.append(text)
             keys.append(key)
     finally:
@@ -225,11 +346,15 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     def rows(xs):
         return [xs[i * nd:(i + 1) * nd] for i in range(len(lengths))]
 
-    return {"template": template, "lengths": list(lengths), "depths": grid, "seed": seed, "hits": rows(hits),
-            "keys": rows(keys),
-            "answers": rows(answers),
-            "accuracy": {str(length): sum(h) / nd for length, h in zip(lengths, rows(hits))},
-            "wall_s": round(sum(seconds), 1)}
+    result = {"template": template, "lengths": list(lengths), "depths": grid, "seed": seed, "hits": rows(hits),
+              "keys": rows(keys),
+              "answers": rows(answers),
+              "accuracy": {str(length): sum(h) / nd for length, h in zip(lengths, rows(hits))},
+              "wall_s": round(sum(seconds), 1)}
+    if multi_turn:
+        result.update(multi_turn=True, hits_second=rows(hits2), keys_second=rows(keys2), answers_second=rows(answers2),
+                      accuracy_second={str(n): sum(h) / nd for n, h in zip(lengths, rows(hits2))})
+    return result
 
 
 # ----------------------------------------------------------------------------------------------- rows
@@ -242,10 +367,77 @@ def streaming_config(sinks: int = 4, window: int = 128):
     return PolyAttnConfig.for_kind("sliding_window", window=window, sinks=sinks)
 
 
+# the settings a matched-memory row copies from an evaluated model with a sparse cache: where its exact keys sit and
+# how they are chosen (sparse_cache itself is the budget, from matched_cache or the model)
+MATCHED_FIELDS = ("sinks", "window", "sink_position", "sink_span", "sparse_cache", "sparse_chunk", "sparse_score",
+                  "sparse_observe", "sparse_observe_pool")
+
+
+def matched_memory_config(sparse_cache: int = MATCHED_CACHE, *, like=None, sinks: int = 4, window: int = 128,
+                          **selection):
+    """The sparse cache on a softmax checkpoint's own attention, training-free: exact softmax over the sinks, the
+    window, the pending block and ``sparse_cache`` selected keys (one normaliser), nothing else.
+
+    Why this construction: the sparse cache (``ops/sparse.py``) lives in the kernel kinds' layer, where the keys it
+    does not keep are folded into a kernel state. ``kind='linear'`` with ``window_mix=True`` and
+    ``window_mix_init=0.0`` weighs that state's part by |0| = 0 in numerator and normaliser alike, so every output is
+    the exact softmax over the kept keys, with the sparse cache's own selection and decoding ring (tested against
+    a naive softmax over ``reference_weights``' kept keys in tests/eval/test_matched_memory.py). The kernel's elu
+    features are computed and ignored: time, not results.
+
+    ``like``: a ``PolyAttnConfig`` with a sparse cache (the evaluated model's) whose placement and selection rules
+    (``MATCHED_FIELDS``) the row copies; ``sparse_cache`` still sets the budget. Otherwise ``sinks`` and ``window``
+    place the exact keys and ``selection`` (``sparse_chunk``, ``sparse_score``, ``sparse_observe``,
+    ``sparse_observe_pool``, ``sink_position``) chooses them, by default ``sparse_score='attention'``: the recall
+    error ranks keys by a kernel state this row weighs 0."""
+    from ..config import PolyAttnConfig
+
+    if isinstance(sparse_cache, bool) or not isinstance(sparse_cache, int) or sparse_cache < 1:
+        raise ValueError(f"sparse_cache must be an int >= 1 (the matched-memory row's selected keys), got "
+                         f"{sparse_cache!r}")
+    if like is not None:
+        if not getattr(like, "sparse_cache", 0):
+            raise ValueError("like must be a PolyAttnConfig with sparse_cache > 0 (the selection rules to copy), got "
+                             f"{like!r}")
+        opts = {f: getattr(like, f) for f in MATCHED_FIELDS}
+        opts.update(selection)
+    else:
+        opts = {"sinks": sinks, "window": window, "sparse_score": "attention", **selection}
+    opts["sparse_cache"] = sparse_cache
+    return PolyAttnConfig.for_kind("linear", window_mix=True, window_mix_init=0.0, **opts)
+
+
+def _matched(settings: LongContextSettings, like) -> tuple[int, Any]:
+    """(budget, the sparse row's config) of the matched-memory rows."""
+    budget = settings.matched_cache or (like.sparse_cache if like is not None else MATCHED_CACHE)
+    if like is not None:
+        return budget, matched_memory_config(budget, like=like)
+    return budget, matched_memory_config(budget, sinks=settings.streaming_sinks, window=settings.streaming_window)
+
+
+def _matched_label(settings: LongContextSettings, like=None) -> str:
+    budget, cfg = _matched(settings, like)
+    obs = f", sparse_observe {cfg.sparse_observe}" if cfg.sparse_observe else ""
+    obs += ", sinks at their own positions" if cfg.sink_position == "own" else ""
+    return (f"sparse cache on softmax (matched memory): exact softmax on {cfg.sinks} sinks + a {cfg.window}-token "
+            f"window + {budget} selected keys (sparse_score {cfg.sparse_score!r}, blocks of {cfg.sparse_chunk}{obs}), "
+            "no training")
+
+
+def _streaming_matched(settings: LongContextSettings, like) -> tuple[int, int]:
+    """(sinks, window) of StreamingLLM holding as many keys as the sparse row: its window + its selected keys."""
+    budget, cfg = _matched(settings, like)
+    return cfg.sinks, cfg.window + budget
+
+
 BASELINES = {
-    "softmax": lambda s: "softmax (the checkpoint)",
-    "streaming": lambda s: f"StreamingLLM: softmax on {s.streaming_sinks} sink tokens + a {s.streaming_window}-token "
-                           "window (sliding_window kind, no training)",
+    "softmax": lambda s, like=None: "softmax (the checkpoint)",
+    "streaming": lambda s, like=None: f"StreamingLLM: softmax on {s.streaming_sinks} sink tokens + a "
+                                      f"{s.streaming_window}-token window (sliding_window kind, no training)",
+    "sparse": _matched_label,
+    "streaming_matched": lambda s, like=None: (
+        "StreamingLLM at matched memory: softmax on {} sink tokens + a {}-token window (sliding_window kind, no "
+        "training)".format(*_streaming_matched(s, like))),
 }
 
 
@@ -260,8 +452,17 @@ def evaluate_model(label: str, model, tokenizer, ids: torch.Tensor, settings: Lo
     for template in settings.passkey_templates if settings.passkey_lengths else ():
         # the first template's grid is the row's "passkey" (the heatmap, the card); the others sit beside it
         name = "passkey" if template == settings.passkey_templates[0] else f"passkey_{template}"
-        row[name] = passkey_retrieval(model, tokenizer, settings.passkey_lengths, settings.passkey_depths,
-                                      seed=settings.passkey_seed, progress=progress, template=template)
+        for multi in (False, True) if settings.multi_turn else (False,):
+            row[name + ("_multi_turn" if multi else "")] = passkey_retrieval(
+                model, tokenizer, settings.passkey_lengths, settings.passkey_depths, seed=settings.passkey_seed,
+                progress=progress, template=template, multi_turn=multi)
+    if settings.ruler_lengths:
+        from .ruler import run_ruler
+
+        for multi in (False, True) if settings.multi_turn else (False,):
+            row["ruler_multi_turn" if multi else "ruler"] = run_ruler(
+                model, tokenizer, settings.ruler_lengths, settings.ruler_tasks, samples=settings.ruler_samples,
+                seed=settings.ruler_seed, multi_turn=multi, progress=progress)
     row["wall_s"] = round(time.time() - t0, 1)
     return row
 
@@ -282,6 +483,9 @@ def evaluate_rows(model, tokenizer, ids: torch.Tensor, settings: LongContextSett
     model's device; needed when ``settings.baselines`` is not empty). Returns the full result record."""
     import hf_polyattn
 
+    # the matched-memory rows copy the evaluated model's sparse cache (budget and selection rules) when it has one
+    like = hf_polyattn.get_polyattn_config(model)
+    like = like if like is not None and getattr(like, "sparse_cache", 0) else None
     rows = []
     for name in settings.baselines:
         if load_base is None:
@@ -289,8 +493,12 @@ def evaluate_rows(model, tokenizer, ids: torch.Tensor, settings: LongContextSett
         base = load_base()
         if name == "streaming":
             hf_polyattn.convert(base, streaming_config(settings.streaming_sinks, settings.streaming_window))
+        elif name == "streaming_matched":
+            hf_polyattn.convert(base, streaming_config(*_streaming_matched(settings, like)))
+        elif name == "sparse":
+            hf_polyattn.convert(base, _matched(settings, like)[1])
         log(f"[long context] {name} row")
-        rows.append({**evaluate_model(BASELINES[name](settings), base, tokenizer, ids, settings,
+        rows.append({**evaluate_model(BASELINES[name](settings, like), base, tokenizer, ids, settings,
                                       progress=progress), "baseline": name})
         del base
     log(f"[long context] {label}")
@@ -321,8 +529,14 @@ def long_context_markdown(result: dict[str, Any]) -> str:
     templates = result["settings"].get("passkey_templates", ["classic"])
     grids = [("passkey" if i == 0 else f"passkey_{name}", name) for i, name in enumerate(templates)]
     named = len(templates) > 1 or templates[0] != "classic"
+    multi = bool(result["settings"].get("multi_turn"))
+    # multi-turn: beside each single-prompt column, the first question on the cached document (turn 1) and the second
+    # after the first answer (turn 2)
+    modes = [("", "hits", "")] + ([("_multi_turn", "hits", " turn 1"), ("_multi_turn", "hits_second", " turn 2")]
+                                  if multi else [])
     head = ["attention", *[f"ppl @ {c:,}" for c in contexts],
-            *[f"{'passkey' if not named else name} @ {n:,}" for _, name in grids for n in lengths]]
+            *[f"{'passkey' if not named else name}{what} @ {n:,}" for _, name in grids for _, _, what in modes
+              for n in lengths]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"]]
@@ -333,13 +547,14 @@ def long_context_markdown(result: dict[str, Any]) -> str:
                 ratio = f" ({v / soft['perplexity'][i]['perplexity']:.2f}x)"
             cells.append(f"{v:.2f}{ratio}")
         for key, _ in grids:
-            pk = r.get(key)
-            for n in lengths:
-                if pk is None:
-                    cells.append("–")
-                else:
-                    hits = pk["hits"][pk["lengths"].index(n)]
-                    cells.append(f"{sum(hits)}/{len(hits)}")
+            for suffix, field_name, _ in modes:
+                pk = r.get(key + suffix)
+                for n in lengths:
+                    if pk is None:
+                        cells.append("–")
+                    else:
+                        hits = pk[field_name][pk["lengths"].index(n)]
+                        cells.append(f"{sum(hits)}/{len(hits)}")
         lines.append("| " + " | ".join(cells) + " |")
     s = result["settings"]
     note = (f"\nPerplexity = exp(mean token NLL) over the first {result['tokens']:,} held-out tokens, non-overlapping "
@@ -347,7 +562,14 @@ def long_context_markdown(result: dict[str, Any]) -> str:
             f"Passkey: {s['passkey_depths']} depths per length, seed {s['passkey_seed']}, greedy decoding through the "
             f"model's own cache, exact match of the key (templates: {', '.join(templates)}: "
             f"hf_polyattn/eval/passkey.py). Machine: {result.get('machine', '?')}.")
-    return "\n".join(lines) + "\n" + note + "\n"
+    if multi:
+        note += (" Turn 1 / turn 2: the same prompts with the document read by its own forward call first, then the "
+                 "question asked on that cache, then a second question after the first answer on the same cache (the "
+                 "same key again; another label's key for 'multi').")
+    from .ruler import ruler_markdown
+
+    ruler = ruler_markdown(rows)
+    return "\n".join(lines) + "\n" + note + "\n" + ("\n" + ruler if ruler else "")
 
 
 def long_context_figure(result: dict[str, Any]):

@@ -80,6 +80,19 @@ class PasskeyPrompt:
     template: str = "classic"
     label: str | None = None  # the asked label of a multi-key prompt
     others: tuple[str, ...] = ()  # the keys of the other needles (multi-key)
+    question_start: int | None = None  # where the question starts: the document before it is read first in multi-turn
+
+    @property
+    def document(self) -> list[int]:
+        """The ids before the question: what a multi-turn evaluation reads into the cache in its own call."""
+        return self.ids[: self.question_start]
+
+    def question(self, tokenizer, label: str | None = None) -> list[int]:
+        """The question's ids (asking ``label`` of a multi-key template; the asked one by default), tokenised as in
+        the prompt: after a space, ending where the key's first token comes next."""
+        t = TEMPLATES[self.template]
+        text = t.question if t.labels == () else t.question.replace("{label}", label or self.label)
+        return _encode(tokenizer, " " + text)
 
     @property
     def prompt(self) -> list[int]:
@@ -197,4 +210,4 @@ def passkey_prompt(tokenizer, *, length: int, depth: float, key: str, template: 
     answer = len(ids)
     ids += key_ids
     return PasskeyPrompt(ids, key, depth, needle_positions, [answer - 1 + i for i in range(len(key_ids))], t.name,
-                         label, tuple(others))
+                         label, tuple(others), answer - len(question))
