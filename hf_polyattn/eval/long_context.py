@@ -29,7 +29,6 @@ CPU's 24 GiB for SmolLM2-135M). ``write_long_context`` writes the results as JSO
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 import re
@@ -43,6 +42,7 @@ import torch
 
 from .metrics import perplexity
 from .passkey import TEMPLATES, draw_passkey, passkey_prompt
+from .turns import _max_positions, generate_turns
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -209,53 +209,10 @@ def _answer_tokens(template: str) -> int:
     return TEMPLATES[template].digits[1] + 3
 
 
-def _max_positions(model) -> int | None:
-    """The positions of a model or of its config (None when it names none: no limit known)."""
-    cfg = getattr(model, "config", model)
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-
-
 # ----------------------------------------------------------------------------------------------- passkey
 
 
 _NUMBER = re.compile(r"\d+")
-
-
-@torch.no_grad()
-def generate_turns(model, document: Sequence[int], questions: Sequence[Sequence[int]], *, max_new_tokens: int,
-                   pad_token_id: int | None) -> list[list[int]]:
-    """Greedy answers to ``questions`` asked one after another about ``document`` (token ids, batch 1), served as a
-    chat server or a prefix cache serves them: the document is read into the model's cache by its own forward call,
-    then each question is appended to everything before it (the document, the earlier questions and the answers
-    generated to them) and answered by ``generate()`` on that cache, which only reads the tokens the cache has not
-    seen. The cache is the one the model's forward makes (a DynamicCache for softmax; hf_polyattn's recurrent layers
-    for a converted model), passed and read back by ``hf_polyattn.cache_kwargs`` / ``returned_cache``.
-
-    Why a separate path: a bounded cache (a sparse cache, a recurrent state) chooses what it keeps while reading the
-    document, before any question exists; a single prompt lets a prefill-time rule (``sparse_observe``) see the
-    question first. For softmax the split changes nothing but rounding (tests/eval/test_multi_turn.py)."""
-    from ..integration import cache_kwargs, returned_cache
-
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(document)], device=device)
-    # the document's logits are never read (generate() computes the question's): keep the last one where the model
-    # allows it, sparing the output layer over every document token (a 2k-token document x 49,152 words on SmolLM2)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, **keep)
-    cache = returned_cache(out)
-    if cache is None:
-        raise ValueError(f"{type(model).__name__} returned no cache from a forward with use_cache=True: multi-turn "
-                         "retrieval needs one")
-    answers = []
-    for q in questions:
-        ids = torch.cat([ids, torch.tensor([list(q)], device=device)], dim=1)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad_token_id, return_dict_in_generate=True,
-                             **cache_kwargs(cache))
-        cache = returned_cache(gen)  # the same object, now holding the question and the answer but its last token
-        answers.append(gen.sequences[0, ids.shape[1]:].tolist())
-        ids = gen.sequences
-    return answers
 
 
 def _second_question(tokenizer, p) -> tuple[list[int], str]:

@@ -317,7 +317,7 @@ def run_ruler(model, tokenizer, lengths: Sequence[int], tasks: Sequence[str] = t
     {length: mean over tasks}, "outputs": [per sample: task, length, index, tokens, answers, output, score]}."""
     import torch
 
-    from .long_context import _max_positions, generate_turns
+    from .turns import _max_positions, generate_turns
 
     lengths = _check_list("lengths", lengths, minimum=64)
     tasks = _check_list("tasks", tasks, allowed=RULER_TASKS)
