@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..validation import check_int
 from .common import work_dtype
 from .decode import WindowRing, from_recurrent
 from .state import RecurrentState
@@ -48,8 +49,31 @@ _PACKED_FIELDS = {"kv", "k", "v", "mask", "length", "sink_k", "sink_v", "sink_ma
 _META = 4
 
 
+class _SlotLayout:
+    """What both layouts share: their fields' checks (``_sizes`` >= 1, ``sinks`` >= 0, a floating ``key_dtype``),
+    the bytes of one slot and zeroed buffers; each defines ``shapes`` and ``dtypes``."""
+
+    _sizes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in self._sizes:
+            check_int(name, getattr(self, name), 1)
+        check_int("sinks", self.sinks, 0)
+        if not isinstance(self.key_dtype, torch.dtype) or not self.key_dtype.is_floating_point:
+            raise ValueError(f"key_dtype must be a floating torch.dtype, got {self.key_dtype!r}")
+
+    def nbytes(self) -> int:
+        """Bytes of one slot."""
+        return sum(torch.Size(s).numel() * torch.empty((), dtype=t).element_size()
+                   for s, t in zip(self.shapes(), self.dtypes()))
+
+    def empty(self, slots: int, device=None) -> list[torch.Tensor]:
+        """Zeroed buffers for ``slots`` sequences: one tensor per entry of ``shapes``, slot first."""
+        return [torch.zeros(slots, *s, dtype=t, device=device) for s, t in zip(self.shapes(), self.dtypes())]
+
+
 @dataclass(frozen=True)
-class PackedLayout:
+class PackedLayout(_SlotLayout):
     """The fixed-size buffers of one sequence's kernel-head state in one layer (module docstring).
 
     ``heads``: kv heads held; ``features``: F, the feature dimension of the kernel state; ``head_dim``: D;
@@ -63,15 +87,7 @@ class PackedLayout:
     sinks: int
     key_dtype: torch.dtype = torch.float32
 
-    def __post_init__(self) -> None:
-        for name in ("heads", "features", "head_dim", "keys"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
-        if not isinstance(self.key_dtype, torch.dtype) or not self.key_dtype.is_floating_point:
-            raise ValueError(f"key_dtype must be a floating torch.dtype, got {self.key_dtype!r}")
+    _sizes = ("heads", "features", "head_dim", "keys")
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-slot shapes: kv, meta, k, v, sink_k, sink_v (the order of ``dtypes``); the float32 buffers first,
@@ -82,14 +98,6 @@ class PackedLayout:
     def dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.float32, *(self.key_dtype,) * 4)
 
-    def nbytes(self) -> int:
-        """Bytes of one slot."""
-        return sum(torch.Size(s).numel() * torch.empty((), dtype=t).element_size()
-                   for s, t in zip(self.shapes(), self.dtypes()))
-
-    def empty(self, slots: int, device=None) -> list[torch.Tensor]:
-        """Zeroed buffers for ``slots`` sequences: one tensor per entry of ``shapes``, slot first."""
-        return [torch.zeros(slots, *s, dtype=t, device=device) for s, t in zip(self.shapes(), self.dtypes())]
 
     def length(self, buffers) -> int:
         """The tokens the state packed in one slot's ``buffers`` has seen."""
@@ -188,7 +196,7 @@ _RING_META = 6
 
 
 @dataclass(frozen=True)
-class RingLayout:
+class RingLayout(_SlotLayout):
     """The fixed-size buffers of one sequence's ``WindowRing`` in one layer: ``heads`` kv heads (the most any layer's
     kernel part has), F ``features``, D ``head_dim``, the ``window`` and ``sinks`` slots, whether the layer decays
     (``decay``: the ring keeps its keys' log-gates), the model's ``key_dtype`` (the ring's own buffers are in the
@@ -202,15 +210,7 @@ class RingLayout:
     decay: bool
     key_dtype: torch.dtype = torch.float32
 
-    def __post_init__(self) -> None:
-        for name in ("heads", "features", "head_dim", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
-        if not isinstance(self.key_dtype, torch.dtype) or not self.key_dtype.is_floating_point:
-            raise ValueError(f"key_dtype must be a floating torch.dtype, got {self.key_dtype!r}")
+    _sizes = ("heads", "features", "head_dim", "window")
 
     @property
     def work(self) -> torch.dtype:
@@ -224,11 +224,6 @@ class RingLayout:
     def dtypes(self) -> tuple[torch.dtype, ...]:
         return (self.work,) * 6
 
-    def nbytes(self) -> int:
-        return sum(torch.Size(s).numel() for s in self.shapes()) * torch.empty((), dtype=self.work).element_size()
-
-    def empty(self, slots: int, device=None) -> list[torch.Tensor]:
-        return [torch.zeros(slots, *s, dtype=t, device=device) for s, t in zip(self.shapes(), self.dtypes())]
 
     def length(self, buffers) -> int:
         """The tokens the ring packed in one slot's ``buffers`` has seen."""
