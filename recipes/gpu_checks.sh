@@ -26,6 +26,10 @@
 #   bash recipes/gpu_checks.sh scan      # the state slots' running sums on the Triton scan and the fused
 #                                        # normaliser against the PyTorch paths: CUDA tests, the rows in one process,
 #                                        # the official 32k rows, the CUDA model tests
+#   bash recipes/gpu_checks.sh serve     # the vLLM plugin on CUDA (vllm installed, e.g. pip install vllm==0.33.0
+#                                        # and pip install --no-deps -e .): its tests, then the engine bench of a
+#                                        # converted folder against its base at 8k and 32k (MODEL, BASE: a
+#                                        # checkpoint with 32k positions)
 #   bash recipes/gpu_checks.sh graphs    # decoding from CUDA graphs (hf_polyattn.capture_decode): its CUDA tests, the
 #                                        # whole-model bench of each CONFIGS model with and without it, then the
 #                                        # 32k kernel rows against fla-core's chunk_linear_attn
@@ -36,8 +40,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 case "${1:-}" in
-  tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill|scan) ;;
-  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|targets|verify|graphs|auto|compiled|prefill|scan" >&2
+  tests|kernels|layers|bench|e2e|fla|flex|model|serve|targets|verify|graphs|auto|compiled|prefill|scan) ;;
+  *) echo "usage: bash recipes/gpu_checks.sh tests|kernels|layers|bench|e2e|fla|flex|model|serve|targets|verify|graphs|auto|compiled|prefill|scan" >&2
      exit 2 ;;
 esac
 OUT="${OUT:-recipes/results/gpu_run}"
@@ -101,6 +105,20 @@ case "${1:-}" in
     fi
     hf-polyattn bench --model "$MODEL" ${BASE:+--base "$BASE"} --device cuda --out "$OUT/bench_model" \
       2>&1 | tail -40 ;;
+  serve)
+    # the plugin's tests with the engine on the GPU (greedy tokens and log-probabilities equal transformers'), then
+    # the engine bench: prefill, batch-1 decoding, batch-16 tokens/s and KV capacity of MODEL against BASE in vLLM,
+    # one after the other in one run (hf_polyattn/serving/vllm/bench.py), bf16
+    HF_POLYATTN_REQUIRE_VLLM=1 HF_POLYATTN_REFERENCE_PYTHON="$(command -v python)" \
+      python -m pytest -q --noconftest -p no:cacheprovider tests/serving \
+      2>&1 | tee "$OUT/serve_tests.txt" | tail -20
+    if [ -z "${MODEL:-}" ] || [ ! -d "$MODEL" ] || [ -z "${BASE:-}" ]; then
+      echo "serve: set MODEL to a converted folder and BASE to its base checkpoint (32k positions) for the bench" >&2
+      exit 2
+    fi
+    hf-polyattn bench --engine vllm --model "$MODEL" --base "$BASE" --lengths 8192,32768 --batch 16 \
+      --batch_max_length 32768 --decode_tokens 32 --kv_cache_gib 40 --dtype bfloat16 \
+      --out "$OUT/serve_bench.json" 2>&1 | tail -40 ;;
 
   # issue 33's GPU targets, most important first, every step bounded by STEP_S seconds (default 240) so that one
   # slow compile or autotune cannot take the others' time:

@@ -306,33 +306,55 @@ def gather_rings(buffers, layout: RingLayout, index: torch.Tensor, heads: int):
     ring_pos = (torch.arange(w, device=index.device)[None] + head[:, None]) % w  # (B, W): batch j <- slot pos
     pos = torch.cat([torch.arange(s, device=index.device).expand(index.shape[0], s), s + ring_pos], dim=1)
 
-    # one advanced index per buffer: (slot, head, position) -> one copy each way (an index_select, then a gather
-    # of its result, copied every buffer twice)
     rows_at, heads_at = index[:, None, None], torch.arange(heads, device=index.device)[None, :, None]
 
     def read(buf: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         return buf[rows_at, heads_at, at[:, None, :]]
 
-    ring = WindowRing(kv[index, :heads], read(keys, pos), read(vext, pos), valid[index[:, None], pos] > 0.5,
-                      read(logg, ring_pos) if layout.decay else None,
+    ring = WindowRing(kv[index, :heads], _read_rows(keys, index, heads, pos), _read_rows(vext, index, heads, pos),
+                      valid[index[:, None], pos] > 0.5, read(logg, ring_pos) if layout.decay else None,
                       None, 0, w, int(rows[:, 0].max()), rows[:, 0].long(), s, layout.key_dtype, real_run=w)
     return ring, pos
 
 
+def _read_rows(buf: torch.Tensor, index: torch.Tensor, heads: int, at: torch.Tensor) -> torch.Tensor:
+    """``buf[index[:, None, None], arange(heads)[None, :, None], at[:, None, :]]`` for a buffer (slots, H, n, r)
+    whose rows of r are laid out whole (a layout's buffer, or one layer's entry of buffers stacked over layers):
+    one ``index_select`` of rows over the storage instead of an advanced index (on SmolLM2's layer, batch 16: 0.08 ms
+    against 0.32 ms a buffer, one thread); any other layout takes the advanced index."""
+    r = buf.shape[-1]
+    s0, s1, s2, s3 = buf.stride()
+    rows_at, heads_at = index[:, None, None], torch.arange(heads, device=index.device)[None, :, None]
+    if s3 != 1 or s2 != r or s0 % r or s1 % r or buf.storage_offset() % r:
+        return buf[rows_at, heads_at, at[:, None, :]]
+    count = (s0 * (buf.shape[0] - 1) + s1 * (buf.shape[1] - 1) + s2 * (buf.shape[2] - 1)) // r + 1
+    rows = buf.as_strided((count, r), (r, 1))  # every row of the buffer's span, from its first
+    flat = (rows_at * (s0 // r) + heads_at * (s1 // r) + at[:, None, :]).reshape(-1)
+    return rows.index_select(0, flat).view(index.shape[0], heads, at.shape[1], r)
+
+
 def scatter_rings(ring: WindowRing, buffers, layout: RingLayout, index: torch.Tensor, pos: torch.Tensor) -> None:
     """Write the batch ring of ``gather_rings`` back to its slots after one step, each row at its own rotation, and
-    advance each slot's counters by the one token."""
+    advance each slot's counters by the one token.
+
+    A steady ring's step changes the state and one window position (the new key, its [v, 1], its log-gate, at the
+    batch's ring position 0, where the oldest key was): only those are written, not the whole ring (on SmolLM2's
+    layer, 3 kv heads, window 128, batch 16: 0.8 MB a layer instead of 4 MB)."""
     kv, keys, vext, valid, logg, meta = buffers
     s, w = layout.sinks, layout.window
     heads = ring.keys.shape[1]
+    if ring.head != 1 % w or ring.filled is not None:
+        raise ValueError(f"scatter_rings writes a ring one step after gather_rings (ring position 1, every sink "
+                         f"filled), got position {ring.head}, sinks filled {ring.filled is None}")
 
-    rows_at, heads_at = index[:, None, None], torch.arange(heads, device=index.device)[None, :, None]
+    at = pos[:, s]  # (B,): each row's slot position of the batch's ring position 0
+    rows_at, heads_at = index[:, None], torch.arange(heads, device=index.device)[None, :]
     kv[index, :heads] = ring.kv
-    keys[rows_at, heads_at, pos[:, None, :]] = ring.keys
-    vext[rows_at, heads_at, pos[:, None, :]] = ring.vext
-    valid[index[:, None], pos] = ring.valid.to(valid.dtype)
+    keys[rows_at, heads_at, at[:, None]] = ring.keys[:, :, s]
+    vext[rows_at, heads_at, at[:, None]] = ring.vext[:, :, s]
+    valid[index, at] = ring.valid[:, s].to(valid.dtype)
     if layout.decay:
-        logg[rows_at, heads_at, (pos[:, s:] - s)[:, None, :]] = ring.logg
+        logg[rows_at, heads_at, (at - s)[:, None]] = ring.logg[:, :, 0]
     m = meta.index_select(0, index)
     m[:, 0] += 1  # length
     m[:, 1] = (m[:, 1] + 1) % w  # head: the batch's ring advanced one position from each row's own

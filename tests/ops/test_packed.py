@@ -235,16 +235,24 @@ def test_ring_refusals_name_what_is_wrong():
         pack_ring(st, slot, layout)
 
 
+@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("name", RING_CONFIGS)
-def test_a_batch_of_rings_at_different_positions_steps_as_each_alone(name):
+def test_a_batch_of_rings_at_different_positions_steps_as_each_alone(name, stacked):
     """Requests of different lengths decode in one batch (``gather_rings``: each row rotated to one ring position,
-    ``scatter_rings``: written back at its own): each row's outputs equal its whole sequence's."""
+    ``scatter_rings``: written back at its own): each row's outputs equal its whole sequence's. ``stacked``: the
+    buffers are one entry of buffers stacked over 3 layers (the vLLM plugin's state layers, strided views), and the
+    other entries are left as they were."""
     from hf_polyattn.ops.packed import gather_rings, pack_ring, ring_from_state, ring_steady, scatter_rings
 
     m = _module(name)
     layout = _ring_layout(m, heads=3)
     lengths, steps, slots = [W + S + 1, 2 * W + 5, 4 * W + 3], 2 * W + 1, [3, 0, 2]
-    buffers = layout.empty(4)
+    if stacked:
+        stack = [torch.randn(4, 3, *t.shape[1:]).to(t.dtype) for t in layout.empty(4)]
+        before = [t.clone() for t in stack]
+        buffers = [t[:, 1] for t in stack]
+    else:
+        buffers = layout.empty(4)
     seqs = [_inputs(n + steps) for n in lengths]
     with torch.no_grad():
         wholes = [m(q, k, v, causal=True) for q, k, v in seqs]
@@ -264,3 +272,6 @@ def test_a_batch_of_rings_at_different_positions_steps_as_each_alone(name):
     for r, (whole, n) in enumerate(zip(wholes, lengths)):
         torch.testing.assert_close(got[r:r + 1], whole[:, :, n:n + steps], rtol=1e-5, atol=1e-5)
         assert int(buffers[5][slots[r]][0]) == n + steps  # each slot's length advanced by its own tokens
+    if stacked:
+        for t, b in zip(stack, before):
+            assert torch.equal(t[:, 0], b[:, 0]) and torch.equal(t[:, 2], b[:, 2])

@@ -13,12 +13,14 @@ which turns that skip into a failure.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,15 +50,17 @@ def folders(tmp_path_factory):
     return out, json.loads((out / "reference.json").read_text())
 
 
-def _serve(folder: Path, prompts: dict, extra: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run vLLM in a fresh process (``LLM`` spawns its engine; one engine per process) on ``prompts``; prints a
-    JSON line of prompt name -> (tokens, logprobs)."""
+def _serve(folder: Path, prompts: dict, extra: str = "", env: dict | None = None,
+           engine: dict | None = None) -> subprocess.CompletedProcess:
+    """Run vLLM in a fresh process (``LLM`` spawns its engine; one engine per process) on ``prompts`` with
+    ``ENGINE`` updated by ``engine``; prints a JSON line of prompt name -> (tokens, logprobs)."""
+    engine = {**ENGINE, **(engine or {})}
     code = textwrap.dedent(f"""
         import json
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
         if __name__ == "__main__":
-            llm = LLM(model={str(folder)!r}, **{ENGINE!r}{extra})
+            llm = LLM(model={str(folder)!r}, **{engine!r}{extra})
             names = list({prompts!r})
             params = SamplingParams(temperature=0, max_tokens={NEW_TOKENS}, ignore_eos=True, logprobs=0)
             outs = llm.generate([TokensPrompt(prompt_token_ids={prompts!r}[n]) for n in names], params)
@@ -92,12 +96,33 @@ def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
 
 
 def test_the_demo_layout_on_smollm2_equals_transformers(folders):
-    """The demo's attention on the real SmolLM2-135M (30 layers, 22 softmax kv heads scattered over them)."""
+    """The demo's attention on the real SmolLM2-135M (30 layers, 22 softmax kv heads scattered over them), at its
+    full 8,192 positions, where the state plan stacks several layers' states in each state layer
+    (servable.state_plan), and vLLM's own count of sequences its KV memory holds is the plan's."""
     out, reference = folders
     demo = reference["smollm2_demo"]
-    tokens, logprobs = _result(_serve(out / "smollm2_demo", {"text": demo["prompt"]}))["text"]
+    tokens_max = 8192
+    proc = _serve(out / "smollm2_demo", {"text": demo["prompt"]}, engine={"max_model_len": tokens_max})
+    tokens, logprobs = _result(proc)["text"]
     assert tokens == demo["tokens"]
     assert max(abs(a - b) for a, b in zip(logprobs, demo["logprobs"])) < LOGPROB_TOLERANCE
+
+    from transformers import AutoConfig
+
+    from hf_polyattn.serving.vllm.servable import request_pages, state_layout, state_plan
+
+    config = AutoConfig.from_pretrained(out / "smollm2_demo")
+    plan = state_plan(config, tokens_max, torch.float32)
+    assert plan.per_module > 1, plan  # the stacked path is what this case runs
+    kv_heads, head_token = config.num_key_value_heads, 2 * 64 * 4
+    pages, group, page = request_pages(22, plan.modules,
+                                       plan.per_module * state_layout(config, key_dtype=torch.float32).nbytes(),
+                                       kv_heads * head_token, head_token, tokens_max)
+    logged = re.search(r"Maximum concurrency for 8,192 tokens per request: ([0-9.]+)x", proc.stdout + proc.stderr)
+    assert logged, (proc.stdout + proc.stderr)[-3000:]
+    # vLLM prints two decimals of (whole pages in the pool) / (pages a request takes)
+    assert float(logged.group(1)) == pytest.approx(ENGINE["kv_cache_memory_bytes"] // (group * page) / pages,
+                                                   abs=0.006)
 
 
 def test_without_the_plugin_vllm_refuses_the_folder(folders):

@@ -25,7 +25,8 @@ ARCHITECTURES = {
 
 def register() -> None:
     """Register the plugin's models with vLLM's ``ModelRegistry`` (safe to call again: a name already registered
-    is left as it is) and its config hook (prefix caching is switched off for these models, ``models.py``)."""
+    is left as it is) and its config hook (``config_hook.py``: prefix caching switched off for these models, and on
+    CUDA the kernel heads kept out of captured graphs)."""
     from vllm import ModelRegistry
 
     supported = set(ModelRegistry.get_supported_archs())
@@ -34,7 +35,8 @@ def register() -> None:
             ModelRegistry.register_model(name, target)
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    from .config_hook import PolyAttnServingConfig
+    from .config_hook import PolyAttnServingConfig, add_splitting_op
 
+    add_splitting_op()
     for name in ARCHITECTURES:
         MODELS_CONFIG_MAP.setdefault(name, PolyAttnServingConfig)

@@ -104,7 +104,14 @@ def _measure(args) -> dict:
                 many = run(_prompts(args.batch, length, vocab, seed), 1 + args.decode_tokens)
                 best["batch_tok_s"] = max(best["batch_tok_s"], many["decode_tok_s"])
         rows[str(length)] = best
-    return {"rows": rows, "max_model_len": max_len}
+    result = {"rows": rows, "max_model_len": max_len}
+    hf_config = engine.model_config.hf_config
+    if getattr(hf_config, "polyattn", None) is not None:  # a converted folder: how its states share state layers
+        from .servable import state_plan
+
+        plan = state_plan(hf_config, max_len, engine.model_config.dtype)
+        result["state_plan"] = {"per_module": plan.per_module, "modules": plan.modules}
+    return result
 
 
 def _run_one(model: str, args) -> dict:

@@ -9,7 +9,8 @@
 * the other heads run the checkpoint's own module (``hf_polyattn.ops``: the same code transformers runs, loaded
   with the same weights) on a per-request state kept in vLLM's state cache by ``KernelHeadsState`` (a ``MambaBase``
   layer, as vLLM's in-tree linear-attention hybrids keep theirs), packed in fixed-size buffers
-  (``ops/packed.py``).
+  (``ops/packed.py``). Consecutive converted layers share one state layer (``servable.StatePlan``: its buffers
+  stacked over them), in runs chosen so that vLLM's padding of page and group sizes wastes the least KV memory.
 
 Each scheduled request's tokens (a prompt chunk, or one decoded token) run the module on the state unpacked from
 its slot: a new request (nothing computed yet) starts from the module's ``init_state()`` whatever the slot held, and
@@ -17,8 +18,8 @@ the state after the chunk is packed back, so chunked prefill equals one long pre
 clean. A slot whose state does not hold the tokens vLLM says the request has computed is an error, never a silent
 restart.
 
-This is the PyTorch path (the reference, and what runs on the CPU). Requests run one after another through the
-module; a batched step over the slots is the next speed step.
+This is the PyTorch path (the reference, and what runs on the CPU). Prompt chunks run one request after another
+through the module; decoding requests whose rings are steady step as one batch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -53,31 +54,39 @@ from ...ops.packed import (
     unpack_ring,
 )
 from ...ops.rotary import RopeRotation
-from .servable import polyattn_config, state_layout
+from .servable import polyattn_config, state_layout, state_plan
 
 __all__ = ["KernelHeadsState", "PolyAttnAttention"]
 
 class KernelHeadsState(nn.Module, MambaBase):
-    """The per-request state of one layer's kernel heads in vLLM's state cache: the buffers of ``layout``
-    (``ops.packed.PackedLayout``), one slot per request, bound by vLLM to ``self.kv_cache``."""
+    """The per-request state of the kernel heads of a run of converted layers (``servable.StatePlan``) in vLLM's
+    state cache: the buffers of ``layout`` (``ops.packed``) with a leading dimension of ``per_module`` (one entry per
+    layer of the run), one slot per request, bound by vLLM to ``self.kv_cache``. Each layer of the run joins with
+    ``add`` and runs with ``run(..., sub)`` on its own entry."""
 
-    def __init__(self, module: nn.Module, layout: PackedLayout | RingLayout, heads: int, scaling: float,
-                 prefix: str):
+    def __init__(self, layout: PackedLayout | RingLayout, per_module: int, prefix: str):
         super().__init__()
         vllm_config = get_current_vllm_config()
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
-        self.__dict__["module"] = module  # the attention module's submodule, not registered twice
-        self.layout, self.heads, self.scaling, self.prefix = layout, heads, scaling, prefix
+        self.layout, self.per_module, self.prefix = layout, per_module, prefix
+        # sub -> (the attention module's kernel submodule, not registered twice; its kv heads; its scaling)
+        self.members: dict[int, tuple[nn.Module, int, float]] = {}
         self.kv_cache = ()
-        # slot -> the WindowRing decoding on that slot's buffers: a ring object keeps the views its fused step reads
-        # (made once per ring: 4.4 ms a step on SmolLM2's layer when each step unpacked a new ring, 0.7 ms on the
-        # same ring); dropped whenever a prompt chunk repacks the slot
-        self._rings: dict[int, object] = {}
+        # (sub, slot) -> the WindowRing decoding on that slot's buffers: a ring object keeps the views its fused step
+        # reads (made once per ring: 4.4 ms a step on SmolLM2's layer when each step unpacked a new ring, 0.7 ms on
+        # the same ring); dropped whenever a prompt chunk repacks the slot
+        self._rings: dict[tuple[int, int], object] = {}
+        self._lists = None  # (the step's metadata, its query starts, sequence lengths and slots as lists)
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self
+
+    def add(self, sub: int, module: nn.Module, heads: int, scaling: float) -> None:
+        if sub in self.members or not 0 <= sub < self.per_module:
+            raise ValueError(f"{self.prefix}: entry {sub} is taken or outside 0..{self.per_module - 1}")
+        self.members[sub] = (module, heads, scaling)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -86,79 +95,85 @@ class KernelHeadsState(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.LINEAR
 
     def get_state_shape(self):
-        return self.layout.shapes()
+        return tuple((self.per_module, *shape) for shape in self.layout.shapes())
 
     def get_state_dtype(self):
         return self.layout.dtypes()
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, metadata) -> None:
-        """Every scheduled request's tokens through the module on its slot's state; ``output`` (T, Hq, D) written
-        (zero past the scheduled tokens)."""
-        starts = metadata.query_start_loc.tolist()
-        seq_lens = metadata.seq_lens.tolist()
-        slots = metadata.state_indices_tensor.tolist()
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, metadata,
+            sub: int) -> None:
+        """Every scheduled request's tokens through layer ``sub``'s module on its slot's state; ``output``
+        (T, Hq, D) written (zero past the scheduled tokens)."""
+        if self._lists is None or self._lists[0] is not metadata:  # one step's metadata: read once for the run
+            self._lists = (metadata, metadata.query_start_loc.tolist(), metadata.seq_lens.tolist(),
+                           metadata.state_indices_tensor.tolist())
+        _, starts, seq_lens, slots = self._lists
         count = metadata.num_decodes + metadata.num_prefills
-        module, layout = self.module, self.layout
+        module, heads, scaling = self.members[sub]
+        layout = self.layout
+        buffers = [t[:, sub] for t in self.kv_cache]  # (slots, ...) views of this layer's entry
         ring = isinstance(layout, RingLayout)
-        batched = self._decode_batch(q, k, v, output, starts, seq_lens, slots, metadata.num_decodes) if ring else ()
+        batched = self._decode_batch(module, heads, scaling, sub, buffers, q, k, v, output, starts, seq_lens, slots,
+                                     metadata.num_decodes) if ring else ()
         for i in range(count):
             if i in batched:
                 continue
             a, b = starts[i], starts[i + 1]
             computed = seq_lens[i] - (b - a)
             index = slots[i]
-            slot = [t[index] for t in self.kv_cache]
-            cached = self._rings.pop(index, None)
+            slot = [t[index] for t in buffers]
+            cached = self._rings.pop((sub, index), None)
             if computed == 0:
                 state = module.init_state()
             else:
-                held = layout.length(slot)
+                # a kept ring is the slot's own views, its length what pack_ring wrote: no read of the slot's meta
+                held = cached.length if cached is not None else layout.length(slot)
                 if held != computed:
-                    raise RuntimeError(f"{self.prefix}: the state in slot {index} holds {held} tokens and the "
+                    raise RuntimeError(f"{self.prefix}[{sub}]: the state in slot {index} holds {held} tokens and the "
                                        f"request has computed {computed}; prefix caching and other reuse of a "
                                        "request's state are not supported by the hf_polyattn plugin")
                 if ring:
-                    state = cached if cached is not None and cached.length == held else \
-                        unpack_ring(slot, layout, self.heads)
+                    state = cached if cached is not None else unpack_ring(slot, layout, heads)
                 else:
-                    state = unpack(slot, layout, self.heads)
+                    state = unpack(slot, layout, heads)
             out, state = module(q[a:b].transpose(0, 1).unsqueeze(0), k[a:b].transpose(0, 1).unsqueeze(0),
-                                v[a:b].transpose(0, 1).unsqueeze(0), causal=True, scaling=self.scaling, state=state)
+                                v[a:b].transpose(0, 1).unsqueeze(0), causal=True, scaling=scaling, state=state)
             output[a:b] = out[0].transpose(0, 1).to(output.dtype)
             if ring:  # a decoding step wrote the slot in place: the counters and flags are written here
                 state = ring_from_state(module, state, layout)
                 pack_ring(state, slot, layout)
                 if state.keys.data_ptr() == slot[1].data_ptr():  # the slot's own views: kept for the next step
-                    self._rings[index] = state
+                    self._rings[(sub, index)] = state
             else:
                 pack(state, slot, layout)
         output[starts[count]:].zero_()
 
-
-    def _decode_batch(self, q, k, v, output, starts, seq_lens, slots, decodes: int) -> set[int]:
+    def _decode_batch(self, module, heads, scaling, sub, buffers, q, k, v, output, starts, seq_lens, slots,
+                      decodes: int) -> set[int]:
         """The decoding requests whose rings are steady, stepped as one batch (``ops.packed.gather_rings``): one
         module call for all of them instead of one each; the requests it ran (the others run one by one)."""
         if decodes < 2:
             return set()
-        metas = self.kv_cache[5].index_select(0, torch.tensor(slots[:decodes])).tolist()
+        device = buffers[5].device  # index tensors where the buffers are (CUDA under a GPU engine)
+        metas = buffers[5].index_select(0, torch.tensor(slots[:decodes], device=device)).tolist()
         batch = [i for i in range(decodes)
                  if ring_steady(metas[i], self.layout) and int(metas[i][0]) == seq_lens[i] - 1]
         if len(batch) < 2:
             return set()
-        index = torch.tensor([slots[i] for i in batch])
+        index = torch.tensor([slots[i] for i in batch], device=device)
         for i in batch:  # their slots are rewritten below: a kept ring object would be stale
-            self._rings.pop(slots[i], None)
-        ring, pos = gather_rings(self.kv_cache, self.layout, index, self.heads)
-        tokens = torch.tensor([starts[i] for i in batch])
-        out, ring = self.module(q.index_select(0, tokens).unsqueeze(2), k.index_select(0, tokens).unsqueeze(2),
-                                v.index_select(0, tokens).unsqueeze(2), causal=True, scaling=self.scaling,
-                                state=ring)
-        scatter_rings(ring, self.kv_cache, self.layout, index, pos)
+            self._rings.pop((sub, slots[i]), None)
+        ring, pos = gather_rings(buffers, self.layout, index, heads)
+        tokens = torch.tensor([starts[i] for i in batch], device=q.device)
+        out, ring = module(q.index_select(0, tokens).unsqueeze(2), k.index_select(0, tokens).unsqueeze(2),
+                           v.index_select(0, tokens).unsqueeze(2), causal=True, scaling=scaling, state=ring)
+        scatter_rings(ring, buffers, self.layout, index, pos)
         output[tokens] = out[:, :, 0].to(output.dtype)
         return set(batch)
 
 
-def _kernel_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def _kernel_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str,
+                  sub: int) -> None:
     context = get_forward_context()
     layer = context.no_compile_layers[layer_name]
     metadata = context.attn_metadata
@@ -168,10 +183,10 @@ def _kernel_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: tor
     if metadata is None:  # a profiling or warm-up run: no request, no state
         output.zero_()
         return
-    layer.run(q, k, v, output, metadata)
+    layer.run(q, k, v, output, metadata, sub)
 
 
-def _kernel_heads_fake(q, k, v, output, layer_name) -> None:
+def _kernel_heads_fake(q, k, v, output, layer_name, sub) -> None:
     return None
 
 
@@ -191,9 +206,10 @@ class PolyAttnAttention(nn.Module):
         super().__init__()
         if attn_type != AttentionType.DECODER:
             raise ValueError(f"hf_polyattn serves causal decoders; this layer was built as {attn_type!r}")
-        if get_tensor_model_parallel_world_size() != 1:
-            raise NotImplementedError("hf_polyattn's vLLM plugin runs on one device per model (tensor parallel "
-                                      "size 1); its heads are not split across devices yet")
+        if get_tensor_model_parallel_world_size() != 1 or get_pp_group().world_size != 1:
+            raise NotImplementedError("hf_polyattn's vLLM plugin runs on one device per model (tensor and pipeline "
+                                      "parallel size 1); its heads and state layers are not split across devices "
+                                      "yet")
         layer_idx = extract_layer_index(prefix)
         cfg = polyattn_config(config)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -237,9 +253,17 @@ class PolyAttnAttention(nn.Module):
                 rotary = self.rotary_emb
                 kernel.rope = RopeRotation(inv_freq=rotary._compute_inv_freq(rotary.base).float(),
                                            rotary_dim=rotary.rotary_dim)
-            dtype = get_current_vllm_config().model_config.dtype
-            self.state = KernelHeadsState(kernel, state_layout(config, self.head_dim, dtype),
-                                          len(self.kernel_kv_heads), self.scaling, f"{prefix}.polyattn_state")
+            model_config = get_current_vllm_config().model_config
+            plan = state_plan(config, model_config.max_model_len, model_config.dtype)
+            first, self.state_sub = plan.place(layer_idx)
+            name = f"{model_prefix}.layers.{first}.self_attn.polyattn_state"
+            context = get_current_vllm_config().compilation_config.static_forward_context
+            if first == layer_idx:  # the run's first layer makes its state layer and holds it as a submodule
+                self.state = KernelHeadsState(state_layout(config, self.head_dim, model_config.dtype),
+                                              plan.per_module, name)
+            else:  # a later layer of the run (built after the first) joins it, without registering it again
+                self.__dict__["state"] = context[name]
+            self.state.add(self.state_sub, kernel, len(self.kernel_kv_heads), self.scaling)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
@@ -257,7 +281,7 @@ class PolyAttnAttention(nn.Module):
             kk = k3.index_select(1, self.kernel_kv_index)
             kv = v3.index_select(1, self.kernel_kv_index)
             ko = torch.empty_like(kq)
-            torch.ops.vllm.hf_polyattn_kernel_heads(kq, kk, kv, ko, self.state.prefix)
+            torch.ops.vllm.hf_polyattn_kernel_heads(kq, kk, kv, ko, self.state.prefix, self.state_sub)
             out[:, self.kernel_q_index] = ko
         output, _ = self.o_proj(out.view(t, self.num_heads * d))
         return output

@@ -12,7 +12,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 from .layer import PolyAttnAttention
-from .servable import check_servable, state_layout
+from .servable import check_servable, state_layout, state_plan
 
 __all__ = ["PolyAttnLlamaForCausalLM"]
 
@@ -27,7 +27,10 @@ class _StateShapes:
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config):
-        return state_layout(vllm_config.model_config.hf_config, key_dtype=vllm_config.model_config.dtype).shapes()
+        # what KernelHeadsState.get_state_shape gives: each layout buffer stacked over a run of layers
+        model = vllm_config.model_config
+        per = state_plan(model.hf_config, model.max_model_len, model.dtype).per_module
+        return tuple((per, *shape) for shape in state_layout(model.hf_config, key_dtype=model.dtype).shapes())
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config):

@@ -1,0 +1,50 @@
+"""The plugin's config hook (hf_polyattn/serving/vllm/config_hook.py): the kernel heads' op is kept out of captured
+CUDA graphs (its per-request Python choices would be replayed), prefix caching is switched off. Runs in vLLM's venv
+without starting an engine (fast); skipped where vLLM is not installed, as test_vllm.py."""
+
+import os
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    if os.environ.get("HF_POLYATTN_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip("vLLM is not installed here (make test-vllm runs these tests in its own venv)",
+                allow_module_level=True)
+
+from vllm.config.compilation import CompilationConfig, CUDAGraphMode  # noqa: E402
+
+from hf_polyattn.serving.vllm import register  # noqa: E402
+from hf_polyattn.serving.vllm.config_hook import KERNEL_HEADS_OP, graph_safe  # noqa: E402
+
+
+def test_register_makes_the_op_a_default_splitting_op():
+    register()
+    register()  # again: nothing added twice
+    assert CompilationConfig._attention_ops.count(KERNEL_HEADS_OP) == 1
+
+
+@pytest.mark.parametrize("mode", [None, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL,
+                                  CUDAGraphMode.FULL_DECODE_ONLY])
+def test_on_cuda_full_graphs_become_piecewise(mode):
+    config = CompilationConfig(cudagraph_mode=mode)
+    graph_safe(config, cuda_alike=True)
+    assert config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_on_cuda_a_given_list_of_splitting_ops_gains_the_op_and_piecewise_stays():
+    config = CompilationConfig(cudagraph_mode=CUDAGraphMode.PIECEWISE,
+                               splitting_ops=["vllm::unified_attention_with_output"])
+    graph_safe(config, cuda_alike=True)
+    assert config.splitting_ops == ["vllm::unified_attention_with_output", KERNEL_HEADS_OP]
+    assert config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    graph_safe(config, cuda_alike=True)
+    assert config.splitting_ops.count(KERNEL_HEADS_OP) == 1
+
+
+def test_on_the_cpu_nothing_changes():
+    config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, splitting_ops=["x"])
+    graph_safe(config, cuda_alike=False)
+    assert config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE and config.splitting_ops == ["x"]
