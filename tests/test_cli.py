@@ -584,4 +584,5 @@ def test_bench_engine_names_the_allowed_engines(capsys):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_bench_engine_vllm_without_vllm_says_where_to_run_it(capsys):
     code, _, err = run(["bench", "--engine=vllm", "--model", "x", "--base", "y"], capsys)
-    assert code == 2 and "--engine vllm needs vLLM in this environment" in err and "make install-vllm" in err
+    assert code == 2 and "--engine vllm needs vLLM in this environment: pip install 'hf_polyattn[vllm]'" in err
+    assert "make install-vllm" in err

