@@ -2,17 +2,12 @@
 CUDA graphs (its per-request Python choices would be replayed), prefix caching is switched off. Runs in vLLM's venv
 without starting an engine (fast); skipped where vLLM is not installed, as test_vllm.py."""
 
-import os
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("HF_POLYATTN_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip("vLLM is not installed here (make test-vllm runs these tests in its own venv)",
-                allow_module_level=True)
+from tests.serving.need_vllm import require_vllm  # noqa: E402
+
+require_vllm()
 
 from vllm.config.compilation import CompilationConfig, CUDAGraphMode  # noqa: E402
 

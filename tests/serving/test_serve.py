@@ -36,12 +36,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-if os.environ.get("HF_POLYATTN_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  (make test-vllm: no vLLM is a failure, not a skip)
-else:
-    pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm runs these tests in its own venv)")
-
 sys.path.insert(0, str(ROOT))
+from tests.serving.need_vllm import require_vllm  # noqa: E402
+
+require_vllm()
+
 from tests.serving.build_folders import NEW_TOKENS  # noqa: E402
 
 CASE = "hybrid"

@@ -25,13 +25,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("HF_POLYATTN_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip("vLLM is not installed here (make test-vllm runs these tests in its own venv)",
-                allow_module_level=True)
+sys.path.insert(0, str(ROOT))
+from tests.serving.need_vllm import require_vllm  # noqa: E402
+
+require_vllm()
 
 # the engine's settings for every case: float32 as the reference, a small budget so that the 90-token prompt is
 # prefilled in chunks, two sequences at a time so that later requests reuse slots
@@ -75,7 +72,6 @@ def _serve(folder: Path, prompts: dict, extra: str = "", env: dict | None = None
                           env=dict(os.environ, **(env or {})))
 
 
-sys.path.insert(0, str(ROOT))
 from tests.serving.build_folders import NEW_TOKENS  # noqa: E402
 
 
