@@ -56,9 +56,10 @@ _SIZES = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden
 # case -> (the transformers class, its config): each family's own specifics set away from what another family
 # does, so that serving one as another shows
 FAMILIES = {
-    # q/k/v bias (random, non-zero), o_proj without
-    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_SIZES, rope_parameters={"rope_type": "default",
-                                                                               "rope_theta": 1e6})),
+    # q/k/v bias (random, non-zero), o_proj without; weights wider than the default init (0.02), whose greedy
+    # tokens repeated one token on most prompts
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_SIZES, initializer_range=0.06,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     # q_norm / k_norm per head before RoPE; head_dim from the config, not hidden_size / heads (192 / 4 = 48)
     "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**{**_SIZES, "hidden_size": 192})),
     # query_pre_attn_scalar 48 (not head_dim), Gemma norms, the final logit soft-cap, local RoPE theta 10k and
