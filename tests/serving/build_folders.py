@@ -9,7 +9,16 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import hf_polyattn
 from hf_polyattn import PolyAttnConfig
@@ -33,6 +42,31 @@ CASES = {
     "sliding": PolyAttnConfig(kind="sliding_window", window=WINDOW, sinks=SINKS),
     # what the plugin refuses at load: the bounded sparse cache
     "sparse": PolyAttnConfig(**LAYER, sparse_cache=32),
+    # the other families, each a hybrid layout (a layer with softmax heads, one without)
+    "qwen2": PolyAttnConfig(**LAYER, softmax_heads=((0, 1), (2, 0))),
+    "qwen3": PolyAttnConfig(**LAYER, softmax_heads=((1, 0), (2, 1))),
+    # Gemma 3: layers 0 and 2 sliding-window (kept exact), 1 and 3 global (converted)
+    "gemma3": PolyAttnConfig(**LAYER, softmax_heads=((1, 1),)),
+}
+
+# head_dim 64 everywhere: vLLM's CPU attention refuses 32
+_SIZES = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# case -> (the transformers class, its config): each family's own specifics set away from what another family
+# does, so that serving one as another shows
+FAMILIES = {
+    # q/k/v bias (random, non-zero), o_proj without; weights wider than the default init (0.02), whose greedy
+    # tokens repeated one token on most prompts
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_SIZES, initializer_range=0.06,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # q_norm / k_norm per head before RoPE; head_dim from the config, not hidden_size / heads (192 / 4 = 48)
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**{**_SIZES, "hidden_size": 192})),
+    # query_pre_attn_scalar 48 (not head_dim), Gemma norms, the final logit soft-cap, local RoPE theta 10k and
+    # global 1M, a sliding window (10) shorter than the longer prompts
+    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
+        **_SIZES, query_pre_attn_scalar=48, final_logit_softcapping=30.0, sliding_window=10,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
 }
 
 
@@ -69,11 +103,15 @@ def build(out: Path) -> dict:
     reference = {}
     for name, cfg in CASES.items():
         torch.manual_seed(0)
-        # head_dim 64: vLLM's CPU attention refuses 32
-        config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        model = hf_polyattn.convert(LlamaForCausalLM(config).eval(), cfg)
+        cls, make_config = FAMILIES.get(name, (LlamaForCausalLM, lambda: LlamaConfig(**_SIZES)))
+        model = hf_polyattn.convert(cls(make_config()).eval(), cfg)
+        # every norm's weights (q/k norms included) away from their init (Gemma's 1 + w: w = 0), so that a norm
+        # skipped or misread shows
+        if name in ("qwen3", "gemma3"):
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "norm" in pname:
+                        p.add_(0.2 * torch.randn_like(p))
         with torch.no_grad():  # the kernel parameters away from their initial values: a weight not loaded shows
             for pname, p in model.named_parameters():  # (none in 'sliding')
                 if "polyattn" in pname:
@@ -81,7 +119,7 @@ def build(out: Path) -> dict:
         model.save_pretrained(out / name)
         if name == "sparse":
             continue
-        reloaded = LlamaForCausalLM.from_pretrained(out / name).eval()
+        reloaded = cls.from_pretrained(out / name).eval()
         tokens, logprobs = {}, {}
         for pname, ids in prompts().items():
             with torch.no_grad():

@@ -81,7 +81,10 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("case", ["hybrid", "linear_only", "sliding"])
+# the Llama family's layouts, then the other families (each a hybrid layout: build_folders.FAMILIES says what each
+# sets apart: Qwen2's q/k/v bias, Qwen3's q/k norms and head_dim, Gemma 3's scale, norms, logit soft-cap, local and
+# global RoPE and its sliding-window layers kept vLLM's own)
+@pytest.mark.parametrize("case", ["hybrid", "linear_only", "sliding", "qwen2", "qwen3", "gemma3"])
 def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
     out, reference = folders
     served = _result(_serve(out / case, reference["prompts"]))

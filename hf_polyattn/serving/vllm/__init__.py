@@ -7,7 +7,8 @@ such name to the plugin's model class (``models.py``), by string, so that vLLM i
 folder asks for it. Without the plugin vLLM refuses the name ("Model architectures [...] are not supported").
 
 What the plugin serves (``models.check_servable`` refuses the rest at load, naming what is missing):
-the Llama family as vLLM runs it (``LlamaForCausalLM``: SmolLM2, Llama), with the linear kinds' windowed state
+the Llama family as vLLM runs it (``LlamaForCausalLM``: SmolLM2, Llama), Qwen2, Qwen3 and Gemma 3 text (its
+sliding-window layers vLLM's own, its global layers converted), with the linear kinds' windowed state
 (window, sinks, gated decay, feature maps, q/k LayerNorm, feature projection, window mix) and any layout of softmax
 kv heads (the ``long-context`` preset's hybrid, or none). Each softmax kv head runs through vLLM's own paged
 ``Attention``; the other heads keep a constant-size state per request in vLLM's state cache (``layer.py``).
@@ -19,7 +20,9 @@ __all__ = ["ARCHITECTURES", "register"]
 
 # served architecture name -> "module:class" of the plugin's model for it
 ARCHITECTURES = {
-    "PolyAttnLlamaForCausalLM": "hf_polyattn.serving.vllm.models:PolyAttnLlamaForCausalLM",
+    name: f"hf_polyattn.serving.vllm.models:{name}"
+    for name in ("PolyAttnLlamaForCausalLM", "PolyAttnQwen2ForCausalLM", "PolyAttnQwen3ForCausalLM",
+                 "PolyAttnGemma3ForCausalLM")
 }
 
 

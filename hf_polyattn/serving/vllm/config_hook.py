@@ -7,6 +7,8 @@ import logging
 from vllm.config.compilation import CompilationConfig, CUDAGraphMode
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from .servable import STATE_LAYER_TYPE
+
 logger = logging.getLogger(__name__)
 
 # the custom op the kernel heads run through (layer.py): Python control flow per request (slots, lengths, chunks)
@@ -53,6 +55,15 @@ class PolyAttnServingConfig(VerifyAndUpdateConfig):
     def verify_and_update_config(cls, vllm_config) -> None:
         from vllm.platforms import current_platform
 
+        # run before vLLM asks ModelConfig.is_hybrid (VllmConfig.try_verify_and_update_config), which is False for
+        # a config whose layer_types are all full attention (Qwen2 / Qwen3): then no state would be planned for the
+        # kernel heads (mamba_block_size unset). Those layers are named for what they are in vLLM: attention beside
+        # a state (servable.STATE_LAYER_TYPE). Elsewhere vLLM 0.32 reads layer_types only to look for sliding or
+        # linear-attention layers (neither is this), and its Qwen2 model asks that all layers have one type
+        text = vllm_config.model_config.hf_text_config
+        layer_types = getattr(text, "layer_types", None)
+        if layer_types and all(t in ("attention", "full_attention") for t in layer_types):
+            text.layer_types = [STATE_LAYER_TYPE] * len(layer_types)
         cache = vllm_config.cache_config
         if cache.enable_prefix_caching:
             logger.warning(PREFIX_CACHING_NOTE)

@@ -197,12 +197,18 @@ direct_register_custom_op(op_name="hf_polyattn_kernel_heads", op_func=_kernel_he
 class PolyAttnAttention(nn.Module):
     """A decoder layer's attention for a converted folder: vLLM's projections and RoPE, the softmax kv heads on
     vLLM's ``Attention``, the others on ``KernelHeadsState`` (module docstring). Built with the keyword arguments
-    of vLLM's ``LlamaAttention``."""
+    of vLLM's ``LlamaAttention``; the other families' decoder layers (``models.py``) add what their attention does
+    before the kernel sees q and k, as transformers' attention does before it calls the converted module:
+    ``head_dim`` (Qwen3, Gemma 3: the config's, not hidden_size / heads), ``scaling`` (Gemma 3:
+    query_pre_attn_scalar ** -0.5), ``qk_norm`` (Qwen3, Gemma 3: a norm class applied to each head of q and k
+    before RoPE, ``rms_norm_eps``) and ``rope_parameters`` (Gemma 3: the global layers' own)."""
 
     def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
                  max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
                  bias_o_proj: bool = False, cache_config=None, prefix: str = "",
-                 attn_type: str = AttentionType.DECODER) -> None:
+                 attn_type: str = AttentionType.DECODER, head_dim: int | None = None, scaling: float | None = None,
+                 qk_norm: type[nn.Module] | None = None, rms_norm_eps: float = 1e-6,
+                 rope_parameters: dict | None = None) -> None:
         super().__init__()
         if attn_type != AttentionType.DECODER:
             raise ValueError(f"hf_polyattn serves causal decoders; this layer was built as {attn_type!r}")
@@ -213,17 +219,22 @@ class PolyAttnAttention(nn.Module):
         layer_idx = extract_layer_index(prefix)
         cfg = polyattn_config(config)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
+        self.head_dim = head_dim or getattr(config, "head_dim", None) or hidden_size // num_heads
         self.groups = num_heads // num_kv_heads
         self.q_size, self.kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim ** -0.5 if scaling is None else scaling
         self.qkv_proj = QKVParallelLinear(hidden_size=hidden_size, head_size=self.head_dim,
                                           total_num_heads=num_heads, total_num_kv_heads=num_kv_heads, bias=bias,
                                           quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(input_size=num_heads * self.head_dim, output_size=hidden_size,
                                         bias=bias_o_proj, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        if rope_parameters is None:
+            rope_parameters = getattr(config, "rope_parameters", None)
         self.rotary_emb = get_rope(self.head_dim, max_position=max_position_embeddings,
-                                   rope_parameters=getattr(config, "rope_parameters", None), is_neox_style=True)
+                                   rope_parameters=rope_parameters, is_neox_style=True)
+        # per head, before RoPE (as the family's own attention: transformers' converted module gets q and k normed)
+        self.q_norm = qk_norm(self.head_dim, eps=rms_norm_eps) if qk_norm is not None else None
+        self.k_norm = qk_norm(self.head_dim, eps=rms_norm_eps) if qk_norm is not None else None
         # the checkpoint's module, under the name its weights have (model.layers.N.self_attn.polyattn.*)
         self.polyattn = build_attention(cfg, num_heads, self.head_dim, num_kv_heads, layer_idx)
         soft = softmax_heads_of(cfg, layer_idx)
@@ -268,6 +279,9 @@ class PolyAttnAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2, -1)
+            k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).flatten(-2, -1)
         q, k = self.rotary_emb(positions, q, k)
         t, d, g = q.shape[0], self.head_dim, self.groups
         q3, k3, v3 = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)

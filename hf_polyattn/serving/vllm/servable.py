@@ -16,19 +16,29 @@ from ...ops.base import softmax_heads_of
 from ...ops.decode import ring_decodes
 from ...ops.packed import PackedLayout, RingLayout, pack, pack_ring, ring_from_state
 
-__all__ = ["StatePlan", "check_servable", "polyattn_config", "request_bytes", "request_pages", "state_layout",
-           "state_plan"]
+__all__ = ["StatePlan", "check_servable", "converted_layer", "layer_type", "polyattn_config", "request_bytes",
+           "request_pages", "rope_parameters", "state_layout", "state_plan"]
 
 # model_type of the folders each served architecture runs (vLLM's model code the plugin reuses)
-MODEL_TYPES = {"PolyAttnLlamaForCausalLM": ("llama",)}
+MODEL_TYPES = {"PolyAttnLlamaForCausalLM": ("llama",), "PolyAttnQwen2ForCausalLM": ("qwen2",),
+               "PolyAttnQwen3ForCausalLM": ("qwen3",), "PolyAttnGemma3ForCausalLM": ("gemma3_text",)}
+# the families whose sliding-window layers (config.layer_types) stay vLLM's own sliding-window attention, as
+# transformers keeps them exact (sliding_layers='exact'); the others' sliding layers are refused (vLLM's Qwen2 model
+# itself refuses some sliding layers beside full ones)
+SLIDING_FAMILIES = ("gemma3_text",)
+# what config_hook.py writes over a config.layer_types of full-attention layers only (Qwen2 / Qwen3 record one): vLLM
+# takes a model whose layer_types are all "full_attention" for a plain transformer whatever its class says
+# (ModelConfig.is_hybrid), and would plan no state for the kernel heads
+STATE_LAYER_TYPE = "hf_polyattn_attention"
 # RoPE types whose rotation is inv_freq alone (vLLM's cos/sin carry no extra scale): what the sinks' queries are
 # turned with (sink_position='window'); YaRN and LongRoPE scale cos/sin as well
 ROPE_TYPES = ("default", "llama3")
 
 _REFUSED = "hf_polyattn's vLLM plugin cannot serve this folder: {why}. It serves {what}."
-_WHAT = ("the Llama family (model_type 'llama') with a windowed linear-time kind (window, sinks, gated decay, "
-         "feature maps, q/k LayerNorm, feature projection, window mix) and any layout of softmax kv heads; load other "
-         "folders with transformers (import hf_polyattn)")
+_WHAT = ("the Llama family (model_type 'llama': SmolLM2, Llama), Qwen2, Qwen3 and Gemma 3 text (gemma3_text: its "
+         "sliding-window layers kept exact, sliding_layers='exact', the global layers converted) with a windowed "
+         "linear-time kind (window, sinks, gated decay, feature maps, q/k LayerNorm, feature projection, window mix) "
+         "and any layout of softmax kv heads; load other folders with transformers (import hf_polyattn)")
 
 
 def _refuse(why: str) -> ValueError:
@@ -58,7 +68,9 @@ def state_layout(config, head_dim: int | None = None,
     d = head_dim or _head_dim(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     groups = config.num_attention_heads // kv_heads
-    heads = max(kv_heads - len(softmax_heads_of(cfg, i)) for i in range(config.num_hidden_layers))
+    # over the converted layers only (Gemma 3's sliding layers stay vLLM's own attention)
+    heads = max((kv_heads - len(softmax_heads_of(cfg, i)) for i in range(config.num_hidden_layers)
+                 if converted_layer(config, i)), default=1)
     one = build_attention(cfg.replace(softmax_heads=None), groups, d, 1, 0)  # one kv head: its feature width
     dtype = key_dtype if key_dtype is not None else _dtype(config)
     if ring_decodes(one):
@@ -129,14 +141,19 @@ def state_plan(config, tokens: int, key_dtype: torch.dtype | None = None) -> Sta
     ``tests/serving`` checks against vLLM's own count."""
     cfg = polyattn_config(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    softmax = [len(softmax_heads_of(cfg, i)) for i in range(config.num_hidden_layers)]
-    layers = tuple(i for i, n in enumerate(softmax) if n < kv_heads)
+    converted = [i for i in range(config.num_hidden_layers) if converted_layer(config, i)]
+    softmax = {i: len(softmax_heads_of(cfg, i)) for i in converted}
+    layers = tuple(i for i in converted if softmax[i] < kv_heads)
+    if len(converted) < config.num_hidden_layers:
+        # vLLM's own attention layers beside the converted ones (Gemma 3's sliding layers, all kv heads each): a
+        # third page size the cost model does not follow; one state layer per layer, as tests/serving serves them
+        return StatePlan(layers, 1)
     layout = state_layout(config, key_dtype=key_dtype)
     dtype = key_dtype if key_dtype is not None else _dtype(config)
     head_token = 2 * _head_dim(config) * torch.empty((), dtype=dtype).element_size()
-    best = None
+    best, attention = None, sum(softmax.values())
     for per in range(1, len(layers) + 1):
-        cost = request_bytes(sum(softmax), -(-len(layers) // per), per * layout.nbytes(), kv_heads * head_token,
+        cost = request_bytes(attention, -(-len(layers) // per), per * layout.nbytes(), kv_heads * head_token,
                              head_token, tokens)
         if best is None or cost < best[0]:
             best = (cost, per)
@@ -146,6 +163,56 @@ def state_plan(config, tokens: int, key_dtype: torch.dtype | None = None) -> Sta
 def _dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def layer_type(config, layer_idx: int) -> str:
+    """``config.layer_types[layer_idx]`` ('full_attention' without one, and where config_hook.py renamed it)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    kind = layer_types[layer_idx] if layer_idx < len(layer_types) else "full_attention"
+    return "full_attention" if kind == STATE_LAYER_TYPE else kind
+
+
+def converted_layer(config, layer_idx: int) -> bool:
+    """Whether decoder layer ``layer_idx`` of ``config``'s model runs the converted attention: every layer, except a
+    sliding-window layer (``layer_types``) that the conversion kept exact (``sliding_layers='exact'``, as
+    ``integration.settings.config_sliding`` reads it) in a family whose sliding layers the plugin keeps vLLM's."""
+    return not (layer_type(config, layer_idx) == "sliding_attention"
+                and getattr(config, "model_type", None) in SLIDING_FAMILIES
+                and polyattn_config(config).sliding_layers == "exact")
+
+
+def rope_parameters(config, layer_idx: int) -> dict:
+    """The RoPE parameters of layer ``layer_idx``: Gemma 3 keeps one set per layer type."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    kind = layer_type(config, layer_idx)
+    return rope[kind] if isinstance(rope.get(kind), dict) else rope
+
+
+def _check_family(config, cfg: PolyAttnConfig) -> None:
+    """What a family's attention does that the plugin's layer does not, refused by name (transformers applies it,
+    so serving without it would be silently different)."""
+    model_type = config.model_type
+    if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
+        raise _refuse("bidirectional attention (is_causal=False / use_bidirectional_attention) is not implemented "
+                      "in the plugin: it serves causal decoders")
+    layer_types = getattr(config, "layer_types", None) or ()
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention", STATE_LAYER_TYPE})
+    if other:
+        raise _refuse(f"layer types {other} (config.layer_types) are not implemented in the plugin")
+    if model_type in SLIDING_FAMILIES:
+        if cfg.sliding_layers != "exact" and "sliding_attention" in layer_types:
+            raise _refuse(f"sliding_layers={cfg.sliding_layers!r} (the kind in the model's sliding-window layers) "
+                          "is not implemented in the plugin; it keeps them exact (sliding_layers='exact')")
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            # vLLM's Gemma 3 passes no soft-cap to its attention; transformers caps every score
+            raise _refuse(f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is "
+                          "not implemented in the plugin")
+    elif getattr(config, "sliding_window", None) and layer_types:
+        raise _refuse("sliding-window layers (layer_types) are not implemented in the plugin for model_type "
+                      f"{model_type!r}")
+    if model_type == "qwen2" and getattr(config, "qk_norm", False):
+        # vLLM's Qwen2 norms q and k where config.qk_norm is set (BAGEL); transformers' Qwen2 has no such norm
+        raise _refuse("qk_norm=True on a Qwen2 config (transformers' Qwen2 has no q/k norm)")
 
 
 def check_servable(config, architecture: str) -> PolyAttnConfig:
@@ -161,16 +228,17 @@ def check_servable(config, architecture: str) -> PolyAttnConfig:
                       "implemented in the plugin")
     if cfg.kind in ("polysketch", "polynomial"):
         raise _refuse(f"kind {cfg.kind!r} keeps no constant-size state the plugin implements")
-    if getattr(config, "sliding_window", None) and getattr(config, "layer_types", None):
-        raise _refuse("sliding-window layers (layer_types) are not implemented in the plugin")
+    _check_family(config, cfg)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if all(len(softmax_heads_of(cfg, i)) == kv_heads for i in range(config.num_hidden_layers)):
-        raise _refuse("every kv head is softmax: serve the base model")
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if cfg.sinks and cfg.sink_position == "window" and rope_type not in ROPE_TYPES:
-        raise _refuse(f"sinks scored at window positions re-rotate queries with the model's RoPE, and RoPE type "
-                      f"{rope_type!r} is not one the plugin reads ({', '.join(ROPE_TYPES)})")
+    converted = [i for i in range(config.num_hidden_layers) if converted_layer(config, i)]
+    if all(len(softmax_heads_of(cfg, i)) == kv_heads for i in converted):
+        raise _refuse("every kv head of the converted layers is softmax: serve the base model")
+    for i in converted:
+        rope = rope_parameters(config, i)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if cfg.sinks and cfg.sink_position == "window" and rope_type not in ROPE_TYPES:
+            raise _refuse(f"sinks scored at window positions re-rotate queries with the model's RoPE, and RoPE type "
+                          f"{rope_type!r} (layer {i}) is not one the plugin reads ({', '.join(ROPE_TYPES)})")
     _probe(cfg, config)
     return cfg
 
