@@ -531,3 +531,26 @@ def test_a_hub_kernel_put_in_after_convert_whose_rotation_cannot_be_read_is_refu
     _kernelize(model, _unreadable_kernel)
     with pytest.raises(ValueError, match=r"replaced after its rotation was read.*sink_position='own'.*reset_kernels"):
         model(_prompt(1, 12))
+
+
+def test_kernelize_without_a_rotary_kernel_reads_the_rotation_once(tmp_path, monkeypatch):
+    """transformers 5.25 kernelizes at the end of from_pretrained (use_kernels on by default) and again at every
+    model.train() / eval() that changes the kernels' mode; on the CPU it maps no rotary kernel, so the wrappers keep
+    the Python function and the rotation read while the model was built stands: no reading again at any call."""
+    import transformers
+    from transformers.utils import is_kernels_available
+
+    from hf_polyattn.integration import state
+
+    if not is_kernels_available():  # not installed, or outside this release's range (5.23 with kernels 0.19)
+        pytest.skip("this transformers uses no kernels package: nothing kernelizes the model")
+    _llama().save_pretrained(tmp_path)
+    reads = []
+    monkeypatch.setattr(state, "model_rope", lambda *args, **kwargs: reads.append(args) or model_rope(*args, **kwargs))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.use_kernels and len(reads) == len(_layers(model)) == 2
+    for mode in ("train", "eval", "train", "eval"):
+        getattr(model, mode)()
+        with torch.no_grad():
+            model(_prompt(1, 12))
+    assert len(reads) == 2
