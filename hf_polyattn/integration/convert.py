@@ -22,7 +22,15 @@ from .compatibility import check_attention_module, check_model_options, find_att
 from .layout import model_window, plan_layers
 from .model_methods import prepare_model_instance
 from .settings import check_supported_config, persist_settings
-from .state import HFPolyAttention, attach_polyattn, attach_sliding, get_polyattn_config, sink_rope, sync_config
+from .state import (
+    HFPolyAttention,
+    attach_polyattn,
+    attach_sliding,
+    get_polyattn_config,
+    give_rope,
+    sink_rope,
+    sync_config,
+)
 
 __all__ = ["convert", "get_polyattn_config", "reconfigure"]
 
@@ -171,7 +179,7 @@ def reconfigure(model: PreTrainedModel, **changes: Any):
             raise ValueError(f"reconfigure: {changed} change the tensors of {name}.polyattn ({moved[:4]}): "
                              "that needs convert() and training, not a change of settings")
         fresh.load_state_dict(have)
-        fresh.rope = rope
+        give_rope(fresh, mod, rope)
         fresh.softcap = current.softcap
         if any(getattr(m, "compile_decode", False) for m in current.modules()):  # compile_decode's choice stays
             compile_decode(fresh)

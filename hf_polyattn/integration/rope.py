@@ -13,12 +13,14 @@ convert / construction) from the model's own code, never from a list of model ty
    late would not share one R(delta); that is found by calling it once with short and once with far positions and is
    refused.
 2. **the layout**: the ``apply_rotary_pos_emb`` the module calls (``_rotation_function``: its own hub-kernel
-   wrapper where transformers gives it one, else the modeling module's function) applied to the basis vectors
-   e_0 .. e_(d-1) with those cos/sin gives the model's R(p) column by column, exactly: every rotated dim turns with
-   exactly one partner (rotate_half: t with t + F; GPT-J, Cohere, GLM: 2t with 2t + 1), dims it leaves alone are the
-   partial rotary's pass-through; a yarn/llama3 ``attention_scaling`` multiplies cos and sin and cancels in
-   R(p + d) R(p)^-1. The frequency of each pair is its angle at position 1, refined at a far position and snapped
-   to the rotary embedding's own ``inv_freq`` buffer (where it has one: GPT-J keeps a sin/cos table instead).
+   wrapper where transformers gives it one, else the modeling module's function; kernelize may replace the
+   wrapper's forward after this reading, and the module's next call reads it again: ``rotation_source``) applied to
+   the basis vectors e_0 .. e_(d-1) with those cos/sin gives the model's R(p) column by column, exactly: every
+   rotated dim turns with exactly one partner (rotate_half: t with t + F; GPT-J, Cohere, GLM: 2t with 2t + 1),
+   dims it leaves alone are the partial rotary's pass-through; a yarn/llama3 ``attention_scaling`` multiplies cos
+   and sin and cancels in R(p + d) R(p)^-1. The frequency of each pair is its angle at position 1, refined at a far
+   position and snapped to the rotary embedding's own ``inv_freq`` buffer (where it has one: GPT-J keeps a sin/cos
+   table instead).
 3. **the module itself**: a copy of the attention module (random weights; the real ones are never touched) is run
    on one hidden state at positions 0 .. 4,095 and the queries it hands the attention function are captured. The
    rotation read in 1-2 must turn its query at p into its query at p' for every pair of positions, both ways. That
@@ -46,7 +48,7 @@ from torch import nn
 from ..config import PolyAttnConfig
 from ..ops.rotary import RopeRotation
 
-__all__ = ["model_rope", "reads_rope", "uses_rope"]
+__all__ = ["kernel_repositories", "model_rope", "reads_rope", "rotation_source", "uses_rope"]
 
 # config attributes that only a model with rotary positions has
 _ROPE_ATTRIBUTES = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct", "rotary_emb_base")
@@ -158,19 +160,31 @@ def _signature(module: nn.Module, layer_type: str | None):
         for name in ("polyattn", "_attn_implementation_internal", "attn_implementation", "auto_map"):
             settings.pop(name, None)
         return (type(module), layer_type, attrs, json.dumps(settings, sort_keys=True, default=repr),
-                _module_device(module).type, _kernel_forwards(module))
+                _module_device(module).type, rotation_source(module))
     except Exception:  # noqa: BLE001 - a config that cannot be serialised is read every time
         return None
 
 
-def _kernel_forwards(module: nn.Module) -> tuple:
-    """The forward each of the module's own hub-kernel function wrappers runs (``_rotation_function``): kernelize
-    replaces it per module, so two modules of one class can rotate with different code."""
+def rotation_source(module: nn.Module) -> tuple | None:
+    """Which code rotates ``module``'s queries, beyond its class: the forward each of its own hub-kernel function
+    wrappers (``_rotation_function``) runs now, as functions (None for a wrapper on its Python function). kernelize
+    swaps them per module (two modules of one class can rotate with different code), at any time after a rotation
+    was read: ``from_pretrained``'s ``use_kernels`` at the end of loading, and every ``model.train()`` /
+    ``model.eval()`` that changes the kernels' mode re-kernelizes for the model's device then. So the ``polyattn``
+    module keeps this value of its reading and compares it at each call (``state._cache_pre_hook``). None for a
+    module without such wrappers (transformers < 5.25, or no ``kernels`` package): its class decides."""
     funcs = module.__dict__.get("_kernel_funcs")
     if not isinstance(funcs, dict):
-        return ()
-    return tuple(sorted((str(name), repr(getattr(f.__dict__.get("forward"), "__func__", None)))
-                        for name, f in funcs.items()))
+        return None
+    return tuple(getattr(f.__dict__.get("forward"), "__func__", None) for f in funcs.values())
+
+
+def kernel_repositories(module: nn.Module) -> list[str]:
+    """The hub kernel (kernelize's repository) each of ``module``'s function wrappers runs, for messages."""
+    funcs = module.__dict__.get("_kernel_funcs")
+    if not isinstance(funcs, dict):
+        return []
+    return [f"{name}: {f.__dict__['_kernel_repo']!r}" for name, f in funcs.items() if "_kernel_repo" in f.__dict__]
 
 
 # ----------------------------------------------------------------------------- reading

@@ -39,7 +39,7 @@ from ..ops.rotary import RopeRotation
 from ..ops.sliding import SlidingWindowSoftmax
 from .cache import polyattn_layer_of
 from .compatibility import attention_dims, call_keyword_value, is_cross_attention_call
-from .rope import model_rope, reads_rope
+from .rope import kernel_repositories, model_rope, reads_rope, rotation_source
 from .settings import BASE_MODEL_KEY, hub_model_id, persist_settings, polyattn_kind, resolve_polyattn_config
 
 __all__ = ["HFPolyAttention", "attach_polyattn", "attach_sliding", "get_polyattn_config", "sink_rope", "sync_config"]
@@ -136,7 +136,9 @@ def _find_cache(args, kwargs):
 
 def _cache_pre_hook(module, args, kwargs):
     """Tell the attention function what it cannot see: the per-layer recurrent state (it never
-    sees the cache) and whether this call is cross-attention (it never sees the encoder states)."""
+    sees the cache) and whether this call is cross-attention (it never sees the encoder states).
+    And where kernelize replaced the module's apply_rotary_pos_emb since the sinks' rotation was read
+    (``give_rope``), read it again first (``_follow_rotation``)."""
     layer = None
     cross = is_cross_attention_call(module, args, kwargs)
     cache = _find_cache(args, kwargs)
@@ -147,6 +149,11 @@ def _cache_pre_hook(module, args, kwargs):
         if isinstance(cache, EncoderDecoderCache):
             cache = cache.self_attention_cache
         layer = polyattn_layer_of(cache, getattr(module, "layer_idx", None))
+    pa = module._modules.get("polyattn")
+    if pa is not None:
+        source = pa.__dict__.get("_polyattn_rope_source")
+        if source is not None and rotation_source(module) != source:
+            _follow_rotation(module, pa)
     # plain attributes (neither parameters, buffers nor modules) written to the instance directly: nn.Module's
     # __setattr__ looks the name up in its parameters, modules and buffers first, four times per layer and token
     state = module.__dict__
@@ -169,6 +176,31 @@ def sink_rope(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int | None = No
     return model_rope(module, layer_idx) if reads_rope(cfg) else None
 
 
+def give_rope(pa: nn.Module, module: nn.Module, rope: RopeRotation | None) -> None:
+    """Hand ``pa`` (the ``polyattn`` module of attention ``module``) the rotation ``sink_rope`` read from ``module``,
+    and remember which code that rotation was read from (``rope.rotation_source``): a hub kernel that kernelize puts
+    in place of ``module``'s apply_rotary_pos_emb later (from_pretrained's ``use_kernels``, ``model.train()`` /
+    ``eval()`` on another device) rotates differently, and its first call is where ``_cache_pre_hook`` sees it."""
+    pa.rope = rope
+    pa.__dict__["_polyattn_rope_source"] = rotation_source(module) if reads_rope(pa.config) else None
+
+
+@torch.compiler.disable  # a reading runs the module's own code on a probe copy; compiled code only calls it here
+def _follow_rotation(module: nn.Module, pa: nn.Module) -> None:
+    """Read ``module``'s rotation again: kernelize replaced its apply_rotary_pos_emb after the last reading, and the
+    sinks must be re-rotated by what the model now applies. Refused (ValueError naming sink_position='own' and the
+    kernel) where the new rotation cannot be read: re-rotating with the old one would be silently wrong."""
+    try:
+        rope = model_rope(module, pa.layer_idx)
+    except ValueError as err:
+        kernels = "; ".join(kernel_repositories(module)) or "the Python function again"
+        raise ValueError(f"layer {pa.layer_idx}'s apply_rotary_pos_emb was replaced after its rotation was read "
+                         f"(kernelize: {kernels}) and the new one cannot be read: {err}. Or run the model without "
+                         "hub kernels: model.reset_kernels(), from_pretrained(..., use_kernels=False) or "
+                         "USE_HUB_KERNELS=0") from None
+    give_rope(pa, module, rope)
+
+
 def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, device=None, dtype=None,
                     replaced_window: int | None = None) -> None:
     """Give ``module`` its own ``polyattn`` submodule (replacing an existing one, or the exact window of a sliding
@@ -184,7 +216,7 @@ def attach_polyattn(module: nn.Module, cfg: PolyAttnConfig, layer_idx: int, *, d
             pa = HFPolyAttention(cfg, heads, head_dim, kv_heads, layer_idx)
         if dtype is not None:
             pa = pa.to(dtype)
-    pa.rope = rope
+    give_rope(pa, module, rope)
     softcap = call_keyword_value(module, "softcap")  # Gemma 2's, on every layer: applied by the exact parts
     pa.softcap = softcap if isinstance(softcap, (int, float)) else None  # ValueError where nothing would apply it
     module._modules.pop("polyattn_sliding", None)

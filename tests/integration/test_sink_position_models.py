@@ -14,7 +14,14 @@ import sys
 
 import pytest
 import torch
-from integration_helpers import ARCHS, VOCAB, check_greedy_steps, check_left_padded_generation, perturb_polyattn
+from integration_helpers import (
+    ARCHS,
+    VOCAB,
+    check_greedy_steps,
+    check_left_padded_generation,
+    generating,
+    perturb_polyattn,
+)
 
 import hf_polyattn
 from hf_polyattn import PolyAttnConfig
@@ -422,3 +429,128 @@ def test_a_hub_kernel_in_place_of_apply_rotary_pos_emb_is_the_rotation_read():
     check_greedy_steps(model, ids)
     plain = _model("llama")  # the same class without the kernel: the Python function's rotate_half
     assert all(layer.rope.pairs is None for layer in _layers(plain))
+
+
+def _flipped_kernel(self, q, k, cos, sin, unsqueeze_dim=1):
+    """A stand-in hub kernel that turns every pair (t, t + d/2) the other way round (sin negated): R(-p), a rotation
+    the model applies as consistently as its own, that the Python function's reading gets wrong."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos - rotate_half(q) * sin, k * cos - rotate_half(k) * sin
+
+
+def _unreadable_kernel(self, q, k, cos, sin, unsqueeze_dim=1):
+    """A stand-in hub kernel that scales by cos instead of rotating: no rotation to read."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    return q * cos, k * cos
+
+
+class _Repository:
+    """A kernels repository (``RepositoryProtocol``: ``load`` gives the layer class) serving a stand-in kernel from
+    this file instead of the Hub."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def load(self):
+        from torch import nn
+
+        return type(f"Kernel_{self.kernel.__name__}", (nn.Module,), {"forward": self.kernel})
+
+    def __repr__(self) -> str:
+        return f"_Repository({self.kernel.__name__})"
+
+
+def _kernelize(model, kernel) -> None:
+    """kernels' own ``kernelize`` on the CPU with ``kernel`` mapped to transformers' layer name "rotary_pos_emb" (on
+    a GPU transformers maps it to kernels-community/rotary): it binds the layer's forward to each attention module's
+    apply_rotary_pos_emb wrapper (kernels' ``_replace_forward``). ``kernel`` None: ``model.reset_kernels()``, back to
+    the Python function."""
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():  # not installed, or outside this release's range (5.23 with kernels 0.19)
+        pytest.skip("this transformers uses no kernels package: its apply_rotary_pos_emb is the plain function")
+    if kernel is None:
+        model.reset_kernels()
+        return
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    with use_kernel_mapping({"rotary_pos_emb": {"cpu": {Mode.INFERENCE: _Repository(kernel)}}}, inherit_mapping=False):
+        kernelize(model, device="cpu", mode=Mode.INFERENCE)
+    funcs = [f for m in model.modules() for f in m.__dict__.get("_kernel_funcs", {}).values()]
+    assert funcs and all(f.__dict__["forward"].__func__ is kernel for f in funcs)
+
+
+def _llama(kernel=None):
+    """A seeded Llama, ``kernel`` put in place of its apply_rotary_pos_emb before convert (None: none)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config("llama")).eval()
+    if kernel is not None:
+        _kernelize(model, kernel)
+    hf_polyattn.convert(model, STREAMING)
+    perturb_polyattn(model)
+    return generating(model)
+
+
+@pytest.mark.parametrize("kernel", [_flipped_kernel, _interleaved_kernel], ids=["sign-flip", "interleaved"])
+def test_a_hub_kernel_put_in_after_convert_is_the_rotation_the_sinks_follow(kernel):
+    """kernelize may replace apply_rotary_pos_emb after convert read the rotation: from_pretrained kernelizes at the
+    end of loading (after the construction read it), and model.train() / eval() re-kernelize for the model's
+    device when the kernels' mode changes. The sinks then follow the kernel from its first call on: the rotation and
+    the logits are those of the same model kernelized before convert, and back to the Python function's when the
+    kernel is removed (reset_kernels)."""
+    ids = _prompt(1, 12, seed=7)
+    model = _llama()
+    with torch.no_grad():
+        plain = model(ids).logits
+    assert all(layer.rope.pairs is None for layer in _layers(model))  # rotate_half's layout, read at convert
+    _kernelize(model, kernel)
+    kernelized = _llama(kernel)
+    with torch.no_grad():
+        swapped = model(ids).logits
+        want = kernelized(ids).logits
+    for layer, ref in zip(_layers(model), _layers(kernelized), strict=True):
+        assert layer.rope.pairs is not None and torch.equal(layer.rope.pairs, ref.rope.pairs)
+        assert torch.equal(layer.rope.inv_freq, ref.rope.inv_freq)
+    torch.testing.assert_close(swapped, want, rtol=0, atol=0)
+    assert not torch.allclose(swapped, plain, atol=1e-3)
+    check_greedy_steps(model, ids)
+    _kernelize(model, None)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
+    assert all(layer.rope.pairs is None for layer in _layers(model))
+
+
+def test_a_hub_kernel_put_in_after_convert_whose_rotation_cannot_be_read_is_refused():
+    """A kernel whose rotation cannot be read is refused at its first call, naming sink_position='own' and the
+    way back to the Python function, instead of re-rotating the sinks with the rotation read before it."""
+    model = _llama()
+    _kernelize(model, _unreadable_kernel)
+    with pytest.raises(ValueError, match=r"replaced after its rotation was read.*sink_position='own'.*reset_kernels"):
+        model(_prompt(1, 12))
+
+
+def test_kernelize_without_a_rotary_kernel_reads_the_rotation_once(tmp_path, monkeypatch):
+    """transformers 5.25 kernelizes at the end of from_pretrained (use_kernels on by default) and again at every
+    model.train() / eval() that changes the kernels' mode; on the CPU it maps no rotary kernel, so the wrappers keep
+    the Python function and the rotation read while the model was built stands: no reading again at any call."""
+    import transformers
+    from transformers.utils import is_kernels_available
+
+    from hf_polyattn.integration import state
+
+    if not is_kernels_available():  # not installed, or outside this release's range (5.23 with kernels 0.19)
+        pytest.skip("this transformers uses no kernels package: nothing kernelizes the model")
+    _llama().save_pretrained(tmp_path)
+    reads = []
+    monkeypatch.setattr(state, "model_rope", lambda *args, **kwargs: reads.append(args) or model_rope(*args, **kwargs))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.use_kernels and len(reads) == len(_layers(model)) == 2
+    for mode in ("train", "eval", "train", "eval"):
+        getattr(model, mode)()
+        with torch.no_grad():
+            model(_prompt(1, 12))
+    assert len(reads) == 2
