@@ -76,9 +76,18 @@ def test_request_bytes_follows_vllms_grouping_rule():
     assert request_bytes(0, 29, 256_000, 1536, 512, 768) == 29 * 256_000
 
 
-def test_the_plan_holds_for_bf16_and_a_config_without_the_setting():
+def test_a_bf16_plan_is_costed_in_bf16_and_a_config_without_the_setting_is_refused():
+    # bf16 keys and values take 2 bytes a number in the KV pool (the ring's own buffers stay float32): the plan is
+    # the cheapest at those sizes, not at float32's
     config = _demo_config()
-    assert state_plan(config, 8017, torch.bfloat16).per_module >= 1
+    plan = state_plan(config, 8017, torch.bfloat16)
+    per_layer = state_layout(config, key_dtype=torch.bfloat16).nbytes()
+    token, head = 3 * 256, 256
+
+    def need(per: int) -> int:
+        return request_bytes(22, -(-29 // per), per * per_layer, token, head, 8017)
+
+    assert need(plan.per_module) == min(need(p) for p in range(1, 30))
     bare = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=256)
     with pytest.raises(ValueError, match="no hf_polyattn settings"):
         state_plan(bare, 1024)
