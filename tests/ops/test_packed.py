@@ -416,3 +416,19 @@ def test_sparse_ring_layout_sizes_and_refusals():
     with pytest.raises(ValueError, match="sparse cache"):
         gather_rings(layout.empty(2), layout, torch.tensor([0, 1]), 2)
     assert isinstance(layout, RingLayout)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sparse_ring_slot_in_half_precision_keeps_float32_and_equals_the_module(dtype):
+    from dataclasses import replace
+
+    m = _sparse_module("sparse-observe").to(dtype)
+    layout = replace(_sparse_layout(m), key_dtype=dtype)
+    assert set(layout.dtypes()) == {torch.float32}  # the ring's buffers, the queries and scores in the working dtype
+    q, k, v = _inputs(40, dtype)
+    cuts = [25, *range(26, 40)]
+    with torch.no_grad():
+        want = _in_process(m, q, k, v, cuts)
+        got = _as_the_plugin(m, layout, q, k, v, cuts)
+    assert torch.isfinite(got).all() and got.dtype == dtype
+    torch.testing.assert_close(got, want)
