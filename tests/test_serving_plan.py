@@ -92,3 +92,31 @@ def test_a_bf16_plan_is_costed_in_bf16_and_a_config_without_the_setting_is_refus
     with pytest.raises(ValueError, match="no hf_polyattn settings"):
         state_plan(bare, 1024)
 
+
+
+def test_the_linear_only_preset_packs_every_number_of_its_ring_once():
+    """The linear-only preset (a 2,048-key sparse cache ranked by attention, chosen again by 16 queries) on
+    SmolLM2's shape: its state layer is the ring with the sparse cache's buffers (ops.packed.RingLayout), one per
+    layer (no softmax head), and a slot's bytes are every number of the ring a decoding step keeps, once, in
+    float32, plus the six ring counters: what vLLM's page is sized by (the plan's byte counts)."""
+    from hf_polyattn.ops import build_attention
+    from hf_polyattn.ops.packed import RingLayout, ring_from_state
+    from hf_polyattn.presets import get_preset
+    from hf_polyattn.serving.vllm.servable import polyattn_config
+
+    preset = get_preset("linear-only")
+    config = _smollm2_shape({**preset.attention, **preset.reconfigure, "feature_proj": 64})
+    cfg = polyattn_config(config)
+    layout = state_layout(config, key_dtype=torch.float32)
+    assert isinstance(layout, RingLayout)
+    assert (layout.cache, layout.chunk, layout.attention, layout.observe) == (2048, cfg.sparse_chunk, True, 16)
+    assert state_plan(config, 8192, torch.float32) == StatePlan(tuple(range(30)), 1)
+    module = build_attention(cfg, 9, 64, 3, 0).eval()
+    n = cfg.window + cfg.sinks + 2 * cfg.sparse_chunk + 5
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 9, n, 64, generator=gen), torch.randn(1, 3, n, 64, generator=gen)
+    with torch.no_grad():
+        _, state = module(q, k, k, causal=True, state=module.init_state())
+    ring = ring_from_state(module, state, layout)
+    assert ring.filled is None and ring.extra == 2048 + cfg.sparse_chunk and ring.q_hist is not None
+    assert layout.nbytes() == 4 * (sum(t.numel() for t in ring.tensors()) + 6)

@@ -17,14 +17,18 @@ buffers hold ``heads`` kv heads, the most any layer's kernel part has, so that e
 layout (an engine pads its state pages to one size); a layer with fewer uses the first ones.
 
 A state with anything else (a padded key's mask, per-row ``seen``, a short convolution's or a sparse cache's
-tensors) is refused by name: those need buffers this layout does not have.
+tensors) is refused by name: those need buffers this layout does not have (a sparse cache is packed as a ring).
 
 ``RingLayout`` packs the other form of the same state, the ``WindowRing`` (``decode.py``) a windowed layer decodes
 on: its buffers are fixed-size already, so ``unpack_ring`` hands the module views of the slot (no copy) and the
 decoding step writes the slot in place (on SmolLM2's layer, 3 kv heads, window 128: 0.6 ms a step on the ring
 against 5.6 ms for unpack, step and pack of a ``RecurrentState``, one thread, the CPU shared with other work). A
 prompt chunk runs on the ``RecurrentState`` of the ring (``WindowRing.to_recurrent``) and is packed back through
-``decode.from_recurrent``: the same conversions the transformers cache makes between a prefill and decoding.
+``decode.from_recurrent``: the same conversions the transformers cache makes between a prefill and decoding. A ring
+with a sparse cache (``ops/sparse.py``) adds its fields as buffers of sizes the config fixes (``RingLayout``): the
+cache's and the waiting block's slots, their kernel inputs and log-decays, the keys waiting, and for
+``sparse_score='attention'`` the last queries and the cache's scores; such a ring steps alone, never in
+``gather_rings``' batch.
 
 Pure PyTorch: never imports transformers.
 """
@@ -193,6 +197,8 @@ def unpack(buffers, layout: PackedLayout, heads: int) -> RecurrentState:
 
 # ring meta buffer: length, head, count, filled (-1: every sink filled), real_run, sink_waiting
 _RING_META = 6
+# the sparse cache's meta buffer: pending (the keys waiting in the block), then the C flags of q_real
+_SPARSE_META = 1
 
 
 @dataclass(frozen=True)
@@ -200,7 +206,15 @@ class RingLayout(_SlotLayout):
     """The fixed-size buffers of one sequence's ``WindowRing`` in one layer: ``heads`` kv heads (the most any layer's
     kernel part has), F ``features``, D ``head_dim``, the ``window`` and ``sinks`` slots, whether the layer decays
     (``decay``: the ring keeps its keys' log-gates), the model's ``key_dtype`` (the ring's own buffers are in the
-    working dtype, ``common.work_dtype``: float32 for half-precision models)."""
+    working dtype, ``common.work_dtype``: float32 for half-precision models).
+
+    With a sparse cache (``ops/sparse.py``; ``cache`` = ``sparse_cache`` > 0): the ring's ``extra`` = cache +
+    ``chunk`` (``sparse_chunk``) slots between the sinks and the window, their kernel inputs (``kernel_dim`` wide)
+    and log-decays, the keys waiting in the block; with ``attention`` (``sparse_score='attention'``) the last C
+    queries of the kv head's ``groups`` query heads and the cache's scores. Every one of these has a size the config
+    fixes, so the ring stays a set of fixed-size buffers. ``observe`` (``sparse_observe``) changes no buffer: it
+    says that the cache is chosen again at the end of every call of more than one token, which a serving engine
+    must not split (a prompt in chunks is chosen again at each chunk's end: ``serving/vllm/config_hook.py``)."""
 
     heads: int
     features: int
@@ -209,21 +223,52 @@ class RingLayout(_SlotLayout):
     sinks: int
     decay: bool
     key_dtype: torch.dtype = torch.float32
+    cache: int = 0
+    chunk: int = 0
+    kernel_dim: int = 0
+    groups: int = 0
+    attention: bool = False
+    observe: int = 0
 
     _sizes = ("heads", "features", "head_dim", "window")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("cache", self.cache, 0)
+        if self.cache:
+            for name in ("chunk", "kernel_dim") + (("groups",) if self.attention else ()):
+                check_int(name, getattr(self, name), 1)
+            check_int("observe", self.observe, 0)
+        elif self.chunk or self.kernel_dim or self.groups or self.attention or self.observe:
+            raise ValueError(f"chunk, kernel_dim, groups, attention and observe describe a sparse cache; with "
+                             f"cache=0 they must be 0 / False, got chunk={self.chunk}, kernel_dim={self.kernel_dim}, "
+                             f"groups={self.groups}, attention={self.attention}, observe={self.observe}")
+
+    @property
+    def extra(self) -> int:
+        """The sparse cache's slots between the sinks and the window (``WindowRing.extra``)."""
+        return self.cache + self.chunk if self.cache else 0
 
     @property
     def work(self) -> torch.dtype:
         return work_dtype(self.key_dtype)
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Per-slot shapes: kv, keys, vext, valid, logg, meta (all in ``work``; ``valid`` as 0 / 1)."""
-        h, d, n = self.heads, self.head_dim, self.sinks + self.window
-        return ((h, self.features, d + 1), (h, n, d), (h, n, d + 1), (n,), (h, self.window), (_RING_META,))
+        """Per-slot shapes: kv, keys, vext, valid, logg, meta (all in ``work``; ``valid`` as 0 / 1); with a sparse
+        cache then kin, slot_log (zero without decay, as ``logg``), the sparse meta (pending, the C ``q_real``
+        flags) and, with ``attention``, q_hist and score (``WindowRing``'s fields of those names)."""
+        h, d, n = self.heads, self.head_dim, self.sinks + self.extra + self.window
+        shapes = ((h, self.features, d + 1), (h, n, d), (h, n, d + 1), (n,), (h, self.window), (_RING_META,))
+        if self.cache:
+            shapes += ((h, self.extra, self.kernel_dim), (h, self.extra), (_SPARSE_META + self.chunk,))
+            if self.attention:
+                shapes += ((h, self.groups, self.chunk, d), (h, self.cache))
+        return shapes
 
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        return (self.work,) * 6
-
+        # the cache's scores are promote(work, float32) in ``sparse.sparse_from_recurrent``: work itself, which is
+        # float32 or wider
+        return (self.work,) * len(self.shapes())
 
     def length(self, buffers) -> int:
         """The tokens the ring packed in one slot's ``buffers`` has seen."""
@@ -232,27 +277,43 @@ class RingLayout(_SlotLayout):
 
 def unpack_ring(buffers, layout: RingLayout, heads: int) -> WindowRing:
     """The ``WindowRing`` of ``heads`` kv heads in one slot's ``buffers``, its tensors views of the slot (a step
-    writes them in place), ``valid`` a copy (``pack_ring`` writes it back)."""
+    writes them in place), ``valid`` a copy (``pack_ring`` writes it back); with a sparse cache ``pending`` and
+    ``q_real`` copies too (a step replaces them), the other sparse fields views."""
     _check_buffers(layout, buffers)
     if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= layout.heads:
         raise ValueError(f"heads must be an int in 1..{layout.heads}, got {heads!r}")
-    kv, keys, vext, valid, logg, meta = buffers
+    kv, keys, vext, valid, logg, meta = buffers[:6]
     length, head, count, filled, real_run, waiting = (int(x) for x in meta.tolist())
+    sparse = {}
+    if layout.cache:
+        kin, slot_log, smeta = buffers[6:9]
+        sparse = dict(extra=layout.extra, cache=layout.cache, kin=kin[:heads].unsqueeze(0),
+                      slot_log=slot_log[:heads].unsqueeze(0) if layout.decay else None,
+                      pending=smeta[:1].long())  # exact: pending < chunk, far below float32's 2 ** 24
+        if layout.attention:
+            q_hist, score = buffers[9:11]
+            sparse.update(q_hist=q_hist[:heads].unsqueeze(0), q_real=(smeta[1:] > 0.5).unsqueeze(0),
+                          score=score[:heads].unsqueeze(0))
     return WindowRing(kv[:heads].unsqueeze(0), keys[:heads].unsqueeze(0), vext[:heads].unsqueeze(0),
                       (valid > 0.5).unsqueeze(0), logg[:heads].unsqueeze(0) if layout.decay else None,
                       None if filled < 0 else torch.tensor([filled], device=kv.device), head, count, length, None,
-                      layout.sinks, layout.key_dtype, real_run=real_run, sink_waiting=bool(waiting))
+                      layout.sinks, layout.key_dtype, real_run=real_run, sink_waiting=bool(waiting), **sparse)
 
 
 def pack_ring(ring: WindowRing, buffers, layout: RingLayout) -> None:
-    """Write ``ring`` (one sequence, no sparse cache, no per-row ``seen``) into one slot's ``buffers``; tensors
-    that are already the slot's views (``unpack_ring``, written in place) are not copied."""
+    """Write ``ring`` (one sequence, no per-row ``seen``; a sparse cache exactly when the layout has one) into one
+    slot's ``buffers``; tensors that are already the slot's views (``unpack_ring``, written in place) are not
+    copied."""
     _check_buffers(layout, buffers)
     if not isinstance(ring, WindowRing):
         raise TypeError(f"ring must be a WindowRing, got {type(ring).__name__}")
-    if ring.extra or ring.seen is not None or ring.at is not None:
-        raise ValueError("a packed ring holds one unpadded sequence without a sparse cache or a static step "
-                         f"(extra={ring.extra}, seen set: {ring.seen is not None}, static: {ring.at is not None})")
+    if ring.seen is not None or ring.at is not None:
+        raise ValueError("a packed ring holds one unpadded sequence without a static step "
+                         f"(seen set: {ring.seen is not None}, static: {ring.at is not None})")
+    if ring.extra != layout.extra or ring.cache != layout.cache or (ring.q_hist is not None) != layout.attention:
+        raise ValueError(f"the ring's sparse cache (extra={ring.extra}, cache={ring.cache}, attention scores: "
+                         f"{ring.q_hist is not None}) is not the layout's (extra={layout.extra}, "
+                         f"cache={layout.cache}, attention={layout.attention})")
     if ring.keys.shape[0] != 1 or ring.keys.shape[1] > layout.heads or ring.sinks != layout.sinks \
             or ring.window != layout.window:
         raise ValueError(f"the ring (batch {ring.keys.shape[0]}, {ring.keys.shape[1]} kv heads, {ring.sinks} sinks, "
@@ -260,9 +321,24 @@ def pack_ring(ring: WindowRing, buffers, layout: RingLayout) -> None:
                          f"sinks, window {layout.window})")
     if ring.keys.dtype != layout.work:
         raise ValueError(f"the ring's buffers are {ring.keys.dtype}, the layout's {layout.work}")
-    kv, keys, vext, valid, logg, meta = buffers
+    kv, keys, vext, valid, logg, meta = buffers[:6]
     h = ring.keys.shape[1]
-    for dst, src in ((kv, ring.kv), (keys, ring.keys), (vext, ring.vext), (logg, ring.logg)):
+    pairs = [(kv, ring.kv), (keys, ring.keys), (vext, ring.vext), (logg, ring.logg)]
+    if layout.cache:
+        kin, slot_log, smeta = buffers[6:9]
+        if ring.kin.shape[-1] != layout.kernel_dim:
+            raise ValueError(f"the ring's kernel inputs are {ring.kin.shape[-1]} wide, the layout's "
+                             f"{layout.kernel_dim}")
+        pairs += [(kin, ring.kin), (slot_log, ring.slot_log)]
+        smeta[0] = ring.pending[0]
+        if layout.attention:
+            q_hist, score = buffers[9:11]
+            if tuple(ring.q_hist.shape[2:4]) != (layout.groups, layout.chunk):
+                raise ValueError(f"the ring keeps {ring.q_hist.shape[3]} queries of {ring.q_hist.shape[2]} query "
+                                 f"heads per kv head, the layout {layout.chunk} of {layout.groups}")
+            pairs += [(q_hist, ring.q_hist), (score, ring.score)]
+            smeta[1:].copy_(ring.q_real[0])
+    for dst, src in pairs:
         if src is not None and src.data_ptr() != dst.data_ptr():
             dst[:h].copy_(src[0])
     valid.copy_(ring.valid[0])
@@ -286,8 +362,12 @@ def state_device(state: RecurrentState) -> torch.device:
 
 def ring_steady(meta_row: list, layout: RingLayout) -> bool:
     """Whether the ring whose meta buffer reads ``meta_row`` (``tolist()`` of it) is steady: full, every sink
-    filled, no sink waiting (``WindowRing.steady``), so that its step can run in a batch with others'."""
-    _, _, count, filled, _, waiting = meta_row
+    filled, no sink waiting (``WindowRing.steady``), so that its step can run in a batch with others'. A ring with a
+    sparse cache never is: its selection moves keys between slots by Python indices, per request (``gather_rings``
+    refuses it)."""
+    if layout.cache:
+        return False
+    _, _, count, filled, _, waiting = meta_row[:_RING_META]
     return int(count) == layout.window and int(filled) < 0 and not int(waiting)
 
 
@@ -299,6 +379,7 @@ def gather_rings(buffers, layout: RingLayout, index: torch.Tensor, heads: int):
     rows are read rotated so that every row's oldest key is at ring position 0 (a softmax over a set of keys does not
     depend on their order), and each row's count of real keys goes in ``seen`` (B,) (what its sinks' query shift
     reads)."""
+    _no_sparse_batch(layout)
     kv, keys, vext, valid, logg, meta = buffers
     s, w = layout.sinks, layout.window
     rows = meta.index_select(0, index)
@@ -315,6 +396,13 @@ def gather_rings(buffers, layout: RingLayout, index: torch.Tensor, heads: int):
                       valid[index[:, None], pos] > 0.5, read(logg, ring_pos) if layout.decay else None,
                       None, 0, w, int(rows[:, 0].max()), rows[:, 0].long(), s, layout.key_dtype, real_run=w)
     return ring, pos
+
+
+def _no_sparse_batch(layout: RingLayout) -> None:
+    if layout.cache:
+        raise ValueError(f"a batch of rings is read and written at the window's positions only; a ring with a sparse "
+                         f"cache (cache={layout.cache}) moves keys between its cache and block slots in its own "
+                         "steps: step it alone (unpack_ring / pack_ring)")
 
 
 def _read_rows(buf: torch.Tensor, index: torch.Tensor, heads: int, at: torch.Tensor) -> torch.Tensor:
@@ -340,6 +428,7 @@ def scatter_rings(ring: WindowRing, buffers, layout: RingLayout, index: torch.Te
     A steady ring's step changes the state and one window position (the new key, its [v, 1], its log-gate, at the
     batch's ring position 0, where the oldest key was): only those are written, not the whole ring (on SmolLM2's
     layer, 3 kv heads, window 128, batch 16: 0.8 MB a layer instead of 4 MB)."""
+    _no_sparse_batch(layout)
     kv, keys, vext, valid, logg, meta = buffers
     s, w = layout.sinks, layout.window
     heads = ring.keys.shape[1]

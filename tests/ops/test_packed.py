@@ -275,3 +275,160 @@ def test_a_batch_of_rings_at_different_positions_steps_as_each_alone(name, stack
     if stacked:
         for t, b in zip(stack, before):
             assert torch.equal(t[:, 0], b[:, 0]) and torch.equal(t[:, 2], b[:, 2])
+
+
+# ------------------------------------------------------------------------------------ the ring with a sparse cache
+# cache of 4 keys chosen in blocks of 4: at 40 tokens 5 selections. 'sparse-observe' is the linear-only preset's
+# layer (Hedgehog, decay, sinks at their own positions, ranked by attention, chosen again by the last 3 queries of
+# a multi-token call); 'sparse-recall' ranks by LoLA's recall error, without decay (no attention buffers, no slot_log)
+SPARSE_CONFIGS = {
+    "sparse-observe": dict(kind="linear", feature_map="hedgehog", window=W, sinks=S, decay="gate", block_size=BLOCK,
+                           sink_position="own", sparse_cache=4, sparse_chunk=4, sparse_score="attention",
+                           sparse_observe=3),
+    "sparse-recall": dict(kind="linear", feature_map="elu", window=W, sinks=S, block_size=BLOCK, sparse_cache=4,
+                          sparse_chunk=2, qk_norm=True, feature_proj=D),
+}
+
+
+def _sparse_module(name):
+    m = build_attention(PolyAttnConfig(**SPARSE_CONFIGS[name]), 4, D, 2, 0).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def _sparse_layout(m, heads=None):
+    from hf_polyattn.ops.packed import RingLayout
+
+    cfg = m.config
+    return RingLayout(heads=heads or m.num_kv_heads, features=m.num_features, head_dim=D, window=cfg.window,
+                      sinks=cfg.sinks, decay=cfg.decay != "none", cache=cfg.sparse_cache, chunk=cfg.sparse_chunk,
+                      kernel_dim=m.kernel_dim, groups=m.groups, attention=cfg.sparse_score == "attention",
+                      observe=cfg.sparse_observe)
+
+
+def _in_process(m, q, k, v, cuts):
+    """The module over the chunks between ``cuts`` on its own state objects (what transformers' cache does)."""
+    outs, state = [], m.init_state()
+    bounds = [0, *cuts, q.shape[2]]
+    for a, b in zip(bounds, bounds[1:]):
+        out, state = m(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, state=state)
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+def _as_the_plugin(m, layout, q, k, v, cuts, heads=2):
+    """The vLLM layer's loop (serving/vllm/layer.py): each chunk on the ring unpacked from the slot, or on the ring
+    object kept from the previous step when it holds the slot's own views; packed back after each chunk."""
+    from hf_polyattn.ops.packed import pack_ring, ring_from_state, unpack_ring
+
+    slot = [b[1] for b in layout.empty(3)]
+    outs, kept = [], None
+    bounds = [0, *cuts, q.shape[2]]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        state = m.init_state() if i == 0 else kept if kept is not None else unpack_ring(slot, layout, heads)
+        out, state = m(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, state=state)
+        ring = ring_from_state(m, state, layout)
+        pack_ring(ring, slot, layout)
+        kept = ring if ring.keys.data_ptr() == slot[1].data_ptr() else None
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("name", SPARSE_CONFIGS)
+# a prompt shorter than the window, past window + sinks, past the first selections; then token by token
+@pytest.mark.parametrize("prompt", [5, W + S + 1, W + S + 4 + 4 + 3, 29])
+def test_a_sparse_ring_through_a_slot_equals_the_module_on_its_own_state(name, prompt):
+    m = _sparse_module(name)
+    q, k, v = _inputs(48)
+    cuts = [prompt, *range(prompt + 1, 48)]
+    with torch.no_grad():
+        want = _in_process(m, q, k, v, cuts)
+        got = _as_the_plugin(m, _sparse_layout(m, heads=3), q, k, v, cuts)
+        if not m.config.sparse_observe:  # the streaming rule alone: any split equals one call
+            torch.testing.assert_close(want, m(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", SPARSE_CONFIGS)
+def test_sparse_chunks_through_a_slot_equal_the_same_chunks_in_process(name):
+    m = _sparse_module(name)
+    q, k, v = _inputs(48)
+    cuts = [7, 19, 20, 33]
+    with torch.no_grad():
+        want = _in_process(m, q, k, v, cuts)
+        got = _as_the_plugin(m, _sparse_layout(m), q, k, v, cuts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", SPARSE_CONFIGS)
+def test_pack_ring_then_unpack_ring_gives_every_sparse_field_back(name):
+    from hf_polyattn.ops.packed import pack_ring, ring_from_state, unpack_ring
+
+    m = _sparse_module(name)
+    layout = _sparse_layout(m, heads=3)
+    q, k, v = _inputs(22)  # the cache full after a few selections, and keys waiting in the block
+    with torch.no_grad():
+        _, st = m(q, k, v, causal=True, state=m.init_state())
+        _, st = m(q[:, :, :1], k[:, :, :1], v[:, :, :1], causal=True, state=st)  # a decoding step: a ring
+    ring = ring_from_state(m, st, layout)
+    assert int(ring.pending[0]) > 0 and bool(ring.valid[:, S:S + 4].any())  # the case holds a cache and a block
+    slot = [b[0] for b in layout.empty(1)]
+    pack_ring(ring, slot, layout)
+    back = unpack_ring(slot, layout, 2)
+    for f in ("kv", "keys", "vext", "valid", "logg", "kin", "slot_log", "pending", "q_hist", "q_real", "score"):
+        a, b = getattr(ring, f), getattr(back, f)
+        assert (a is None) == (b is None), f
+        if a is not None:
+            assert torch.equal(a, b), f
+    for f in ("head", "count", "length", "extra", "cache", "real_run", "sink_waiting", "sinks"):
+        assert getattr(ring, f) == getattr(back, f), f
+    assert (ring.filled is None) == (back.filled is None)
+    assert back.kin.data_ptr() == slot[6].data_ptr()  # written in place by the next step
+
+
+def test_sparse_ring_layout_sizes_and_refusals():
+    from dataclasses import replace
+
+    from hf_polyattn.ops.packed import RingLayout, gather_rings, pack_ring, ring_from_state, ring_steady
+
+    m = _sparse_module("sparse-observe")
+    layout = _sparse_layout(m)
+    plain = _ring_layout(m)
+    h, g, lam, c = 2, 2, 4, 4
+    # the sparse fields' bytes: 8 more slots of keys, [v, 1] and valid; kin, slot_log, pending + q_real, q_hist, score
+    extra = (h * 8 * D + h * 8 * (D + 1) + 8 + h * 8 * m.kernel_dim + h * 8 + 1 + c + h * g * c * D + h * lam) * 4
+    assert layout.nbytes() == plain.nbytes() + extra
+    q, k, v = _inputs(W + S + 9)
+    with torch.no_grad():
+        _, st = m(q, k, v, causal=True, state=m.init_state())
+    ring = ring_from_state(m, st, layout)
+    with pytest.raises(ValueError, match="is not the layout's"):
+        pack_ring(ring, [b[0] for b in plain.empty(1)], plain)
+    with pytest.raises(ValueError, match="is not the layout's"):
+        pack_ring(ring, [b[0] for b in replace(layout, cache=8).empty(1)], replace(layout, cache=8))
+    with pytest.raises(ValueError, match="kernel_dim must be an int >= 1"):
+        replace(layout, kernel_dim=0)
+    with pytest.raises(ValueError, match="with cache=0 they must be 0"):
+        replace(plain, chunk=4)
+    assert not ring_steady([W + S + 9, 0, W, -1, W, 0], layout)  # a sparse ring never batches
+    with pytest.raises(ValueError, match="sparse cache"):
+        gather_rings(layout.empty(2), layout, torch.tensor([0, 1]), 2)
+    assert isinstance(layout, RingLayout)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sparse_ring_slot_in_half_precision_keeps_float32_and_equals_the_module(dtype):
+    from dataclasses import replace
+
+    m = _sparse_module("sparse-observe").to(dtype)
+    layout = replace(_sparse_layout(m), key_dtype=dtype)
+    assert set(layout.dtypes()) == {torch.float32}  # the ring's buffers, the queries and scores in the working dtype
+    q, k, v = _inputs(40, dtype)
+    cuts = [25, *range(26, 40)]
+    with torch.no_grad():
+        want = _in_process(m, q, k, v, cuts)
+        got = _as_the_plugin(m, layout, q, k, v, cuts)
+    assert torch.isfinite(got).all() and got.dtype == dtype
+    torch.testing.assert_close(got, want)

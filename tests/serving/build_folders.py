@@ -40,8 +40,17 @@ CASES = {
     # no learned parameter at all (exact softmax over the window and the sinks): the folder vLLM served as the base
     # model before it named its own architecture
     "sliding": PolyAttnConfig(kind="sliding_window", window=WINDOW, sinks=SINKS),
-    # what the plugin refuses at load: the bounded sparse cache
-    "sparse": PolyAttnConfig(**LAYER, sparse_cache=32),
+    # what the plugin refuses at load: a sparse cache on a layer that does not decode on a ring (a short convolution)
+    "sparse": PolyAttnConfig(**LAYER, sparse_cache=32, short_conv=4),
+    # the bounded sparse cache (16 keys chosen in blocks of 8, LoLA's recall error), no softmax head: 16 + 4 + 16
+    # keys exact, so the 90-token prompt folds and re-chooses keys in its prefill and while decoding; chosen by the
+    # streaming rule alone, so chunked prefill (test_vllm.py's 32 tokens a step) equals one call
+    "sparse_stream": PolyAttnConfig(**LAYER, sparse_cache=16, sparse_chunk=8),
+    # the linear-only preset's layout (hf_polyattn/presets.py 'linear-only') at the test's sizes: Hedgehog, decay,
+    # sinks at their own positions, the cache ranked by attention and chosen again by a prompt's last 4 queries
+    "linear_only_sparse": PolyAttnConfig(**{**LAYER, "feature_map": "hedgehog", "sink_position": "own"},
+                                         sparse_cache=16, sparse_chunk=8, sparse_score="attention",
+                                         sparse_observe=4),
     # the other families, each a hybrid layout (a layer with softmax heads, one without)
     "qwen2": PolyAttnConfig(**LAYER, softmax_heads=((0, 1), (2, 0))),
     "qwen3": PolyAttnConfig(**LAYER, softmax_heads=((1, 0), (2, 1))),

@@ -81,8 +81,21 @@ def test_layers_the_config_hook_renamed_read_as_full_attention():
     (lambda: _with(Qwen2Config(**SIZES, qk_norm=True)), "PolyAttnQwen2ForCausalLM", "qk_norm=True"),
     # a family served under another family's architecture
     (lambda: _with(Qwen3Config(**SIZES)), "PolyAttnQwen2ForCausalLM", "the folder's is 'qwen3'"),
+    # a sparse cache on a layer that keeps a short convolution: it does not decode on the ring the plugin packs
+    (lambda: _with(Qwen3Config(**SIZES), LAYER.replace(sparse_cache=32, short_conv=4)), "PolyAttnQwen3ForCausalLM",
+     "sparse_cache=32 is served on the decoding ring only"),
 ])
 def test_what_the_plugin_does_not_implement_is_refused_by_name(build, architecture, named):
     with pytest.raises(ValueError, match="cannot serve this folder") as err:
         check_servable(build(), architecture)
     assert named in str(err.value)
+
+
+def test_the_linear_only_layout_with_its_sparse_cache_is_served():
+    # the linear-only preset's settings (no softmax head, the sparse cache ranked by attention and chosen again by
+    # the prompt's last queries, sinks at their own positions): no longer refused (test_vllm.py serves it)
+    cfg = LAYER.replace(softmax_heads=None, feature_map="hedgehog", sink_position="own", sparse_cache=64,
+                        sparse_chunk=16, sparse_score="attention", sparse_observe=8)
+    for build, architecture in ((lambda: _with(Qwen2Config(**SIZES), cfg), "PolyAttnQwen2ForCausalLM"),
+                                (lambda: gemma3(cfg), "PolyAttnGemma3ForCausalLM")):
+        assert check_servable(build(), architecture).sparse_cache == 64

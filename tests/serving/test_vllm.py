@@ -4,8 +4,9 @@ Runs in vLLM's own venv (``make test-vllm``: vLLM pins an older transformers tha
 The folders and transformers' reference tokens are made by ``build_folders.py`` in the package's venv
 (``HF_POLYATTN_REFERENCE_PYTHON``, default ``.venv/bin/python``). Each ``LLM`` takes 20-40 s to start on a 2-core
 CPU, so one engine serves every prompt case of a folder: prompts shorter than, equal to and longer than window +
-sinks, in one batch of mixed lengths, under a budget of 32 tokens a step (chunked prefill of the long prompts) and at
-most 2 sequences at a time (slots reused by later requests).
+sinks, in one batch of mixed lengths, under a budget of 32 tokens a step (chunked prefill of the long prompts; a
+folder whose sparse cache is chosen again by the prompt takes max_model_len, each prompt in one step) and at most 2
+sequences at a time (slots reused by later requests).
 
 Skipped where vLLM is not installed (the package's own venv); ``make test-vllm`` sets HF_POLYATTN_REQUIRE_VLLM=1,
 which turns that skip into a failure.
@@ -84,7 +85,8 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
 # the Llama family's layouts, then the other families (each a hybrid layout: build_folders.FAMILIES says what each
 # sets apart: Qwen2's q/k/v bias, Qwen3's q/k norms and head_dim, Gemma 3's scale, norms, logit soft-cap, local and
 # global RoPE and its sliding-window layers kept vLLM's own)
-@pytest.mark.parametrize("case", ["hybrid", "linear_only", "sliding", "qwen2", "qwen3", "gemma3"])
+# 'sparse_stream': the bounded sparse cache chosen by the streaming rule, its 90-token prompt prefilled in chunks
+@pytest.mark.parametrize("case", ["hybrid", "linear_only", "sliding", "qwen2", "qwen3", "gemma3", "sparse_stream"])
 def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
     out, reference = folders
     served = _result(_serve(out / case, reference["prompts"]))
@@ -125,6 +127,35 @@ def test_the_demo_layout_on_smollm2_equals_transformers(folders):
                                                    abs=0.006)
 
 
+def test_the_linear_only_layout_with_a_sparse_cache_chosen_again_by_the_prompt_equals_transformers(folders):
+    """The linear-only preset's layout (no softmax head, a 16-key sparse cache ranked by attention and chosen again
+    by each prompt's last 4 queries, sinks at their own positions, Hedgehog, decay): every prompt case in one batch
+    of mixed lengths, two sequences at a time (later requests reuse slots). transformers' generate() re-chooses the
+    cache once, at the end of the prompt's one call; so each prompt is prefilled in one step (the config hook
+    switches chunked prefill off: a budget of max_model_len tokens a step)."""
+    out, reference = folders
+    proc = _serve(out / "linear_only_sparse", reference["prompts"],
+                  engine={"max_num_batched_tokens": ENGINE["max_model_len"]})
+    assert "chunked prefill is switched off for this model (sparse_observe=4)" in proc.stdout + proc.stderr
+    served = _result(proc)
+    expected = reference["cases"]["linear_only_sparse"]
+    for name in reference["prompts"]:
+        tokens, logprobs = served[name]
+        assert tokens == expected["tokens"][name], name
+        assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, name
+
+
+def test_a_budget_that_would_split_a_prompt_is_refused_where_the_prompt_chooses_the_cache(folders):
+    """sparse_observe with a budget of 32 tokens a step (below max_model_len 512): a longer prompt would be prefilled
+    in chunks, each chunk re-choosing the cache over its own keys; refused by name at start, not served
+    differently."""
+    out, reference = folders
+    proc = _serve(out / "linear_only_sparse", {"short": reference["prompts"]["short"]})
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "max_num_batched_tokens=32 is below max_model_len=512" in text and "sparse_observe=4" in text
+
+
 def test_without_the_plugin_vllm_refuses_the_folder(folders):
     out, reference = folders
     # VLLM_PLUGINS names the plugins vLLM loads: none of ours
@@ -145,7 +176,9 @@ def test_a_folder_the_plugin_cannot_serve_is_refused_by_name(folders):
     out, reference = folders
     proc = _serve(out / "sparse", {"short": reference["prompts"]["short"]})
     assert proc.returncode != 0
-    assert "sparse_cache=32" in proc.stdout + proc.stderr and "cannot serve this folder" in proc.stdout + proc.stderr
+    text = proc.stdout + proc.stderr
+    # a sparse cache on a layer that keeps a short convolution's state: not on the decoding ring the plugin packs
+    assert "sparse_cache=32 is served on the decoding ring only" in text and "cannot serve this folder" in text
 
 
 def test_bfloat16_serving_gives_the_float32_tokens(folders):

@@ -27,6 +27,42 @@ GRAPHS_NOTE = (
     "vLLM's own state layers do), never inside one."
 )
 
+CHUNKED_PREFILL_NOTE = (
+    "hf_polyattn: chunked prefill is switched off for this model (sparse_observe={observe}). Its sparse cache is "
+    "chosen again by the last queries of every call of more than one token, over the keys of that call; transformers' "
+    "generate() prefills a prompt in one call, and a prompt split into chunks would be chosen again at each chunk's "
+    "end over that chunk's keys only (different tokens). Each prompt is prefilled in one step "
+    "(max_num_batched_tokens={tokens} >= max_model_len={length})."
+)
+
+
+def whole_prompts(scheduler, max_model_len: int, observe: int, speculative) -> None:
+    """A folder whose sparse cache is chosen again at the end of every multi-token call (``sparse_observe``) runs
+    each prompt in one call, as transformers' ``generate()`` does: chunked prefill switched off (with a warning)
+    where every prompt fits one step; a ValueError naming the setting where it does not, where a prefill would still
+    be split (``long_prefill_token_threshold``), or with speculative decoding (multi-token calls after the
+    prompt)."""
+    if not observe:
+        return
+    why = (f"the folder's sparse cache is chosen again at the end of every call of more than one token "
+           f"(sparse_observe={observe}), so a prompt must be prefilled in one call, as transformers' generate() does")
+    if speculative is not None:
+        raise ValueError(f"hf_polyattn: speculative decoding is refused for this model: {why}; speculative tokens "
+                         "would be such a call")
+    if scheduler.long_prefill_token_threshold:
+        raise ValueError(f"hf_polyattn: long_prefill_token_threshold={scheduler.long_prefill_token_threshold} splits "
+                         f"long prompts into chunks, refused for this model: {why}; leave it 0")
+    if scheduler.max_num_batched_tokens < max_model_len:
+        raise ValueError(f"hf_polyattn: max_num_batched_tokens={scheduler.max_num_batched_tokens} is below "
+                         f"max_model_len={max_model_len}, so a long prompt would be prefilled in chunks, refused for "
+                         f"this model: {why}. Set max_num_batched_tokens >= max_model_len (or a smaller max_model_len)")
+    if scheduler.enable_chunked_prefill:
+        logger.warning(CHUNKED_PREFILL_NOTE.format(observe=observe, tokens=scheduler.max_num_batched_tokens,
+                                                   length=max_model_len))
+        # with chunked prefill off vLLM's scheduler waits for a step with room for the whole prompt instead of
+        # scheduling part of it (v1/core/sched/scheduler.py)
+        scheduler.enable_chunked_prefill = False
+
 
 def graph_safe(compilation: CompilationConfig, cuda_alike: bool) -> None:
     """Keep the kernel heads' op out of every captured graph: a splitting op (where vLLM cuts its piecewise graphs,
@@ -69,3 +105,7 @@ class PolyAttnServingConfig(VerifyAndUpdateConfig):
             logger.warning(PREFIX_CACHING_NOTE)
             cache.enable_prefix_caching = False
         graph_safe(vllm_config.compilation_config, current_platform.is_cuda_alike())
+        stored = getattr(text, "polyattn", None)  # a folder without settings is refused by name at load (servable.py)
+        if isinstance(stored, dict) and stored.get("sparse_cache"):
+            whole_prompts(vllm_config.scheduler_config, vllm_config.model_config.max_model_len,
+                          int(stored.get("sparse_observe") or 0), vllm_config.speculative_config)

@@ -113,8 +113,9 @@ class KernelHeadsState(nn.Module, MambaBase):
         layout = self.layout
         buffers = [t[:, sub] for t in self.kv_cache]  # (slots, ...) views of this layer's entry
         ring = isinstance(layout, RingLayout)
+        # a ring with a sparse cache steps alone (its selection moves keys by Python indices: ops.packed.ring_steady)
         batched = self._decode_batch(module, heads, scaling, sub, buffers, q, k, v, output, starts, seq_lens, slots,
-                                     metadata.num_decodes) if ring else ()
+                                     metadata.num_decodes) if ring and not layout.cache else ()
         for i in range(count):
             if i in batched:
                 continue
@@ -126,6 +127,12 @@ class KernelHeadsState(nn.Module, MambaBase):
             if computed == 0:
                 state = module.init_state()
             else:
+                if ring and layout.observe and b - a > 1:
+                    # sparse_observe chooses the cache again at the end of every call of more than one token; in
+                    # transformers that is the whole prompt, here a later chunk of it (or speculative tokens)
+                    raise RuntimeError(f"{self.prefix}[{sub}]: {b - a} tokens continue a request of {computed}; with "
+                                       f"sparse_observe={layout.observe} a prompt must run in one call (chunked "
+                                       "prefill and speculative decoding are refused: config_hook.py)")
                 # a kept ring is the slot's own views, its length what pack_ring wrote: no read of the slot's meta
                 held = cached.length if cached is not None else layout.length(slot)
                 if held != computed:

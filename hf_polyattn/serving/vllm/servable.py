@@ -37,7 +37,8 @@ ROPE_TYPES = ("default", "llama3")
 _REFUSED = "hf_polyattn's vLLM plugin cannot serve this folder: {why}. It serves {what}."
 _WHAT = ("the Llama family (model_type 'llama': SmolLM2, Llama), Qwen2, Qwen3 and Gemma 3 text (gemma3_text: its "
          "sliding-window layers kept exact, sliding_layers='exact', the global layers converted) with a windowed "
-         "linear-time kind (window, sinks, gated decay, feature maps, q/k LayerNorm, feature projection, window mix) "
+         "linear-time kind (window, sinks, gated decay, feature maps, q/k LayerNorm, feature projection, window mix, "
+         "the bounded sparse cache: sparse_cache, sparse_score, sparse_observe with each prompt in one step) "
          "and any layout of softmax kv heads; load other folders with transformers (import hf_polyattn)")
 
 
@@ -74,8 +75,13 @@ def state_layout(config, head_dim: int | None = None,
     one = build_attention(cfg.replace(softmax_heads=None), groups, d, 1, 0)  # one kv head: its feature width
     dtype = key_dtype if key_dtype is not None else _dtype(config)
     if ring_decodes(one):
+        # a sparse cache's slots, kernel inputs, waiting block and (sparse_score='attention') last queries and scores
+        # are sized by the config: the ring stays fixed-size (ops.packed.RingLayout)
+        sparse = {} if not cfg.sparse_cache else dict(
+            cache=cfg.sparse_cache, chunk=cfg.sparse_chunk, kernel_dim=one.kernel_dim, groups=groups,
+            attention=cfg.sparse_score == "attention", observe=cfg.sparse_observe)
         return RingLayout(heads=max(heads, 1), features=one.num_features, head_dim=d, window=cfg.window,
-                          sinks=cfg.sinks, decay=cfg.decay != "none", key_dtype=dtype)
+                          sinks=cfg.sinks, decay=cfg.decay != "none", key_dtype=dtype, **sparse)
     # a kind without a kernel state (sliding_window: exact softmax over the window and the sinks) keeps no kv sum: a
     # one-wide buffer it never writes
     return PackedLayout(heads=max(heads, 1), features=max(one.num_features, 1), head_dim=d,
@@ -223,9 +229,6 @@ def check_servable(config, architecture: str) -> PolyAttnConfig:
         raise _refuse(f"{architecture} runs model_type {MODEL_TYPES.get(architecture)}, the folder's is "
                       f"{model_type!r}")
     cfg = polyattn_config(config)
-    if cfg.sparse_cache:
-        raise _refuse(f"sparse_cache={cfg.sparse_cache} (the bounded sparse cache of the linear-only preset) is not "
-                      "implemented in the plugin")
     if cfg.kind in ("polysketch", "polynomial"):
         raise _refuse(f"kind {cfg.kind!r} keeps no constant-size state the plugin implements")
     _check_family(config, cfg)
@@ -251,7 +254,12 @@ def _probe(cfg: PolyAttnConfig, config) -> None:
     groups = config.num_attention_heads // kv_heads
     module = build_attention(cfg.replace(softmax_heads=None), groups, d, 1, 0)
     layout = state_layout(config, d, torch.float32)
-    n = max(cfg.window, cfg.block_size) + cfg.sinks + 3
+    if cfg.sparse_cache and not isinstance(layout, RingLayout):
+        raise _refuse(f"sparse_cache={cfg.sparse_cache} is served on the decoding ring only (ops.packed.RingLayout), "
+                      f"and kind {cfg.kind!r} with these settings (short_conv, learned_sinks or no window) does not "
+                      "decode on one")
+    # past the window and the sinks, and with a sparse cache past its first block's selection
+    n = max(cfg.window, cfg.block_size) + cfg.sinks + (cfg.sparse_chunk if cfg.sparse_cache else 0) + 3
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, groups, n, d, generator=gen)
     k = torch.randn(1, 1, n, d, generator=gen)
