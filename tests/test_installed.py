@@ -87,12 +87,22 @@ def test_the_wheel_carries_the_package_data(installed):
     for name in ("hf_polyattn/bundled/tinyshakespeare.txt", "hf_polyattn/model_card_template.md",
                  "hf_polyattn/eval/lm_eval_tasks/polyattn_tinyshakespeare.yaml",
                  "hf_polyattn/eval/lm_eval_tasks/hf_polyattn_tasks.py", "hf_polyattn/retrofit.py",
-                 "hf_polyattn/presets.py"):
+                 "hf_polyattn/presets.py", "hf_polyattn/ops/cpu/slot_step.c"):
         assert name in names, name
     code = ("import hf_polyattn, hf_polyattn.data as d; print(hf_polyattn.__file__); print(d.demo_text_path())")
     out = _run(installed, str(installed["python"]), "-c", code).stdout.split()
     venv = str(installed["venv"].resolve())
     assert all(str(Path(p).resolve()).startswith(venv) for p in out), out  # the wheel's copy, not the checkout
+    # the native CPU decoding step builds from the wheel's C source into a fresh cache
+    code = ("import hf_polyattn.ops.cpu_kernels as c; k = c.slot_step_kernel(); "
+            "print(k is not None, c._SOURCE, c.kernel_error())")
+    env = dict(installed["env"], HF_POLYATTN_KERNEL_CACHE=str(installed["work"] / "kernels"))
+    proc = subprocess.run([str(installed["python"]), "-c", code], cwd=installed["work"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    built, source, error = proc.stdout.split(maxsplit=2)
+    assert proc.returncode == 0 and built == "True", proc.stdout + proc.stderr
+    assert str(Path(source).resolve()).startswith(venv), source
+    assert list((installed["work"] / "kernels").glob("slot_step-*.so")), error
 
 
 def test_the_wheel_registers_the_vllm_plugin(wheel):

@@ -97,6 +97,20 @@ def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
         assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, (case, name)
 
 
+def test_without_the_native_step_the_compiled_step_gives_the_same_tokens(folders):
+    """HF_POLYATTN_NATIVE_KERNELS=0 (as where no C compiler runs): the steady rings decode through ``slot_step``
+    under torch.compile, warmed up when vLLM binds the state, and the plugin says so in its log."""
+    out, reference = folders
+    proc = _serve(out / "hybrid", reference["prompts"], env={"HF_POLYATTN_NATIVE_KERNELS": "0"})
+    served = _result(proc)
+    assert "switched off by HF_POLYATTN_NATIVE_KERNELS=0" in proc.stdout + proc.stderr
+    expected = reference["cases"]["hybrid"]
+    for name in reference["prompts"]:
+        tokens, logprobs = served[name]
+        assert tokens == expected["tokens"][name], name
+        assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, name
+
+
 def test_the_demo_layout_on_smollm2_equals_transformers(folders):
     """The demo's attention on the real SmolLM2-135M (30 layers, 22 softmax kv heads scattered over them), at its
     full 8,192 positions, where the state plan stacks several layers' states in each state layer

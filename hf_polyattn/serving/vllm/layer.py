@@ -18,11 +18,15 @@ the state after the chunk is packed back, so chunked prefill equals one long pre
 clean. A slot whose state does not hold the tokens vLLM says the request has computed is an error, never a silent
 restart.
 
-This is the PyTorch path (the reference, and what runs on the CPU). Prompt chunks run one request after another
-through the module; decoding requests whose rings are steady step as one batch.
+Prompt chunks run one request after another through the module (the PyTorch path, the reference). Decoding
+requests whose rings are steady take one call a layer for all of them, on their slots in place (``ops.slot_step``):
+the native kernel on the CPU (``ops/cpu/slot_step.c``, ``ops.cpu_kernels``), ``slot_step`` under ``torch.compile``
+elsewhere or where no C compiler runs. Other rings step as one batch through ``gather_rings`` or one by one.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -54,9 +58,16 @@ from ...ops.packed import (
     unpack_ring,
 )
 from ...ops.rotary import RopeRotation
+from ...ops.cpu_kernels import kernel_error, run_slot_step_native, slot_step_kernel
+from ...ops.slot_step import compiled_slot_step, run_slot_step, slot_plan, slot_state
 from .servable import polyattn_config, state_layout, state_plan
 
 __all__ = ["KernelHeadsState", "PolyAttnAttention"]
+
+# the (heads, entries, dtype, device, layout) whose compiled step ``KernelHeadsState.warm_up`` has run
+_WARMED: set = set()
+_WARNED: list = []  # the native step's absence said once a process
+logger = logging.getLogger(__name__)
 
 class KernelHeadsState(nn.Module, MambaBase):
     """The per-request state of the kernel heads of a run of converted layers (``servable.StatePlan``) in vLLM's
@@ -78,6 +89,14 @@ class KernelHeadsState(nn.Module, MambaBase):
         # the same ring); dropped whenever a prompt chunk repacks the slot
         self._rings: dict[tuple[int, int], object] = {}
         self._lists = None  # (the step's metadata, its query starts, sequence lengths and slots as lists)
+        self._steady = None  # the step's leading steady decodes (``_steady_decodes``)
+        self._state = None  # ``ops.slot_step.slot_state`` of the bound buffers
+        self._slot_plans: dict[int, object] = {}  # sub -> its module's ``ops.slot_step.SlotPlan``, None: not served
+        # (1,) index tensors of each entry and of the members' entries (a compiled step reads a tensor index)
+        # normal tensors, never inference tensors: a compiled step guards on its inputs' dispatch keys
+        with torch.inference_mode(False):
+            self._sub_index = [torch.tensor([i]) for i in range(per_module)]
+            self._member_index = torch.tensor([], dtype=torch.long)
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -87,6 +106,8 @@ class KernelHeadsState(nn.Module, MambaBase):
         if sub in self.members or not 0 <= sub < self.per_module:
             raise ValueError(f"{self.prefix}: entry {sub} is taken or outside 0..{self.per_module - 1}")
         self.members[sub] = (module, heads, scaling)
+        with torch.inference_mode(False):
+            self._member_index = torch.tensor(sorted(self.members), dtype=torch.long)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -107,16 +128,22 @@ class KernelHeadsState(nn.Module, MambaBase):
         if self._lists is None or self._lists[0] is not metadata:  # one step's metadata: read once for the run
             self._lists = (metadata, metadata.query_start_loc.tolist(), metadata.seq_lens.tolist(),
                            metadata.state_indices_tensor.tolist())
+            self._steady = None
         _, starts, seq_lens, slots = self._lists
         count = metadata.num_decodes + metadata.num_prefills
         module, heads, scaling = self.members[sub]
         layout = self.layout
-        buffers = [t[:, sub] for t in self.kv_cache]  # (slots, ...) views of this layer's entry
         ring = isinstance(layout, RingLayout)
+        stepped = self._slot_step(sub, q, k, v, output, metadata) if ring else ()
+        if len(stepped) == count:  # a decoding step with every ring steady: done in one call
+            if starts[count] < output.shape[0]:
+                output[starts[count]:].zero_()
+            return
+        buffers = [t[:, sub] for t in self.kv_cache]  # (slots, ...) views of this layer's entry
         # a ring with a sparse cache steps alone (its selection moves keys by Python indices: ops.packed.ring_steady)
         batched = self._decode_batch(module, heads, scaling, sub, buffers, q, k, v, output, starts, seq_lens, slots,
-                                     metadata.num_decodes) if ring and not layout.cache else ()
-        for i in range(count):
+                                     metadata.num_decodes) if ring and not stepped and not layout.cache else ()
+        for i in range(len(stepped), count):
             if i in batched:
                 continue
             a, b = starts[i], starts[i + 1]
@@ -153,7 +180,132 @@ class KernelHeadsState(nn.Module, MambaBase):
                     self._rings[(sub, index)] = state
             else:
                 pack(state, slot, layout)
-        output[starts[count]:].zero_()
+        if starts[count] < output.shape[0]:
+            output[starts[count]:].zero_()
+
+    def _steady_decodes(self, metadata) -> tuple[int, torch.Tensor | None]:
+        """(n, their slots as a tensor): the step's first n requests are decoding on steady rings (``ops.slot_step``:
+        at least window + sinks tokens computed, every sink filled), checked once per step for every layer of the run
+        on the slots' counters, so that a slot holding another state than the request's (prefix caching, a bug) is
+        never stepped: such a request and the ones after it take the per-request path, which refuses it by name."""
+        if self._steady is not None:
+            return self._steady
+        _, _, seq_lens, slots = self._lists
+        need = self.layout.window + self.layout.sinks
+        n = 0
+        while n < metadata.num_decodes and seq_lens[n] - 1 >= need:
+            n += 1
+        index = None
+        if n:
+            index = metadata.state_indices_tensor[:n].to(torch.long)
+            meta = self.kv_cache[5].index_select(0, index).index_select(1, self._member_index)  # (n, members, 6)
+            computed = metadata.seq_lens[:n].to(meta.dtype) - 1
+            good = ((meta[..., 0] == computed[:, None]) & (meta[..., 2] == self.layout.window) & (meta[..., 3] < 0)
+                    & (meta[..., 5] == 0)).all(1).tolist()
+            n = good.index(False) if False in good else n
+            index = index[:n] if n else None
+        self._steady = (n, index)
+        return self._steady
+
+    def _plan_of(self, sub: int, device: torch.device):
+        """Layer ``sub``'s ``SlotPlan`` on ``device`` (None: ``ops.slot_step`` does not serve its module), made once;
+        the entries' index tensors moved there with the first."""
+        plan = self._slot_plans.get(sub, False)
+        if plan is False:
+            module, _, scaling = self.members[sub]
+            plan = slot_plan(module, self.layout.work, device, scaling)
+            self._slot_plans[sub] = plan
+            if self._member_index.device != device:
+                with torch.inference_mode(False):
+                    self._sub_index = [t.to(device) for t in self._sub_index]
+                    self._member_index = self._member_index.to(device)
+        return plan
+
+    @property
+    def kv_cache(self):
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, buffers) -> None:
+        """vLLM binds the state layer's buffers here (once its cache is allocated): the compiled step is warmed up
+        on them then (``warm_up``)."""
+        self._kv_cache = buffers
+        self._state = self._native = None
+        if len(buffers) and isinstance(self.layout, RingLayout):
+            self._state = slot_state(buffers)
+            if self._state is None:
+                return
+            state = self._state[0]
+            if state.device.type == "cpu" and state.dtype == torch.float32:
+                self._native = slot_step_kernel()
+                if self._native is None and not _WARNED:
+                    _WARNED.append(True)
+                    logger.warning("hf_polyattn: the native CPU decoding step could not be built (%s); decoding "
+                                   "runs the compiled PyTorch step, the same arithmetic, 4-5x slower a layer",
+                                   kernel_error())
+                with torch.inference_mode(False):
+                    self._offsets = torch.tensor(self._state[1], dtype=torch.long)
+            if self._native is None:
+                self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile each layer's step (``ops.slot_step.compiled_slot_step``) for a batch of one sequence and of two
+        on the bound buffers, as the model's decoding steps will call it (inference mode, the model's dtype, the
+        same index tensors), so that the first request whose ring is steady does not wait for the compiler (20-30 s
+        a variant on the 2-core CPU; 2 variants for the demo's layers of 2 and 3 kv heads, 4 at most). The two
+        slots it runs on are given back as they were."""
+        state, offsets = self._state
+        device, dtype = state.device, self.model_config.dtype
+        rows = min(2, state.shape[0])
+        with torch.inference_mode():
+            saved = state[:rows].clone()
+            for sub, (module, heads, _) in sorted(self.members.items()):
+                plan = self._plan_of(sub, device)
+                key = (min(heads, 2), self.per_module, dtype, device, self.layout)
+                if plan is None or key in _WARMED:
+                    continue
+                _WARMED.add(key)
+                for n in range(1, rows + 1):
+                    q = torch.zeros(n, heads, module.groups, self.layout.head_dim, dtype=dtype, device=device)
+                    k = torch.zeros(n, heads, self.layout.head_dim, dtype=dtype, device=device)
+                    run_slot_step(compiled_slot_step(), q, k, k.clone(), torch.arange(n, device=device),
+                                  self._sub_index[sub], state, plan, offsets, self._dims())
+            state[:rows].copy_(saved)
+
+    def _dims(self) -> tuple:
+        layout = self.layout
+        return self.per_module, layout.heads, layout.features, layout.head_dim, layout.decay
+
+    def _slot_step(self, sub: int, q, k, v, output, metadata) -> range:
+        """The step's leading steady decodes of layer ``sub`` in one compiled call (``ops.slot_step``), where the
+        layer's module is one it serves; the requests it ran (range(n), the others run after)."""
+        plan = self._plan_of(sub, self.kv_cache[0].device)
+        if plan is None:
+            return range(0)
+        n, index = self._steady_decodes(metadata)
+        if not n:
+            return range(0)
+        if self._state is None:  # buffers not laid out in slot pages (``slot_state``): the per-request path
+            return range(0)
+        state, offsets = self._state
+        heads = self.members[sub][1]
+        if self._rings:  # those slots move on here: a kept ring object's counters would be stale
+            for slot in self._lists[3][:n]:
+                self._rings.pop((sub, slot), None)
+        g = q.shape[1] // heads
+        q4 = q[:n].view(n, heads, g, -1)
+        if self._native is not None:  # ops/cpu/slot_step.c: float32 in, written into ``output`` where it is float32
+            f32 = output.dtype == torch.float32
+            q4, kn, vn = (t.to(torch.float32).contiguous() for t in (q4, k[:n], v[:n]))
+            out = run_slot_step_native(self._native, q4, kn, vn, index, sub, state, plan, self._offsets,
+                                       self._dims(), output[:n].view(n, heads, g, -1) if f32 else None)
+            if not f32:
+                output[:n] = out.view(n, heads * g, -1)
+            return range(n)
+        out = run_slot_step(compiled_slot_step(), q4, k[:n], v[:n], index, self._sub_index[sub], state, plan,
+                            offsets, self._dims())
+        output[:n] = out.view(n, heads * g, -1)
+        return range(n)
 
     def _decode_batch(self, module, heads, scaling, sub, buffers, q, k, v, output, starts, seq_lens, slots,
                       decodes: int) -> set[int]:
