@@ -7,8 +7,9 @@ operations and a few Python decisions per sequence and layer (0.6 ms a layer and
 vLLM on the 2-core CPU, most of it dispatch, not arithmetic). ``slot_step`` is the same arithmetic for B sequences at
 once, written as one function of tensors that reads each slot through its index and writes back only what a step
 changes (the state, the new key, its [v, 1] and log-gate, the counters). Under ``torch.compile``
-(``compiled_slot_step``) it becomes a few fused kernels and matmuls, 0.3 ms a call on that layer; ``ops/cpu/slot_step.c``
-(``ops.cpu_kernels``) is the same arithmetic as one native call for float32 on the CPU, 0.07 ms.
+(``compiled_slot_step``) it becomes a few fused kernels and matmuls, 0.3 ms a call on that layer;
+``ops/cpu/slot_step.c`` (``ops.cpu_kernels``) is the same arithmetic as one native call for float32 on the CPU,
+0.07 ms.
 
 It serves the steady state of ``fused_step``'s layers (``slot_plan``): every ring slot holds a real key and every
 sink is filled (the ring has seen at least window + sinks tokens, no padding), a softmax window without a soft-cap,
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 from .decode import _plan, ring_decodes
 from .feature_maps import EluFeatureMap, HedgehogFeatureMap, ReluFeatureMap
 
-__all__ = ["SlotPlan", "compiled_slot_step", "slot_buffers", "slot_plan", "slot_state", "run_slot_step", "slot_step", "slot_step_reason", "slot_write"]
+__all__ = ["SlotPlan", "compiled_slot_step", "run_slot_step", "slot_buffers", "slot_plan", "slot_state", "slot_step",
+           "slot_step_reason", "slot_write"]
 
 _MAPS = {EluFeatureMap: "elu", ReluFeatureMap: "relu", HedgehogFeatureMap: "hedgehog"}
 

@@ -45,6 +45,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from ...integration.rope import reads_rope
 from ...ops import HybridAttention, build_attention
 from ...ops.base import softmax_heads_of
+from ...ops.cpu_kernels import kernel_error, run_slot_step_native, slot_step_kernel
 from ...ops.packed import (
     PackedLayout,
     RingLayout,
@@ -58,7 +59,6 @@ from ...ops.packed import (
     unpack_ring,
 )
 from ...ops.rotary import RopeRotation
-from ...ops.cpu_kernels import kernel_error, run_slot_step_native, slot_step_kernel
 from ...ops.slot_step import compiled_slot_step, run_slot_step, slot_plan, slot_state
 from .servable import polyattn_config, state_layout, state_plan
 
