@@ -109,6 +109,8 @@ case "${1:-}" in
     # the plugin's tests with the engine on the GPU (greedy tokens and log-probabilities equal transformers'), then
     # the engine bench: prefill, batch-1 decoding, batch-16 tokens/s and KV capacity of MODEL against BASE in vLLM,
     # one after the other in one run (hf_polyattn/serving/vllm/bench.py), bf16
+    # (and the decoding step the plugin runs there, slot_step compiled for CUDA, against the whole sequence)
+    python -m pytest -q -p no:cacheprovider tests/ops/test_slot_step.py 2>&1 | tee "$OUT/slot_step_tests.txt" | tail -5
     HF_POLYATTN_REQUIRE_VLLM=1 HF_POLYATTN_REFERENCE_PYTHON="$(command -v python)" \
       python -m pytest -q --noconftest -p no:cacheprovider tests/serving \
       2>&1 | tee "$OUT/serve_tests.txt" | tail -20

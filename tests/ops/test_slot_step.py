@@ -50,14 +50,14 @@ def _module(name, rope=True):
     return m
 
 
-def _run(m, lengths, steps, slots, dtype=torch.float32, step_fn=slot_step, sub=1):
+def _run(m, lengths, steps, slots, dtype=torch.float32, step_fn=slot_step, sub=1, device="cpu"):
     """(the outputs of ``steps`` tokens of each sequence stepped together (B, Hq, steps, D), each sequence's whole
     call, the stack of buffers (slots, 3 entries, ...) and a copy of it from before the steps)."""
     layout = RingLayout(heads=3, features=m.num_features, head_dim=D, window=W, sinks=S,
                         decay=m.config.decay != "none", key_dtype=dtype)
-    raw, stack = slot_buffers(layout, 5, 3)
+    raw, stack = slot_buffers(layout, 5, 3, device)
     raw.copy_(torch.randn_like(raw))  # every slot and entry filled: one the step should not touch shows
-    seqs = [[torch.randn(1, h, n + steps, D, dtype=dtype) for h in (HQ, HKV, HKV)] for n in lengths]
+    seqs = [[torch.randn(1, h, n + steps, D, dtype=dtype).to(device) for h in (HQ, HKV, HKV)] for n in lengths]
     scale = 1.0 / math.sqrt(D)
     with torch.no_grad():
         wholes = [m(q, k, v, causal=True) for q, k, v in seqs]
@@ -65,9 +65,9 @@ def _run(m, lengths, steps, slots, dtype=torch.float32, step_fn=slot_step, sub=1
             _, st = m(q[:, :, :n], k[:, :, :n], v[:, :, :n], causal=True, state=m.init_state())
             pack_ring(ring_from_state(m, st, layout), [t[slot, sub] for t in stack], layout)
         before = [t.clone() for t in stack]
-        plan = slot_plan(m, layout.work, torch.device("cpu"), scale)
+        plan = slot_plan(m, layout.work, torch.device(device), scale)
         assert plan is not None
-        index, sub_t = torch.tensor(slots), torch.tensor([sub])
+        index, sub_t = torch.tensor(slots, device=device), torch.tensor([sub], device=device)
         state, offsets = slot_state(stack)
         dims = (3, 3, m.num_features, D, layout.decay)
         outs = []
@@ -154,6 +154,16 @@ def test_compiled_step_equals_the_eager_step():
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
         for a, b in zip(stack_c, stack_e):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (recipes/gpu_checks.sh serve runs it)")
+def test_compiled_step_on_cuda_equals_each_whole_sequence():
+    """The vLLM plugin's decoding step on a GPU (no native kernel there): ``slot_step`` compiled for CUDA."""
+    m = _module("demo").cuda()
+    lengths, steps, slots = [W + S, 2 * W + 5, 4 * W + 3], W + 2, [3, 0, 2]
+    got, wholes, _, _ = _run(m, lengths, steps, slots, step_fn=compiled_slot_step(), device="cuda")
+    for r, (whole, n) in enumerate(zip(wholes, lengths)):
+        torch.testing.assert_close(got[r:r + 1], whole[:, :, n:n + steps], rtol=1e-5, atol=1e-5)
 
 
 def test_layers_it_does_not_serve_are_named():
