@@ -3,13 +3,12 @@
 A server keeps each sequence's ``WindowRing`` in a slot of fixed-size buffers (``ops.packed.RingLayout``: kv,
 keys, vext, valid, logg, meta; stacked over the layers of a run, (slots, P, ...) each). Unpacking a slot into a
 ring object, stepping it with ``ring_step`` / ``fused_step`` and packing it back costs tens of dispatched
-operations and a few Python decisions per sequence and layer (0.6 ms a layer and token on SmolLM2's demo layer in
-vLLM on the 2-core CPU, most of it dispatch, not arithmetic). ``slot_step`` is the same arithmetic for B sequences at
+operations and a few Python decisions per sequence and layer, most of its time dispatch, not arithmetic. ``slot_step`` is the same arithmetic for B sequences at
 once, written as one function of tensors that reads each slot through its index and writes back only what a step
 changes (the state, the new key, its [v, 1] and log-gate, the counters). Under ``torch.compile``
-(``compiled_slot_step``) it becomes a few fused kernels and matmuls, 0.3 ms a call on that layer;
-``ops/cpu/slot_step.c`` (``ops.cpu_kernels``) is the same arithmetic as one native call for float32 on the CPU,
-0.07 ms.
+(``compiled_slot_step``) it becomes a few fused kernels and matmuls; ``ops/cpu/slot_step.c`` (``ops.cpu_kernels``)
+is the same arithmetic as one native call for float32 on the CPU. On that layer at batch 1: 0.59 ms eager, 0.47 ms
+compiled, 0.08 ms native (recipes/results/benchmark_slot_step/cpu-2threads.json, the 2-core CPU).
 
 It serves the steady state of ``fused_step``'s layers (``slot_plan``): every ring slot holds a real key and every
 sink is filled (the ring has seen at least window + sinks tokens, no padding), a softmax window without a soft-cap,
@@ -202,9 +201,9 @@ def slot_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     keys (P, Hmax, S + W, d), vext (.., d + 1), logg (P, Hmax, W), meta (P, 6): length, head, count, filled,
     real_run, waiting); Hkv <= Hmax. The rest: a ``SlotPlan``'s tensors and settings.
 
-    The step writes nothing itself: a compiled step that wrote its input's views in place was copied whole by
-    inductor (17 ms a call for 4 slots of the demo's state layer on the 2-core CPU, 2 s for 300), so the new key
-    enters the read through a mask at its slot and the writes are returned as positions and values."""
+    The step writes nothing itself: a compiled step that wrote its input's views in place had inductor copy the
+    whole state at every call (seconds a call for a state layer of 300 slots), so the new key enters the read
+    through a mask at its slot and the writes are returned as positions and values."""
     b, hkv, g, d = q.shape
     p_, hmax, nf, dh, decay = dims
     n = sinks + window

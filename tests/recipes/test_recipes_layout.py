@@ -24,10 +24,11 @@ RECIPES_WITH_DATA = ["train_gpt2_scratch", "paper_tables"]
 # demo preset through the Python API
 RECIPES_WITHOUT_DATA = ["retrofit", "evaluate", "demo", "thesis_reversal", "sketch_accuracy", "benchmark_decode",
                         "benchmark_split_keys", "benchmark_backends", "benchmark_attention", "inspect_triton_sm90",
-                        "memory_layers", "time_transfer_step"]
+                        "memory_layers", "time_transfer_step", "benchmark_slot_step"]
 # recipes whose --out default is their folder under recipes/results/ (e2e_speed picks it per device, tested apart)
 RESULTS_WRITERS = ["benchmark_attention", "benchmark_decode", "benchmark_split_keys", "benchmark_backends",
-                   "paper_tables", "thesis_reversal", "sketch_accuracy", "inspect_triton_sm90", "memory_layers"]
+                   "paper_tables", "thesis_reversal", "sketch_accuracy", "inspect_triton_sm90", "memory_layers",
+                   "benchmark_slot_step"]
 
 
 def _helps(cwd: Path) -> dict:

@@ -2,8 +2,9 @@
 
    The same arithmetic as the PyTorch reference (tests/ops/test_slot_step.py checks the two agree and both agree
    with the whole sequence in one call), written as loops over the batch's sequences and kv heads that read and
-   write each slot's buffers in place: the PyTorch step (eager or compiled) cost 0.3-0.5 ms a layer and token on
-   the demo's SmolLM2 layer in vLLM on the 2-core CPU, nearly all of it dispatch, for about 0.25 M multiply-adds.
+   write each slot's buffers in place: the PyTorch step (eager or compiled) spends its 0.5-0.6 ms a call on the
+   demo's SmolLM2 layer on dispatch, for about 0.25 M multiply-adds; this file takes 0.08 ms at batch 1
+   (recipes/benchmark_slot_step.py, the 2-core CPU).
 
    Layout (``ops.packed.RingLayout`` stacked over P entries, one page a slot, ``slot_state``): a slot's row starts
    at state + slot * page; buffer i at offsets[i] within it: kv (P, Hmax, F, d + 1), keys (P, Hmax, S + W, d),
