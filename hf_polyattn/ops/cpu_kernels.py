@@ -31,8 +31,9 @@ __all__ = ["kernel_error", "run_slot_step_native", "slot_step_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu") / "slot_step.c"
 # -O3 vectorises the inner loops that carry no reduction (vectorising the dot products' reductions too, with
-# -fopenmp-simd, made the demo layer's call slower on the 2-core CPU); -march=native: the file is built on the machine that runs it (the cache key
-# holds the machine); -ffp-contract=off keeps a * b + c two roundings as PyTorch's CPU kernels round them
+# -fopenmp-simd, made the demo layer's call slower on the 2-core CPU); -march=native: the file is built on the
+# machine that runs it (the cache key holds the machine); -ffp-contract=off keeps a * b + c two roundings as
+# PyTorch's CPU kernels round them
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 _ERROR: list[str] = []
 

@@ -1,14 +1,15 @@
 """One decoding step of many sequences' steady rings, read and written in place in their slots of packed buffers.
 
-A server keeps each sequence's ``WindowRing`` in a slot of fixed-size buffers (``ops.packed.RingLayout``: kv,
-keys, vext, valid, logg, meta; stacked over the layers of a run, (slots, P, ...) each). Unpacking a slot into a
-ring object, stepping it with ``ring_step`` / ``fused_step`` and packing it back costs tens of dispatched
-operations and a few Python decisions per sequence and layer, most of its time dispatch, not arithmetic. ``slot_step`` is the same arithmetic for B sequences at
-once, written as one function of tensors that reads each slot through its index and writes back only what a step
-changes (the state, the new key, its [v, 1] and log-gate, the counters). Under ``torch.compile``
-(``compiled_slot_step``) it becomes a few fused kernels and matmuls; ``ops/cpu/slot_step.c`` (``ops.cpu_kernels``)
-is the same arithmetic as one native call for float32 on the CPU. On that layer at batch 1: 0.59 ms eager, 0.47 ms
-compiled, 0.08 ms native (recipes/results/benchmark_slot_step/cpu-2threads.json, the 2-core CPU).
+A server keeps each sequence's ``WindowRing`` in a slot of fixed-size buffers (``ops.packed.RingLayout``: kv, keys,
+vext, valid, logg, meta; stacked over the layers of a run, (slots, P, ...) each). Unpacking a slot into a ring
+object, stepping it with ``ring_step`` / ``fused_step`` and packing it back costs tens of dispatched operations and
+a few Python decisions per sequence and layer, most of its time dispatch, not arithmetic. ``slot_step`` is the same
+arithmetic for B sequences at once, written as one function of tensors that reads each slot through its index and
+writes back only what a step changes (the state, the new key, its [v, 1] and log-gate, the counters). Under
+``torch.compile`` (``compiled_slot_step``) it becomes a few fused kernels and matmuls; ``ops/cpu/slot_step.c``
+(``ops.cpu_kernels``) is the same arithmetic as one native call for float32 on the CPU. The demo's layer, batch 1:
+0.59 ms eager, 0.47 ms compiled, 0.08 ms native (recipes/results/benchmark_slot_step/cpu-2threads.json, the 2-core
+CPU).
 
 It serves the steady state of ``fused_step``'s layers (``slot_plan``): every ring slot holds a real key and every
 sink is filled (the ring has seen at least window + sinks tokens, no padding), a softmax window without a soft-cap,
