@@ -39,7 +39,7 @@ _ERROR: list[str] = []
 
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _ARGTYPES = [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
-             _I64, _I64, _I64, _I64, _I64, _INT,
+             _I64, _I64, _I64, _I64, _INT,
              _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _F32, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _F32, _PTR,
              _PTR, _I64, _I64, _F32, _F32, _F32, _PTR]
 
@@ -136,11 +136,11 @@ def run_slot_step_native(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     view of ``slot_state``, ``offsets`` its offsets as an int64 tensor; the (B, Hkv, G, d) output (into ``out``
     where given)."""
     b, hkv, g, d = q.shape
-    entries, hmax, nfeat, _, decay = dims
+    _, hmax, nfeat, _, decay = dims
     if out is None:
         out = torch.empty_like(q)
     status = kernel(b, hkv, g, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), sub,
-                    state.data_ptr(), state.stride(0), offsets.data_ptr(), entries, hmax, nfeat, plan.sinks,
+                    state.data_ptr(), state.stride(0), offsets.data_ptr(), hmax, nfeat, plan.sinks,
                     plan.window, int(decay), *native_plan(plan), out.data_ptr())
     if status:
         raise MemoryError("the native slot step could not allocate its scratch memory")

@@ -82,6 +82,16 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def _assert_equals_transformers(served: dict, reference: dict, case: str) -> None:
+    """Every prompt's greedy tokens served equal transformers' for the folder ``case``, and their log-probabilities
+    within LOGPROB_TOLERANCE."""
+    expected = reference["cases"][case]
+    for name in reference["prompts"]:
+        tokens, logprobs = served[name]
+        assert tokens == expected["tokens"][name], (case, name)
+        assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, (case, name)
+
+
 # the Llama family's layouts, then the other families (each a hybrid layout: build_folders.FAMILIES says what each
 # sets apart: Qwen2's q/k/v bias, Qwen3's q/k norms and head_dim, Gemma 3's scale, norms, logit soft-cap, local and
 # global RoPE and its sliding-window layers kept vLLM's own)
@@ -90,11 +100,7 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
 def test_greedy_tokens_and_logprobs_equal_transformers(folders, case):
     out, reference = folders
     served = _result(_serve(out / case, reference["prompts"]))
-    expected = reference["cases"][case]
-    for name in reference["prompts"]:
-        tokens, logprobs = served[name]
-        assert tokens == expected["tokens"][name], (case, name)
-        assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, (case, name)
+    _assert_equals_transformers(served, reference, case)
 
 
 def test_without_the_native_step_the_compiled_step_gives_the_same_tokens(folders):
@@ -104,11 +110,7 @@ def test_without_the_native_step_the_compiled_step_gives_the_same_tokens(folders
     proc = _serve(out / "hybrid", reference["prompts"], env={"HF_POLYATTN_NATIVE_KERNELS": "0"})
     served = _result(proc)
     assert "switched off by HF_POLYATTN_NATIVE_KERNELS=0" in proc.stdout + proc.stderr
-    expected = reference["cases"]["hybrid"]
-    for name in reference["prompts"]:
-        tokens, logprobs = served[name]
-        assert tokens == expected["tokens"][name], name
-        assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, name
+    _assert_equals_transformers(served, reference, "hybrid")
 
 
 def test_the_demo_layout_on_smollm2_equals_transformers(folders):
@@ -152,11 +154,7 @@ def test_the_linear_only_layout_with_a_sparse_cache_chosen_again_by_the_prompt_e
                   engine={"max_num_batched_tokens": ENGINE["max_model_len"]})
     assert "chunked prefill is switched off for this model (sparse_observe=4)" in proc.stdout + proc.stderr
     served = _result(proc)
-    expected = reference["cases"]["linear_only_sparse"]
-    for name in reference["prompts"]:
-        tokens, logprobs = served[name]
-        assert tokens == expected["tokens"][name], name
-        assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"][name])) < LOGPROB_TOLERANCE, name
+    _assert_equals_transformers(served, reference, "linear_only_sparse")
 
 
 def test_a_budget_that_would_split_a_prompt_is_refused_where_the_prompt_chooses_the_cache(folders):

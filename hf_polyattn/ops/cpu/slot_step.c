@@ -86,8 +86,8 @@ int hf_polyattn_slot_step(
     /* B sequences, Hkv kv heads, G queries a head, head dim d */
     int64_t b_count, int64_t hkv, int64_t g, int64_t d, const float *q, const float *k, const float *v,
     const int64_t *slots, int64_t sub, float *state, int64_t page, const int64_t *offsets,
-    /* the buffers' entries, kv heads, state features (after the map) */
-    int64_t entries, int64_t hmax, int64_t nfeat, int64_t sinks, int64_t window, int decay,
+    /* the buffers' kv heads, state features (after the map) */
+    int64_t hmax, int64_t nfeat, int64_t sinks, int64_t window, int decay,
     /* the layer (``SlotPlan``; NULL where absent) */
     const float *proj, int64_t nproj, const float *q_norm_w, const float *q_norm_b, const float *k_norm_w,
     const float *k_norm_b, float eps, int feature, const float *map_w, int64_t nmap, const float *gate_w,
@@ -96,7 +96,6 @@ int hf_polyattn_slot_step(
     float *out) {
     const int64_t n = sinks + window, e = d + 1;
     const int64_t nf = proj ? nproj : d; /* the kernel inputs' width */
-    (void)entries;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(2 * (nf + nmap) + (g + 1) * nfeat + g * n + 2 * g * e
                                                                + 2 * d + 2));
     if (!scratch) return 1;
