@@ -45,6 +45,7 @@ READ_WHEN = {
     "decay_horizon": lambda c: c.decay != "none",
     "decay_max_horizon": lambda c: c.decay != "none",
     "sparse_observe_pool": lambda c: bool(c.sparse_cache and c.sparse_observe),
+    "sparse_value_pool": lambda c: bool(c.sparse_cache and c.sparse_value_keys),
 }
 
 
@@ -75,10 +76,12 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _SWITCHES = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
              "sink_span", "learned_sinks", "qk_norm", "feature_proj", "alpha", "beta", "denominator_offset",
              "poly_coefficients", "learn_coefficients", "feature_map", "decay", "decay_horizon", "decay_max_horizon",
-             "short_conv", "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool", "sparse_score")
+             "short_conv", "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool", "sparse_score",
+             "sparse_value_keys", "sparse_value_pool")
 _INT_MINIMUM = {"degree": 1, "sketch_size": 1, "num_features": 1, "block_size": 1, "max_tensor_features": 1, "seed": 0,
                 "window": 0, "sinks": 0, "sink_span": 0, "learned_sinks": 0, "feature_proj": 0, "short_conv": 0,
-                "sparse_cache": 0, "sparse_chunk": 1, "sparse_observe": 0, "sparse_observe_pool": 1}
+                "sparse_cache": 0, "sparse_chunk": 1, "sparse_observe": 0, "sparse_observe_pool": 1,
+                "sparse_value_keys": 0, "sparse_value_pool": 1}
 # ops.attention.layer_seed reduces seed * 1_000_003 modulo 2**62: a larger seed would silently draw the
 # sketches / features of a smaller one (2**62 those of 0).
 _INT_MAXIMUM = {"seed": 2**62 - 1}
@@ -307,6 +310,27 @@ class PolyAttnConfig:
             "keys around it (a 7-digit key is 7 tokens; a width of 7 kept the first 4 of them)"
         },
     )
+    sparse_value_keys: int = field(
+        default=0,
+        metadata={
+            "help": "of the sparse cache's sparse_cache keys, this many are the candidates of largest value norm "
+            "|v| (per kv head, pooled over sparse_value_pool neighbours), whatever sparse_score or sparse_observe "
+            "rank them: a memory that neither recency nor the last queries decide, so a key that nothing has asked "
+            "for yet stays for a question that comes in a later turn. Why |v|: in SmolLM2-135M's softmax heads that "
+            "read a passkey needle most when asked, the needle's key tokens rank above 81-92% of a 4k-8k document's "
+            "keys by |v|, and below 74-93% of them by the attention that later text gives them (what "
+            "sparse_score='attention' ranks by; recipes/results/later_question/needle_ranks_*.json). The rest of the "
+            "budget is chosen as before. Needs sparse_cache > 0; at most sparse_cache. 0 = off"
+        },
+    )
+    sparse_value_pool: int = field(
+        default=5,
+        metadata={
+            "help": "sparse_value_keys' max-pooling width over neighbouring candidates (odd): a heavy key brings the "
+            "keys around it (a number's digits and the space token before them, which the answer's first query "
+            "reads)"
+        },
+    )
     alpha: float = field(default=0.0, metadata={"help": "polynomial kernel bias: ((s q.k + alpha)/beta)^p"})
     beta: float = field(default=1.0, metadata={"help": "polynomial kernel scale: ((s q.k + alpha)/beta)^p"})
     denominator_offset: float = field(
@@ -426,6 +450,18 @@ class PolyAttnConfig:
         if self.sparse_observe_pool != 15 and not self.sparse_observe:
             raise ValueError(f"sparse_observe_pool={self.sparse_observe_pool} needs sparse_observe > 0 (it is its "
                              "max-pooling width)")
+        if self.sparse_value_keys and not self.sparse_cache:
+            raise ValueError(f"sparse_value_keys={self.sparse_value_keys} needs sparse_cache > 0 (it reserves part of "
+                             "the sparse cache for the keys of largest |v|)")
+        if self.sparse_value_keys > self.sparse_cache:
+            raise ValueError(f"sparse_value_keys must be at most sparse_cache={self.sparse_cache} (the share of the "
+                             f"cache it reserves), got {self.sparse_value_keys}")
+        if self.sparse_value_pool != 5 and not self.sparse_value_keys:
+            raise ValueError(f"sparse_value_pool={self.sparse_value_pool} needs sparse_value_keys > 0 (it is its "
+                             "max-pooling width)")
+        if self.sparse_value_pool % 2 == 0:
+            raise ValueError(f"sparse_value_pool must be an odd number >= 1 (a window centred on each key), got "
+                             f"{self.sparse_value_pool}")
         if self.sparse_observe_pool % 2 == 0:
             raise ValueError(f"sparse_observe_pool must be an odd number >= 1 (a window centred on each key), got "
                              f"{self.sparse_observe_pool}")

@@ -21,12 +21,14 @@ TRAIN_FIELDS = ("transfer_steps", "transfer_lr", "transfer_batch_size", "transfe
 # PolyAttnConfig fields added after the presets' runs were recorded (short_conv: the delta work; sliding_layers: the
 # sliding-window layers; sparse_cache, sparse_chunk: the sparse cache; softcap_mode: Gemma 2's soft-capping). A record
 # without one ran before it existed, i.e. with what its default computes: no short convolution, no sparse cache (nor
-# its re-choice by a prompt's last queries: sparse_observe, sparse_observe_pool, nor its ranking: sparse_score), no
+# its re-choice by a prompt's last queries: sparse_observe, sparse_observe_pool, nor its ranking: sparse_score, nor
+# the keys of largest |v|: sparse_value_keys, sparse_value_pool), no
 # bound on the decay's memory
 # (decay_max_horizon), the sinks' span at w + s - 1 (sink_span 0: issue 32), and SmolLM2 has no sliding layers and
 # no soft-capping.
 ADDED_SINCE = {"short_conv", "sliding_layers", "sparse_cache", "sparse_chunk", "softcap_mode", "decay_max_horizon",
-               "sparse_observe", "sparse_observe_pool", "sparse_score", "sink_span"}
+               "sparse_observe", "sparse_observe_pool", "sparse_score", "sink_span", "sparse_value_keys",
+               "sparse_value_pool"}
 
 
 def smollm2_config():

@@ -327,7 +327,8 @@ def streaming_config(sinks: int = 4, window: int = 128):
 # the settings a matched-memory row copies from an evaluated model with a sparse cache: where its exact keys sit and
 # how they are chosen (sparse_cache itself is the budget, from matched_cache or the model)
 MATCHED_FIELDS = ("sinks", "window", "sink_position", "sink_span", "sparse_cache", "sparse_chunk", "sparse_score",
-                  "sparse_observe", "sparse_observe_pool")
+                  "sparse_observe", "sparse_observe_pool", "sparse_value_keys",
+                  "sparse_value_pool")
 
 
 def matched_memory_config(sparse_cache: int = MATCHED_CACHE, *, like=None, sinks: int = 4, window: int = 128,
@@ -376,6 +377,8 @@ def _matched_label(settings: LongContextSettings, like=None) -> str:
     budget, cfg = _matched(settings, like)
     obs = f", sparse_observe {cfg.sparse_observe}" if cfg.sparse_observe else ""
     obs += ", sinks at their own positions" if cfg.sink_position == "own" else ""
+    if cfg.sparse_value_keys:
+        obs += f", {cfg.sparse_value_keys} of them by the largest |v| pooled over {cfg.sparse_value_pool}"
     return (f"sparse cache on softmax (matched memory): exact softmax on {cfg.sinks} sinks + a {cfg.window}-token "
             f"window + {budget} selected keys (sparse_score {cfg.sparse_score!r}, blocks of {cfg.sparse_chunk}{obs}), "
             "no training")

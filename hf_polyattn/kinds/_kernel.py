@@ -8,11 +8,12 @@ from __future__ import annotations
 KERNEL_FIELDS = ("short_conv", "qk_norm", "feature_proj", "block_size", "backend", "denominator_offset")
 # The exact local part beside a linear-time kernel: diagonal blocks or a sliding window.
 # sinks / learned_sinks: keys attended exactly beside the window (ops/window.py).
-# sparse_cache / sparse_chunk / sparse_observe(_pool) / sparse_score: the bounded sparse cache beside the window
+# sparse_cache / sparse_chunk / sparse_observe(_pool) / sparse_score / sparse_value_keys(_pool): the bounded sparse
+# cache beside the window
 # (ops/sparse.py).
 LOCAL_FIELDS = ("local_exact", "local_kernel", "window", "window_mix", "window_mix_init", "sinks", "sink_position",
                 "sink_span", "learned_sinks", "sparse_cache", "sparse_chunk", "sparse_observe", "sparse_observe_pool",
-                "sparse_score", "causal_algorithm")
+                "sparse_score", "sparse_value_keys", "sparse_value_pool", "causal_algorithm")
 # Decay of a linear-time kernel's state (RetNet's scalar gamma, GLA-style gates): the kinds with a kernel state.
 DECAY_FIELDS = ("decay", "decay_horizon", "decay_max_horizon")
 
@@ -71,8 +72,10 @@ def local_label(config) -> list[str]:
                    f"{config.sparse_observe_pool})" if config.sparse_observe else "")
         score = {"relative": ", relative recall error", "attention": ", ranked by the attention of the last "
                  f"{config.sparse_chunk} queries"}.get(config.sparse_score, "")
+        heavy = (f", {config.sparse_value_keys} of them the largest |v| (pooled over {config.sparse_value_pool})"
+                 if config.sparse_value_keys else "")
         parts.append(f"sparse cache of {config.sparse_cache} keys (LoLA, blocks of {config.sparse_chunk}{score}"
-                     f"{observe})")
+                     f"{heavy}{observe})")
     if config.decay == "scalar":
         parts.append(decay_label("scalar decay", f"horizon {config.decay_horizon:g}", max_horizon_label(config)))
     elif config.decay == "gate":

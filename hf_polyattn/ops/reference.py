@@ -167,7 +167,8 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
                             scores = (x_obs[row, h][:, before], acc)
                         cache, folded, acc = _select_block(fk[row, h, 0], v[row, h], g[row, h], real, rank, sink,
                                                            chunk, budget, done, cache, folded,
-                                                           cfg.sparse_score == "relative", scores)
+                                                           cfg.sparse_score == "relative", scores,
+                                                           cfg.sparse_value_keys, cfg.sparse_value_pool)
                         done += 1
                     seen[i] = list(cache)
                 mine = [i for i in queries if lk - lq + i in rank]  # the call's real queries
@@ -188,6 +189,9 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
                         pooled = [float(own[max(0, t - width // 2): t + width // 2 + 1].max())
                                   for t in range(len(own))]
                         order = sorted(col, key=lambda t: (-pooled[t], -float(own[t]), t))
+                        heavy = _heaviest([j if t in col else None for t, j in enumerate(layout)], v[row, h],
+                                          cfg.sparse_value_keys, cfg.sparse_value_pool)
+                        order = [t for t in col if layout[t] in heavy] + [t for t in order if layout[t] not in heavy]
                         kept = sorted(order[:budget])
                         seen[r] = [layout[t] for t in kept]
                         acc = {layout[t]: float(own[t]) for t in kept}
@@ -201,22 +205,41 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
     return exact
 
 
+def _heaviest(layout: list, v: torch.Tensor, count: int, width: int) -> set:
+    """``sparse_value_keys``: the ``count`` keys of ``layout`` (candidates in candidate order, None where a slot holds
+    none) first by their |v| max-pooled over ``width`` neighbours in the layout (an empty slot counts 0), then by
+    their own |v|, then the earlier."""
+    norms = [0.0 if j is None else float(torch.linalg.vector_norm(v[j].float())) for j in layout]
+    pooled = [max(norms[max(0, t - width // 2): t + width // 2 + 1]) for t in range(len(layout))]
+    order = sorted((t for t, j in enumerate(layout) if j is not None), key=lambda t: (-pooled[t], -norms[t], t))
+    return {layout[t] for t in order[:count]}
+
+
 def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int, cache: list, folded: list,
-                  relative: bool = False, scores=None):
+                  relative: bool = False, scores=None, value_keys: int = 0, value_pool: int = 1):
     """One row and head's streaming selection of block ``blk`` (Cache_blk -> Cache_blk+1, ``_sparse_exact``):
     (the new cache, the folded keys, the kept keys' scores). fk (Lk, F), v (Lk, d), g (Lk,) the row and head's
     features, values and cumulative log-gates; ``real`` its real keys, ``rank`` their real index, ``sink`` the
     sinks; ``relative`` ranks by the error over |v| (``sparse_score='relative'``); ``scores`` (x (G, Q, Lk) the
-    scaled scores of the queries that choose, {key: its carried score}) ranks by ``sparse_score='attention'``."""
+    scaled scores of the queries that choose, {key: its carried score}) ranks by ``sparse_score='attention'``;
+    ``value_keys`` (``sparse_value_keys``) candidates of largest |v| pooled over ``value_pool`` neighbours are kept
+    before any other, pooled in the layout the forward ranks (the cache's ``budget`` slots, its keys first, then the
+    block with its sinks as empty slots)."""
     d = v.shape[-1]
     members = [j for j in real if blk * chunk <= rank[j] < (blk + 1) * chunk]
     ref = members[-1]
     cands = cache + [j for j in members if j not in sink]
+    layout = cache + [None] * (budget - len(cache)) + [None if j in sink else j for j in members]
+    heavy = _heaviest(layout, v, value_keys, value_pool) if value_keys else set()
+
+    def first_heavy(ranked):  # the reserved candidates ahead, each part in its own order
+        return [t for t in range(len(cands)) if cands[t] in heavy] + [t for t in ranked if cands[t] not in heavy]
+
     if scores is not None:
         x, carried = scores
         own = x[:, :, cands].double().softmax(-1).sum((0, 1)) if x.shape[1] else torch.zeros(len(cands))
         errors = [float(own[t]) + ATTENTION_CARRY * carried.get(j, 0.0) for t, j in enumerate(cands)]
-        ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
+        ranked = first_heavy(sorted(range(len(cands)), key=lambda t: -errors[t]))
         kept = sorted(ranked[:budget])
         return ([cands[t] for t in kept], folded + [cands[t] for t in ranked[budget:]],
                 {cands[t]: errors[t] for t in kept})
@@ -231,7 +254,7 @@ def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int,
         if relative:
             err /= max(float(torch.linalg.vector_norm(v[j])), torch.finfo(v.dtype).tiny)
         errors.append(err)
-    ranked = sorted(range(len(cands)), key=lambda t: -errors[t])
+    ranked = first_heavy(sorted(range(len(cands)), key=lambda t: -errors[t]))
     return [cands[t] for t in sorted(ranked[:budget])], folded + [cands[t] for t in ranked[budget:]], {}
 
 

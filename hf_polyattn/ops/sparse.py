@@ -73,6 +73,15 @@ queries straddle a block's edge), then per observed query its sort and its kept 
 (recipes/experiments/retrieval/observe_cost.py times a prefill with and without); the candidates' keys are held
 with the call's activations, O(n) like them.
 
+Kept for a later question (``sparse_value_keys`` K, pooled over ``sparse_value_pool`` neighbours). Both rules above
+choose by queries that exist when they choose: a document read in its own call (a chat server, a prefix cache) is
+chosen again by its own last queries, and a question asked in a later turn finds only what those kept. So K of the
+``sparse_cache`` slots go, in every selection (streaming, observed and decoding alike), to the candidates of largest
+|v| max-pooled over their neighbours in candidate order (``value_rank``; an invalid candidate counts 0), whatever the
+score; the rest of the budget is ranked as before. |v| needs no query and no state: in SmolLM2-135M's heads that
+answer a passkey, the needle's tokens rank high by |v| and low by the attention later text gives them
+(recipes/results/later_question/needle_ranks_*.json).
+
 The forward (``SparseMixin._sparse_call``) and the generic recurrent state (``RecurrentState``'s ``sparse_*`` fields)
 share ``select_and_fold``; the decoding ring (``ops/decode.py``) keeps the cache and the pending block in slots after
 the sinks and calls the same function (``ring_leave``). Pure PyTorch: never imports transformers.
@@ -93,7 +102,7 @@ from .window_flash import rows_flash
 
 __all__ = ["ATTENTION_CARRY", "SparseMixin", "attention_score", "choose_kept", "fold_evicted", "pending_log",
            "recall_error", "ring_leave", "ring_query", "ring_select", "select_and_fold", "sparse_from_recurrent",
-           "sparse_to_recurrent"]
+           "sparse_to_recurrent", "value_norm", "value_rank"]
 
 
 def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, relative: bool = False) -> torch.Tensor:
@@ -138,31 +147,65 @@ def attention_score(q: torch.Tensor, q_valid: torch.Tensor, keys: torch.Tensor, 
 
 def select_and_fold(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, valid: torch.Tensor, budget: int,
                     to_ref: torch.Tensor | None = None, decay: torch.Tensor | None = None, relative: bool = False,
-                    score: torch.Tensor | None = None):
+                    score: torch.Tensor | None = None, value_keys: int = 0, value_pool: int = 1):
     """One selection step: (the state after it, keep (..., budget) the kept candidates' indices in increasing order,
     their validity (..., budget)).
 
     kv (..., F, e) the state; feats (..., N, F), vext (..., N, e), valid (..., N) the N >= budget candidates (the
     cache, then the block); ``to_ref`` (..., N) each candidate's log-decay to the state's new reference (the block's
     last key) and ``decay`` (...) the state's own, or None without decay; ``relative`` ranks by ``recall_error``'s
-    relative error (``sparse_score``); ``score`` (..., N) ranks by it instead (``attention_score``). The errors are
+    relative error (``sparse_score``); ``score`` (..., N) ranks by it instead (``attention_score``);
+    ``value_keys`` (``sparse_value_keys``) of the budget go first to the candidates of largest |v| pooled over
+    ``value_pool`` neighbours (``sparse_value_pool``). The errors are
     read under no_grad (the choice is not differentiable); the fold is (gradients flow into the state through the
     evicted keys)."""
     with torch.no_grad():
         if score is None:
             score = recall_error(kv.detach(), feats.detach(), vext.detach(), relative)
-        keep = choose_kept(score.detach(), valid, budget)
+        keep = choose_kept(score.detach(), valid, budget, value_norm(vext.detach()) if value_keys else None,
+                           value_keys, value_pool)
     return fold_evicted(kv, feats, vext, valid, keep, to_ref, decay)
 
 
-def choose_kept(err: torch.Tensor, valid: torch.Tensor, budget: int) -> torch.Tensor:
+def value_norm(vext: torch.Tensor) -> torch.Tensor:
+    """|v| (..., N) of candidates [v, 1] ``vext`` (..., N, d + 1), in float32 at least: what
+    ``sparse_value_keys`` ranks by."""
+    v = vext[..., :-1]
+    return torch.linalg.vector_norm(v.to(torch.promote_types(v.dtype, torch.float32)), dim=-1)
+
+
+def value_rank(norm: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+    """``sparse_value_keys``' ranking of N candidates (..., N), larger first, all distinct: each valid candidate's |v|
+    ``norm`` max-pooled over ``width`` neighbours in candidate order (``sparse_value_pool``; invalid ones count 0),
+    ties by its own |v|, then the earlier. Why pooled: a heavy token brings its neighbours (a passkey's digits
+    and the space token before them, which the answer's first query reads)."""
+    own = torch.where(valid, torch.nan_to_num(norm, nan=0.0), 0.0)
+    pooled = own
+    if width > 1:
+        pooled = torch.nn.functional.max_pool1d(own.reshape(-1, 1, own.shape[-1]), width, 1, width // 2)
+        pooled = pooled.reshape(own.shape)
+    order = own.sort(dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, pooled.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
+    ranks = torch.arange(own.shape[-1], 0, -1, device=own.device, dtype=own.dtype).expand_as(order)
+    return torch.empty_like(own).scatter_(-1, order, ranks)
+
+
+def choose_kept(err: torch.Tensor, valid: torch.Tensor, budget: int, norm: torch.Tensor | None = None,
+                value_keys: int = 0, width: int = 1) -> torch.Tensor:
     """``select_and_fold``'s choice: (..., budget) indices of the ``budget`` valid candidates of largest ``err``
-    (..., N) (NaN counts as 0; of equal errors the earlier), the valid ones first, each part in candidate order."""
+    (..., N) (NaN counts as 0; of equal errors the earlier), the valid ones first, each part in candidate order.
+    ``value_keys`` > 0 (``sparse_value_keys``): the ``value_keys`` valid candidates first by ``value_rank`` of
+    ``norm`` (..., N) (|v|, ``value_norm``) pooled over ``width`` are kept first, the rest of the budget by ``err``."""
     n = valid.shape[-1]
     # invalid candidates rank below every valid one (errors are >= 0); equal scores keep the earlier candidate (a
     # stable sort, as the reference's), so invalid ones go older first: sparse_score='relative' scores every
     # candidate 1 against an empty state, and topk's order among ties is the implementation's
     score = torch.where(valid, torch.nan_to_num(err, nan=0.0), -1.0)
+    if value_keys:
+        heavy = torch.where(valid, value_rank(norm, valid, width), -1.0)
+        top = heavy.sort(dim=-1, descending=True, stable=True).indices[..., :value_keys]
+        reserved = torch.zeros_like(valid).scatter_(-1, top, True) & valid
+        score = torch.where(reserved, torch.inf, score)  # ahead of every error; their order: candidate order
     keep = score.sort(dim=-1, descending=True, stable=True).indices[..., :budget]
     # the valid ones first, each part in candidate order: every kv head of a row then has its valid slots in the
     # same places (as many valid candidates, ranked first), which the decoding ring's per-row slot mask needs
@@ -392,7 +435,8 @@ class SparseMixin:
                                             _take(pool_raw, cand), cand_valid, scale, acc)
                 new_kv, keep, keep_valid = select_and_fold(
                     kv, self._full_features(_take(pool_side, cand)), _take(pool_vext, cand), cand_valid, budget,
-                    to_ref, decay, cfg.sparse_score == "relative", score)
+                    to_ref, decay, cfg.sparse_score == "relative", score, cfg.sparse_value_keys,
+                    cfg.sparse_value_pool)
                 active = (epoch * chunk + w - 1 <= last)[:, None]  # rows whose queries reach this epoch
                 if attn:
                     acc = torch.where(active[..., None], score.gather(-1, keep), acc)
@@ -458,6 +502,7 @@ class SparseMixin:
         seen = (obs >= first[:, None]) & (obs >= 0)
         feats = self._full_features(pool_side)
         pos = torch.arange(lk, device=device)
+        norms = value_norm(pool_vext.detach()) if cfg.sparse_value_keys else None
         with torch.no_grad():  # the choice is not differentiable (as the streaming selection's)
             q = qa.detach().gather(3, obs.clamp(min=0)[:, None, None, :, None].expand(b, hkv, g, n_obs, d))
             x = torch.matmul(q * scale, pool_raw.detach()[:, :, None].transpose(-1, -2)).float()  # (B, Hkv, G, L, P)
@@ -492,9 +537,10 @@ class SparseMixin:
                 order = order.gather(-1, pooled.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
                 ranks = torch.arange(n_pool, 0, -1, device=device, dtype=own.dtype).expand_as(order)
                 ranked = torch.empty_like(own).scatter_(-1, order, ranks)
-                keep = choose_kept(ranked, cand, budget)
-                read = keep if self.observe_keys is None else choose_kept(ranked, cand,
-                                                                          min(self.observe_keys, n_pool))
+                keep = choose_kept(ranked, cand, budget, norms, cfg.sparse_value_keys, cfg.sparse_value_pool)
+                read = keep if self.observe_keys is None else choose_kept(
+                    ranked, cand, min(self.observe_keys, n_pool), norms, cfg.sparse_value_keys,
+                    cfg.sparse_value_pool)
             g_ref = to_ref = None
             if pool_g is not None:
                 ref = (budget + blocks * chunk - 1).clamp(min=budget)  # blocks == 0: no reference moved (G = 0)
@@ -716,7 +762,8 @@ def ring_select(module, ring, done: torch.Tensor, scale: float) -> None:
     if ring.q_hist is not None:
         score = attention_score(ring.q_hist, ring.q_real, ring.keys[:, :, both], valid, scale, ring.score)
     new_kv, keep, keep_valid = select_and_fold(ring.kv, feats, ring.vext[:, :, both], valid, lam, to_ref, decay,
-                                               module.config.sparse_score == "relative", score)
+                                               module.config.sparse_score == "relative", score,
+                                               module.config.sparse_value_keys, module.config.sparse_value_pool)
     rows = done[:, None, None, None]
     ring.kv.copy_(torch.where(rows, new_kv, ring.kv))
     if score is not None:

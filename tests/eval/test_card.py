@@ -164,8 +164,8 @@ def test_card_lists_a_gated_setting_only_while_its_gate_is_on(tmp_path):
     assert len(sparse_fields) >= 5  # the walk below sees the sparse cache's fields
     for name, cfg, listed in (
             ("off", PolyAttnConfig(kind="linear", window=8, sinks=2, decay="gate"), set()),
-            ("on", PolyAttnConfig(kind="linear", window=8, sinks=2, decay="gate", sparse_cache=16, sparse_observe=4),
-             sparse_fields)):
+            ("on", PolyAttnConfig(kind="linear", window=8, sinks=2, decay="gate", sparse_cache=16, sparse_observe=4,
+                                  sparse_value_keys=4), sparse_fields)):
         torch.manual_seed(0)
         model = hf_polyattn.convert(LlamaForCausalLM(LlamaConfig(**small)), cfg)
         model.save_pretrained(tmp_path / name)
@@ -189,7 +189,8 @@ def test_every_gated_setting_is_refused_off_its_gate():
     off = {"window": 0, "local_exact": False, "decay": "none", "sparse_cache": 0}
     other = {"local_kernel": "softmax", "window_mix": True, "window_mix_init": 0.5, "sinks": 2, "learned_sinks": 2,
              "sink_position": "own", "sink_span": 300, "decay_horizon": 64.0, "decay_max_horizon": 64.0,
-             "sparse_observe_pool": 3, "sparse_chunk": 32, "sparse_score": "attention", "sparse_observe": 4}
+             "sparse_observe_pool": 3, "sparse_chunk": 32, "sparse_score": "attention", "sparse_observe": 4,
+             "sparse_value_keys": 4, "sparse_value_pool": 3}
     gated = set(READ_WHEN) | {f for f in PolyAttnConfig().to_dict() if f.startswith("sparse_")} - {"sparse_cache"}
     assert gated == set(other)
     for name, value in other.items():
@@ -199,7 +200,7 @@ def test_every_gated_setting_is_refused_off_its_gate():
     cfg = PolyAttnConfig(kind="linear", **off)
     assert not any(READ_WHEN[n](cfg) for n in READ_WHEN)
     on = PolyAttnConfig(kind="linear", window=8, sinks=2, window_mix=True, decay="gate", sparse_cache=16,
-                        sparse_observe=4)
+                        sparse_observe=4, sparse_value_keys=4)
     assert all(READ_WHEN[n](on) for n in READ_WHEN if n != "local_kernel") and READ_WHEN["local_kernel"](on)
 
 

@@ -49,7 +49,8 @@ def _naive(pa, q, k, v):
     return w @ v.repeat_interleave(g, dim=1), keep
 
 
-@pytest.mark.parametrize("selection", [{}, {"sparse_observe": 8, "sparse_observe_pool": 3}])
+@pytest.mark.parametrize("selection", [{}, {"sparse_observe": 8, "sparse_observe_pool": 3},
+                                       {"sparse_observe": 8, "sparse_value_keys": 2, "sparse_value_pool": 3}])
 def test_the_sparse_cache_on_softmax_is_exact_softmax_over_its_keys(selection):
     cfg = matched_memory_config(6, sinks=2, window=8, sparse_chunk=4, **selection)
     pa = _module(cfg)

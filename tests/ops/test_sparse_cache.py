@@ -12,7 +12,7 @@ from hf_polyattn import PolyAttnConfig
 from hf_polyattn.ops import HybridState, RecurrentState, build_attention, reference_attention
 from hf_polyattn.ops.decode import WindowRing
 from hf_polyattn.ops.hybrid import HybridAttention, hybrid_reference
-from hf_polyattn.ops.sparse import ATTENTION_CARRY, attention_score, recall_error, select_and_fold
+from hf_polyattn.ops.sparse import ATTENTION_CARRY, attention_score, recall_error, select_and_fold, value_rank
 
 from .test_decode_ring import D, _fused
 from .test_decode_ring import _inputs as ring_inputs
@@ -51,6 +51,13 @@ CONFIGS = {
                                       sparse_cache=3, sparse_chunk=4, sparse_score="attention"),
     "elu-attention-chunk-beyond-window": dict(kind="linear", window=3, sinks=1, sparse_cache=2, sparse_chunk=5,
                                               sparse_score="attention"),
+    # part of the cache kept for the keys of largest |v| (sparse_value_keys), beside each ranking
+    "hedgehog-preset-attention-value": dict(kind="linear", feature_map="hedgehog", window=5, sinks=2, decay="gate",
+                                            decay_max_horizon=3.0, window_mix=True, feature_proj=D, qk_norm=True,
+                                            sparse_cache=3, sparse_chunk=4, sparse_score="attention",
+                                            sparse_value_keys=2),
+    "linear-sinks-gate-mix-value": dict(kind="linear", window=5, sinks=2, decay="gate", decay_horizon=8.0,
+                                        window_mix=True, sparse_cache=3, sparse_chunk=4, sparse_value_keys=1),
 }
 RING = [n for n in CONFIGS if n != "conv-learned-sinks"]  # the ring serves neither convolutions nor learned slots
 
@@ -212,6 +219,41 @@ def test_the_attention_score_chooses_another_cache_in_the_layer():
     torch.testing.assert_close(s_att.sparse_q, q.view(2, 2, 2, N, D)[:, :, :, -4:])  # the last 4 of the queries
     assert s_att.sparse_score.shape == (2, 2, 3) and (s_att.sparse_score > 0).all()
     assert s_rec.sparse_q is None and s_rec.sparse_score is None
+
+
+def test_the_value_keys_keep_the_heavy_keys_and_their_neighbours_the_score_evicts():
+    """sparse_value_keys: of the budget, the valid candidates first by |v| max-pooled over sparse_value_pool
+    neighbours (ties by their own |v|, then the earlier) are kept whatever the score; the rest by the score. An
+    invalid candidate, however heavy, is neither kept nor lends its |v| to a neighbour."""
+    norms = torch.tensor([1.0, 9.0, 1.0, 2.0, 50.0, 3.0, 0.5], dtype=torch.float64)
+    valid = torch.tensor([True, True, True, True, False, True, True])
+    vext = torch.cat([torch.stack([norms, torch.zeros_like(norms)], -1), torch.ones(7, 1, dtype=torch.float64)], -1)
+    score = torch.tensor([5.0, 0.0, 0.0, 0.0, 9.0, 0.0, 4.0], dtype=torch.float64)  # the score reads 0 and 6
+    feats, kv = torch.ones(7, 1, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64)
+    assert select_and_fold(kv, feats, vext, valid, 2, score=score)[1].tolist() == [0, 6]
+    # width 1: the heaviest valid key (1, |v| 9) kept, then the best score (0)
+    assert select_and_fold(kv, feats, vext, valid, 2, score=score, value_keys=1)[1].tolist() == [0, 1]
+    assert select_and_fold(kv, feats, vext, valid, 3, score=score, value_keys=2)[1].tolist() == [0, 1, 5]
+    # width 3: key 1's neighbours 0 and 2 pool its 9 and rank right after it (its own |v| first, then the
+    # earlier); the invalid 4 (|v| 50) lends nothing to 3 and 5
+    rank = value_rank(norms, valid, 3)
+    assert rank.argsort(descending=True).tolist()[:3] == [1, 0, 2]
+    assert select_and_fold(kv, feats, vext, valid, 3, score=score, value_keys=3, value_pool=3)[1].tolist() == [0, 1, 2]
+    assert select_and_fold(kv, feats, vext, valid, 4, score=score, value_keys=3, value_pool=3)[1].tolist() == [
+        0, 1, 2, 6]
+
+
+def test_the_value_keys_choose_another_cache_in_the_layer():
+    """The layer reads sparse_value_keys and sparse_value_pool: the same weights and inputs keep other keys."""
+    q, k, v = _inputs()
+    opts = CONFIGS["hedgehog-preset-attention"]
+    states = []
+    with torch.no_grad():
+        for extra in ({}, {"sparse_value_keys": 2, "sparse_value_pool": 1}, {"sparse_value_keys": 2}):
+            pa = _module({**opts, **extra})
+            states.append(pa(q, k, v, causal=True, state=pa.init_state())[1])
+    assert not torch.equal(states[0].sparse_k, states[1].sparse_k)
+    assert not torch.equal(states[1].sparse_k, states[2].sparse_k)
 
 
 @pytest.mark.parametrize("name,path", [*((n, "generic") for n in CONFIGS), *((n, "ring") for n in RING)])
@@ -394,6 +436,16 @@ def test_refusals():
         PolyAttnConfig.for_kind("delta", sparse_cache=4)
     with pytest.raises(ValueError, match="does not read sparse_cache"):
         PolyAttnConfig(kind="sliding_window", window=8, sparse_cache=4)
+    with pytest.raises(ValueError, match="sparse_value_keys=2 needs sparse_cache > 0"):
+        PolyAttnConfig(kind="linear", window=8, sparse_value_keys=2)
+    with pytest.raises(ValueError, match="sparse_value_keys must be at most sparse_cache=4"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_value_keys=5)
+    with pytest.raises(ValueError, match="sparse_value_keys must be"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_value_keys=-1)
+    with pytest.raises(ValueError, match="sparse_value_pool=3 needs sparse_value_keys > 0"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_value_pool=3)
+    with pytest.raises(ValueError, match="sparse_value_pool must be an odd number"):
+        PolyAttnConfig(kind="linear", window=8, sparse_cache=4, sparse_value_keys=2, sparse_value_pool=4)
     pa = _module(CONFIGS["linear-elu"])
     q, k, v = _inputs()
     with pytest.raises(ValueError, match="causal attention only"):
@@ -413,7 +465,8 @@ def test_refusals():
 OBSERVE = {name: {**CONFIGS[name], "sparse_observe": 3, "sparse_observe_pool": 3}
            for name in ("linear-elu", "linear-sinks-gate-mix", "polysketch-maps-gate", "hedgehog-scalar",
                         "conv-learned-sinks", "softmax-heads", "hedgehog-preset-attention",
-                        "elu-attention-chunk-beyond-window")}
+                        "elu-attention-chunk-beyond-window", "hedgehog-preset-attention-value",
+                        "linear-sinks-gate-mix-value")}
 SPANS = [(0, 13), *((i, i + 1) for i in range(13, 27)), (27, 33), *((i, i + 1) for i in range(33, N))]
 
 

@@ -51,6 +51,10 @@ CASES = {
     "linear_only_sparse": PolyAttnConfig(**{**LAYER, "feature_map": "hedgehog", "sink_position": "own"},
                                          sparse_cache=16, sparse_chunk=8, sparse_score="attention",
                                          sparse_observe=4),
+    # the same with half the cache kept for the keys of largest |v| (sparse_value_keys, pooled over 3 neighbours)
+    "linear_only_sparse_value": PolyAttnConfig(**{**LAYER, "feature_map": "hedgehog", "sink_position": "own"},
+                                               sparse_cache=16, sparse_chunk=8, sparse_score="attention",
+                                               sparse_observe=4, sparse_value_keys=8, sparse_value_pool=3),
     # the other families, each a hybrid layout (a layer with softmax heads, one without)
     "qwen2": PolyAttnConfig(**LAYER, softmax_heads=((0, 1), (2, 0))),
     "qwen3": PolyAttnConfig(**LAYER, softmax_heads=((1, 0), (2, 1))),

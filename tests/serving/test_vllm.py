@@ -143,18 +143,19 @@ def test_the_demo_layout_on_smollm2_equals_transformers(folders):
                                                    abs=0.006)
 
 
-def test_the_linear_only_layout_with_a_sparse_cache_chosen_again_by_the_prompt_equals_transformers(folders):
+@pytest.mark.parametrize("case", ["linear_only_sparse", "linear_only_sparse_value"])
+def test_the_linear_only_layout_with_a_sparse_cache_chosen_again_by_the_prompt_equals_transformers(folders, case):
     """The linear-only preset's layout (no softmax head, a 16-key sparse cache ranked by attention and chosen again
-    by each prompt's last 4 queries, sinks at their own positions, Hedgehog, decay): every prompt case in one batch
-    of mixed lengths, two sequences at a time (later requests reuse slots). transformers' generate() re-chooses the
-    cache once, at the end of the prompt's one call; so each prompt is prefilled in one step (the config hook
-    switches chunked prefill off: a budget of max_model_len tokens a step)."""
+    by each prompt's last 4 queries, sinks at their own positions, Hedgehog, decay; 'linear_only_sparse_value':
+    half of it kept for the keys of largest |v|): every prompt case in one batch of mixed lengths, two sequences at
+    a time (later requests reuse slots). transformers' generate() re-chooses the cache once, at the end of the
+    prompt's one call; so each prompt is prefilled in one step (the config hook switches chunked prefill off: a
+    budget of max_model_len tokens a step)."""
     out, reference = folders
-    proc = _serve(out / "linear_only_sparse", reference["prompts"],
-                  engine={"max_num_batched_tokens": ENGINE["max_model_len"]})
+    proc = _serve(out / case, reference["prompts"], engine={"max_num_batched_tokens": ENGINE["max_model_len"]})
     assert "chunked prefill is switched off for this model (sparse_observe=4)" in proc.stdout + proc.stderr
     served = _result(proc)
-    _assert_equals_transformers(served, reference, "linear_only_sparse")
+    _assert_equals_transformers(served, reference, case)
 
 
 def test_a_budget_that_would_split_a_prompt_is_refused_where_the_prompt_chooses_the_cache(folders):

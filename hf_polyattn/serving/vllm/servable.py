@@ -38,7 +38,8 @@ _REFUSED = "hf_polyattn's vLLM plugin cannot serve this folder: {why}. It serves
 _WHAT = ("the Llama family (model_type 'llama': SmolLM2, Llama), Qwen2, Qwen3 and Gemma 3 text (gemma3_text: its "
          "sliding-window layers kept exact, sliding_layers='exact', the global layers converted) with a windowed "
          "linear-time kind (window, sinks, gated decay, feature maps, q/k LayerNorm, feature projection, window mix, "
-         "the bounded sparse cache: sparse_cache, sparse_score, sparse_observe with each prompt in one step) "
+         "the bounded sparse cache: sparse_cache, sparse_score, sparse_value_keys, sparse_observe with each prompt in "
+         "one step) "
          "and any layout of softmax kv heads; load other folders with transformers (import hf_polyattn)")
 
 

@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(tests/eval/test_multi_turn.py), so its RULER multi-turn run can be left out")
     p.add_argument("--sparse-observe", type=int, default=0, help="sparse row: sparse_observe (0: off)")
     p.add_argument("--sink-position", default="window", help="sparse row: sink_position of the sinks")
+    p.add_argument("--value-keys", type=int, default=0,
+                   help="sparse row: sparse_value_keys (of the budget, the keys of largest |v|; 0: off)")
+    p.add_argument("--value-pool", type=int, default=5, help="sparse row: sparse_value_pool (with --value-keys)")
+    p.add_argument("--passkey-templates", default="classic", help="passkey templates, comma-separated")
+    p.add_argument("--later-only", action="store_true",
+                   help="passkey with the question in a later turn only (no single-prompt passkey, no RULER)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default=None, help="result file name (default: the row, with the budget if matched)")
     args = p.parse_args(argv)
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         _streaming_matched,
         evaluate_model,
         matched_memory_config,
+        passkey_retrieval,
         streaming_config,
     )
     from hf_polyattn.eval.ruler import run_ruler
@@ -72,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         contexts=ints(args.contexts), max_tokens=args.max_eval_tokens, passkey_lengths=ints(args.passkey),
         passkey_depths=args.passkey_depths, baselines=(), matched_cache=args.matched_cache,
         multi_turn=args.multi_turn != "none", ruler_lengths=ints(args.ruler),
-        ruler_tasks=tuple(t for t in args.ruler_tasks.split(",") if t), ruler_samples=args.ruler_samples)
+        ruler_tasks=tuple(t for t in args.ruler_tasks.split(",") if t), ruler_samples=args.ruler_samples,
+        passkey_templates=tuple(t for t in args.passkey_templates.split(",") if t))
     path = cli.resolve_model(args.model)
     tokenizer = cli.load_tokenizer(path)
     model = cli._load(cli.causal_lm_class(path, args.model, "a causal LM"), path, dtype=torch.float32)
@@ -86,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         selection = {"sink_position": args.sink_position}
         if args.sparse_observe:
             selection["sparse_observe"] = args.sparse_observe
+        if args.value_keys:
+            selection.update(sparse_value_keys=args.value_keys, sparse_value_pool=args.value_pool)
         cfg = matched_memory_config(args.matched_cache, sinks=settings.streaming_sinks,
                                     window=settings.streaming_window, **selection)
         hf_polyattn.convert(model, cfg)
@@ -96,8 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     # multi_turn='passkey': the RULER suite runs once, single-prompt, after the passkey's two modes
     ruler_multi = args.multi_turn == "all"
     first = dataclasses.replace(settings, ruler_lengths=()) if not ruler_multi else settings
-    row = evaluate_model(label, model, tokenizer, data.eval_ids, first)
-    if not ruler_multi and settings.ruler_lengths:
+    if args.later_only:  # the perplexity curve, then each template's passkey with the question in a later turn
+        row = evaluate_model(label, model, tokenizer, data.eval_ids,
+                             dataclasses.replace(settings, passkey_lengths=(), ruler_lengths=()))
+        for template in settings.passkey_templates:
+            name = "passkey" if template == settings.passkey_templates[0] else f"passkey_{template}"
+            row[name + "_multi_turn"] = passkey_retrieval(
+                model, tokenizer, settings.passkey_lengths, settings.passkey_depths, seed=settings.passkey_seed,
+                template=template, multi_turn=True)
+    else:
+        row = evaluate_model(label, model, tokenizer, data.eval_ids, first)
+    if not ruler_multi and settings.ruler_lengths and not args.later_only:
         row["ruler"] = run_ruler(model, tokenizer, settings.ruler_lengths, settings.ruler_tasks,
                                  samples=settings.ruler_samples, seed=settings.ruler_seed)
     row["baseline"] = args.row
