@@ -186,9 +186,7 @@ def _sparse_exact(module: PolyAttention, fk: torch.Tensor, v: torch.Tensor | Non
                             keys = torch.tensor([layout[t] for t in col])
                             for i in observed[: observed.index(r) + 1]:
                                 own[col] += x_obs[row, h, :, i, keys].double().softmax(-1).sum(0)
-                        pooled = [float(own[max(0, t - width // 2): t + width // 2 + 1].max())
-                                  for t in range(len(own))]
-                        order = sorted(col, key=lambda t: (-pooled[t], -float(own[t]), t))
+                        order = _pooled_order([float(x) for x in own], col, width)
                         heavy = _heaviest([j if t in col else None for t, j in enumerate(layout)], v[row, h],
                                           cfg.sparse_value_keys, cfg.sparse_value_pool)
                         order = [t for t in col if layout[t] in heavy] + [t for t in order if layout[t] not in heavy]
@@ -210,9 +208,15 @@ def _heaviest(layout: list, v: torch.Tensor, count: int, width: int) -> set:
     none) first by their |v| max-pooled over ``width`` neighbours in the layout (an empty slot counts 0), then by
     their own |v|, then the earlier."""
     norms = [0.0 if j is None else float(torch.linalg.vector_norm(v[j].float())) for j in layout]
-    pooled = [max(norms[max(0, t - width // 2): t + width // 2 + 1]) for t in range(len(layout))]
-    order = sorted((t for t, j in enumerate(layout) if j is not None), key=lambda t: (-pooled[t], -norms[t], t))
+    order = _pooled_order(norms, [t for t, j in enumerate(layout) if j is not None], width)
     return {layout[t] for t in order[:count]}
+
+
+def _pooled_order(own: list, cols: list, width: int) -> list:
+    """The places ``cols`` ranked by ``own`` (a score per place) max-pooled over ``width`` neighbours, then by their
+    own score, then the earlier (``sparse_observe_pool``, ``sparse_value_pool``)."""
+    pooled = [max(own[max(0, t - width // 2): t + width // 2 + 1]) for t in range(len(own))]
+    return sorted(cols, key=lambda t: (-pooled[t], -own[t], t))
 
 
 def _select_block(fk, v, g, real, rank, sink, chunk: int, budget: int, blk: int, cache: list, folded: list,

@@ -102,7 +102,7 @@ from .window_flash import rows_flash
 
 __all__ = ["ATTENTION_CARRY", "SparseMixin", "attention_score", "choose_kept", "fold_evicted", "pending_log",
            "recall_error", "ring_leave", "ring_query", "ring_select", "select_and_fold", "sparse_from_recurrent",
-           "sparse_to_recurrent", "value_norm", "value_rank"]
+           "sparse_to_recurrent", "pooled_rank", "value_norm", "value_rank"]
 
 
 def recall_error(kv: torch.Tensor, feats: torch.Tensor, vext: torch.Tensor, relative: bool = False) -> torch.Tensor:
@@ -174,12 +174,10 @@ def value_norm(vext: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(v.to(torch.promote_types(v.dtype, torch.float32)), dim=-1)
 
 
-def value_rank(norm: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
-    """``sparse_value_keys``' ranking of N candidates (..., N), larger first, all distinct: each valid candidate's |v|
-    ``norm`` max-pooled over ``width`` neighbours in candidate order (``sparse_value_pool``; invalid ones count 0),
-    ties by its own |v|, then the earlier. Why pooled: a heavy token brings its neighbours (a passkey's digits
-    and the space token before them, which the answer's first query reads)."""
-    own = torch.where(valid, torch.nan_to_num(norm, nan=0.0), 0.0)
+def pooled_rank(own: torch.Tensor, width: int) -> torch.Tensor:
+    """Ranks (..., N), larger first, all distinct, of N scores ``own`` (..., N) max-pooled over ``width`` neighbours:
+    by the pooled score, ties (the plateaus pooling makes) by the own score, then the earlier; stable sorts, so the
+    choice does not depend on topk's order among ties (``sparse_observe_pool``, ``sparse_value_pool``)."""
     pooled = own
     if width > 1:
         pooled = torch.nn.functional.max_pool1d(own.reshape(-1, 1, own.shape[-1]), width, 1, width // 2)
@@ -188,6 +186,13 @@ def value_rank(norm: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Ten
     order = order.gather(-1, pooled.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
     ranks = torch.arange(own.shape[-1], 0, -1, device=own.device, dtype=own.dtype).expand_as(order)
     return torch.empty_like(own).scatter_(-1, order, ranks)
+
+
+def value_rank(norm: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+    """``sparse_value_keys``' ranking of N candidates (..., N): ``pooled_rank`` of their |v| ``norm`` over ``width``
+    neighbours in candidate order (``sparse_value_pool``; invalid ones count 0). Why pooled: a heavy token brings
+    its neighbours (a passkey's digits and the space token before them, which the answer's first query reads)."""
+    return pooled_rank(torch.where(valid, torch.nan_to_num(norm, nan=0.0), 0.0), width)
 
 
 def choose_kept(err: torch.Tensor, valid: torch.Tensor, budget: int, norm: torch.Tensor | None = None,
@@ -527,16 +532,7 @@ class SparseMixin:
                     weights = weights * seen[:, None, None, :, None]
                     scored[key] = weights.sum(2).cumsum(2)  # (B, Hkv, L, P)
                 own = scored[key][:, :, j]  # (B, Hkv, P): the observed queries up to this one
-                pooled = own
-                if width > 1:
-                    pooled = torch.nn.functional.max_pool1d(own.reshape(b * hkv, 1, -1), width, 1, width // 2)
-                    pooled = pooled.reshape(b, hkv, -1)
-                # pooling makes plateaus of equal scores: rank by (pooled, own, pool order) with stable sorts, so the
-                # choice does not depend on topk's order among ties
-                order = own.sort(dim=-1, descending=True, stable=True).indices
-                order = order.gather(-1, pooled.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
-                ranks = torch.arange(n_pool, 0, -1, device=device, dtype=own.dtype).expand_as(order)
-                ranked = torch.empty_like(own).scatter_(-1, order, ranks)
+                ranked = pooled_rank(own, width)  # by (pooled, own, pool order)
                 keep = choose_kept(ranked, cand, budget, norms, cfg.sparse_value_keys, cfg.sparse_value_pool)
                 read = keep if self.observe_keys is None else choose_kept(
                     ranked, cand, min(self.observe_keys, n_pool), norms, cfg.sparse_value_keys,
