@@ -146,7 +146,9 @@ _PRESETS = [
                 "(sparse_score='attention') and chosen again by a prompt's last 16 queries (sparse_observe), the "
                 "decayed state's memory bounded to 256 tokens and the sinks scored at their own positions: a decode "
                 "state of constant size at any length. Retrieves passkeys beyond its window without any softmax "
-                "head; prefills slower than softmax on a CPU (the figures below)",
+                "head when the question is in the prompt; asked in a later turn about a document read in an "
+                "earlier call, it finds far needles no more often than the same cache on the untrained model "
+                "(docs/kinds.md, sparse_value_keys); prefills slower than softmax on a CPU (the figures below)",
         attention={"kind": "linear", "feature_map": "hedgehog", **WINDOW_RECIPE, "decay_horizon": 1024.0},
         train=dict(TRANSFER_1K), data=WEB,
         reconfigure={"decay_max_horizon": 256.0, "sparse_cache": 2048, "sparse_observe": 16, "sink_position": "own",

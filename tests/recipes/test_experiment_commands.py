@@ -92,3 +92,22 @@ def test_rows_reproduce_their_recorded_runs(study, tmp_path):
             assert flat["num_eval"] == table["data"]["eval_rows"] == table["eval"]["examples"], (study, row)
         checked.add(row)
     assert checked == {r for rows in tables.values() for r in rows}, study
+
+
+def _studies() -> list[str]:
+    spec = importlib.util.spec_from_file_location("experiments_run", EXPERIMENTS / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.studies()
+
+
+@pytest.mark.parametrize("study", _studies())
+def test_every_retrofit_row_is_a_valid_command(study, tmp_path):
+    """Every study's retrofit rows, not only the tabulated ones, still parse and validate as the command would before
+    training (a preset's reconfigure merged with the row's own: the retrieval study's ``--reconfigure
+    sparse_cache=0`` once met the linear-only preset's sparse_score='attention', which needs a cache, and the row
+    failed at its first line)."""
+    from hf_polyattn import cli
+
+    for argv in _commands(study, tmp_path):
+        cli.retrofit_args(cli.build_parser().parse_args(["retrofit", *argv]))

@@ -42,8 +42,10 @@ def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str
 TRAINED = "runs/retrieval/{}/model"
 # the linear-only preset's attention as it trains, without the settings the preset applies after training
 # (``Preset.reconfigure``: the sparse cache and its re-choice, the bounded decay): the rows below evaluate those
-# themselves, on the saved model, with --set
-AS_TRAINED = flags("--reconfigure", "sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0")
+# themselves, on the saved model, with --set; sparse_score and sink_position back to their defaults too, since the
+# preset's 'attention' score refuses a model without a sparse cache
+AS_TRAINED = flags("--reconfigure", "sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0",
+                   "sparse_score=recall", "sink_position=window")
 
 # the linear-only preset's reconfigure until 2026-11-28 (512 keys, the sinks at 'window'), as --set on the trained
 # row's model: the settings the diagnostic rows below vary one at a time

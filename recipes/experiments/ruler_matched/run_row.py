@@ -7,10 +7,11 @@
 Rows (eval/long_context.BASELINES): ``softmax`` (the checkpoint), ``streaming`` (StreamingLLM, 4 sinks + 128),
 ``sparse`` (the sparse cache on the checkpoint's own softmax: 4 sinks + 128 window + --matched-cache keys chosen by
 sparse_score='attention', eval/long_context.matched_memory_config), ``streaming_matched`` (StreamingLLM whose window
-holds 128 + --matched-cache keys). Each row: perplexity at --contexts, passkey (classic) single-prompt and
-multi-turn, the RULER suite single-prompt and multi-turn. Why a script and not ``hf-polyattn eval --baselines``: the
-CLI always adds the evaluated model's row; here each row runs as its own process (under ~15 minutes on 2 CPU
-threads) and ``collect.py`` joins them into one table.
+holds 128 + --matched-cache keys), ``saved`` (--model a saved polyattn checkpoint, e.g. the linear-only preset's
+trained model, with --set settings that add no tensor, hf_polyattn.reconfigure). Each row: perplexity at
+--contexts, passkey (classic) single-prompt and multi-turn, the RULER suite single-prompt and multi-turn. Why a
+script and not ``hf-polyattn eval --baselines``: the CLI always adds the evaluated model's row; here each row runs
+as its own process (under ~15 minutes on 2 CPU threads) and ``collect.py`` joins them into one table.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ OUT = ROOT / "recipes" / "results" / "ruler_matched"
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("row", choices=["softmax", "streaming", "sparse", "streaming_matched"])
+    p.add_argument("row", choices=["softmax", "streaming", "sparse", "streaming_matched", "saved"])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--matched-cache", type=int, default=2048)
     p.add_argument("--contexts", default="1024,2048")
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--value-keys", type=int, default=0,
                    help="sparse row: sparse_value_keys (of the budget, the keys of largest |v|; 0: off)")
     p.add_argument("--value-pool", type=int, default=5, help="sparse row: sparse_value_pool (with --value-keys)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="saved row: a setting of the checkpoint's attention that adds no tensor (repeatable)")
     p.add_argument("--passkey-templates", default="classic", help="passkey templates, comma-separated")
     p.add_argument("--later-only", action="store_true",
                    help="passkey with the question in a later turn only (no single-prompt passkey, no RULER)")
@@ -85,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = cli.load_tokenizer(path)
     model = cli._load(cli.causal_lm_class(path, args.model, "a causal LM"), path, dtype=torch.float32)
     settings.check_positions(model.config)
+    if (args.row == "saved") != (hf_polyattn.get_polyattn_config(model) is not None):
+        p.error(f"row {args.row!r} with --model {args.model!r}: the 'saved' row takes a polyattn checkpoint, the "
+                "others the softmax one")
+    if args.row == "saved" and not args.name:
+        p.error("the 'saved' row needs --name (its result file's name)")
+    if args.set and args.row != "saved":
+        p.error("--set applies to the 'saved' row only")
     data = load_text_data("demo", tokenizer, max_eval_tokens=args.max_eval_tokens)
     if args.row == "streaming":
         hf_polyattn.convert(model, streaming_config(settings.streaming_sinks, settings.streaming_window))
@@ -99,8 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = matched_memory_config(args.matched_cache, sinks=settings.streaming_sinks,
                                     window=settings.streaming_window, **selection)
         hf_polyattn.convert(model, cfg)
+    elif args.row == "saved" and args.set:
+        cli.reconfigure_checkpoint(model, hf_polyattn.get_polyattn_config(model), args.set, args.model)
     t0 = time.time()
-    label = BASELINES[args.row](settings)
+    if args.row == "saved":
+        label = f"{args.model} " + " ".join(args.set)
+    else:
+        label = BASELINES[args.row](settings)
     if args.row == "sparse":
         label = _matched_label(settings, cfg)
     # multi_turn='passkey': the RULER suite runs once, single-prompt, after the passkey's two modes
