@@ -28,12 +28,17 @@ STUDIES = {
 }
 
 
-def _rows(study: str):
-    """The study's ``rows.py`` (its TABLES: the rows of each table, in the order compare_runs wrote them)."""
-    spec = importlib.util.spec_from_file_location(f"rows_{study}", EXPERIMENTS / study / "rows.py")
+def _module(path: Path, name: str):
+    """The Python file ``path`` imported as ``name`` (the studies are not a package path)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _rows(study: str):
+    """The study's ``rows.py`` (its TABLES: the rows of each table, in the order compare_runs wrote them)."""
+    return _module(EXPERIMENTS / study / "rows.py", f"rows_{study}")
 
 
 def _commands(study: str, tmp_path: Path) -> list[list[str]]:
@@ -94,14 +99,7 @@ def test_rows_reproduce_their_recorded_runs(study, tmp_path):
     assert checked == {r for rows in tables.values() for r in rows}, study
 
 
-def _studies() -> list[str]:
-    spec = importlib.util.spec_from_file_location("experiments_run", EXPERIMENTS / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.studies()
-
-
-@pytest.mark.parametrize("study", _studies())
+@pytest.mark.parametrize("study", _module(EXPERIMENTS / "run.py", "experiments_run").studies())
 def test_every_retrofit_row_is_a_valid_command(study, tmp_path):
     """Every study's retrofit rows, not only the tabulated ones, still parse and validate as the command would before
     training (a preset's reconfigure merged with the row's own: the retrieval study's ``--reconfigure

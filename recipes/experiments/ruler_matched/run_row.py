@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default=None, help="result file name (default: the row, with the budget if matched)")
     args = p.parse_args(argv)
+    if args.row == "saved" and not args.name:
+        p.error("the 'saved' row needs --name (its result file's name)")
+    if args.set and args.row != "saved":
+        p.error("--set applies to the 'saved' row only")
 
     import torch
 
@@ -91,10 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     if (args.row == "saved") != (hf_polyattn.get_polyattn_config(model) is not None):
         p.error(f"row {args.row!r} with --model {args.model!r}: the 'saved' row takes a polyattn checkpoint, the "
                 "others the softmax one")
-    if args.row == "saved" and not args.name:
-        p.error("the 'saved' row needs --name (its result file's name)")
-    if args.set and args.row != "saved":
-        p.error("--set applies to the 'saved' row only")
     data = load_text_data("demo", tokenizer, max_eval_tokens=args.max_eval_tokens)
     if args.row == "streaming":
         hf_polyattn.convert(model, streaming_config(settings.streaming_sinks, settings.streaming_window))
