@@ -200,6 +200,12 @@ ROWS = {
     "hh_max256+sparse2048+observe16+own+attention": evaluate(
         TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=2048", "sparse_observe=16", "sink_position=own",
         "sparse_score=attention"),
+    # the same with 1,536 of the 2,048 keys reserved for the largest |v| (sparse_value_keys): in a later turn on the
+    # same trained model (recipes/results/ruler_matched, 5 depths) 'classic' 5/5/5/2 and 'vault' 5/5/5/1 at
+    # 1k/2k/4k/8k where the row above gives 5/5/1/0 and 5/5/0/0; single-threaded (run beside another row)
+    "hh_max256+sparse2048+observe16+own+attention+value1536": evaluate(
+        TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=2048", "sparse_observe=16", "sink_position=own",
+        "sparse_score=attention", "sparse_value_keys=1536", threads=1),
     # diagnostics of the 'vault' misses at 4k (the far needles), on the 4k prompts alone (another draw of keys than
     # the table's 4k cell): the preset's settings; softmax on the same prompts; the observed queries reading every
     # key exactly (probe_observe_wide.py); a cache twice as large
