@@ -22,10 +22,8 @@ import random
 import shlex
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-OUT = ROOT / "recipes" / "results" / "later_question"
+from recipes.experiments.later_question.needle_ranks import OUT, SINKS, WINDOW
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     selection = {"sink_position": "own", "sparse_observe": 16}
     if args.value_keys:
         selection.update(sparse_value_keys=args.value_keys, sparse_value_pool=args.value_pool)
-    cfg = matched_memory_config(args.cache, sinks=4, window=128, **selection)
+    cfg = matched_memory_config(args.cache, sinks=SINKS, window=WINDOW, **selection)
     hf_polyattn.convert(model, cfg)
     values: list[torch.Tensor] = []
     hkv = model.config.num_key_value_heads
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     kept_share = []  # per layer: per kv head, the share of the needle's tokens in the sparse cache
     # the same share if the reserve were the document's top sparse_value_keys by |v| max-pooled over the text's own
     # neighbours, chosen once with the whole document known (no streaming): what the rule could keep at best
-    cand = torch.arange(4, doc - 128)
+    cand = torch.arange(SINKS, doc - WINDOW)  # needle_ranks' candidates
     global_share = []
     for li, v_all in enumerate(values):
         state = cache.layers[li].state
