@@ -42,10 +42,10 @@ def evaluate(model: str, *settings: str, kind: str | None = None, baselines: str
 TRAINED = "runs/retrieval/{}/model"
 # the linear-only preset's attention as it trains, without the settings the preset applies after training
 # (``Preset.reconfigure``: the sparse cache and its re-choice, the bounded decay): the rows below evaluate those
-# themselves, on the saved model, with --set; sparse_score and sink_position back to their defaults too, since the
-# preset's 'attention' score refuses a model without a sparse cache
+# themselves, on the saved model, with --set; sparse_score, sink_position and sparse_value_keys back to their
+# defaults too, since the preset's 'attention' score and |v| reserve refuse a model without a sparse cache
 AS_TRAINED = flags("--reconfigure", "sparse_observe=0", "sparse_cache=0", "decay_max_horizon=0",
-                   "sparse_score=recall", "sink_position=window")
+                   "sparse_score=recall", "sink_position=window", "sparse_value_keys=0")
 
 # the linear-only preset's reconfigure until 2026-11-28 (512 keys, the sinks at 'window'), as --set on the trained
 # row's model: the settings the diagnostic rows below vary one at a time
@@ -202,10 +202,10 @@ ROWS = {
         "sparse_score=attention"),
     # the same with 1,536 of the 2,048 keys reserved for the largest |v| (sparse_value_keys): in a later turn on the
     # same trained model (recipes/results/ruler_matched, 5 depths) 'classic' 5/5/5/2 and 'vault' 5/5/5/1 at
-    # 1k/2k/4k/8k where the row above gives 5/5/1/0 and 5/5/0/0; single-threaded (run beside another row)
+    # 1k/2k/4k/8k where the row above gives 5/5/1/0 and 5/5/0/0
     "hh_max256+sparse2048+observe16+own+attention+value1536": evaluate(
         TRAINED.format("hh"), "decay_max_horizon=256", "sparse_cache=2048", "sparse_observe=16", "sink_position=own",
-        "sparse_score=attention", "sparse_value_keys=1536", threads=1),
+        "sparse_score=attention", "sparse_value_keys=1536"),
     # diagnostics of the 'vault' misses at 4k (the far needles), on the 4k prompts alone (another draw of keys than
     # the table's 4k cell): the preset's settings; softmax on the same prompts; the observed queries reading every
     # key exactly (probe_observe_wide.py); a cache twice as large
