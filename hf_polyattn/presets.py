@@ -169,16 +169,17 @@ _PRESETS = [
         speed_source="recipes/results/bench_model/linear_only_own_attention_2048_value1536/cpu-fp32.json",
         command="python recipes/experiments/run.py retrieval hh hh_max256+sparse2048+observe16+own+attention+value1536",
         note="the study trained with --data demo (the bundled Tiny Shakespeare: what 'web' reads offline); the rows "
-             "'hh' (trained, then evaluated as trained) and 'hh_max256+sparse2048+observe16+own+attention' (its "
-             "saved model with the preset's reconfigure as --set). Without the |v| reserve (--reconfigure "
+             "'hh' (trained, then evaluated as trained) and 'hh_max256+sparse2048+observe16+own+attention+value1536' "
+             "(its saved model with the preset's reconfigure as --set). Without the |v| reserve (--reconfigure "
              "sparse_value_keys=0, row hh_max256+sparse2048+observe16+own+attention) the 8k 'vault' needles asked in "
              "the prompt are 7 of 10 instead of 4 and the perplexity at 8k 27.04 instead of 27.25, but a question in "
              "a later turn finds 1 and 0 of the 5 4k needles instead of 5 and 5 (recipes/results/ruler_matched). "
              "Ranking the cache by LoLA's recall error with the "
              "sinks scored as if at most 1,024 positions back (--reconfigure sparse_score=recall sink_position=window "
-             "sink_span=1024, row hh_max256+sparse2048+observe16+span1024) prefills faster and retrieves fewer 8k "
-             "needles; with 512 keys (--reconfigure sparse_cache=512) the state is smaller and the 8k needles "
-             "fewer (docs/performance.md, SECTION_retrieval.md)"),
+             "sink_span=1024 sparse_value_keys=0, row hh_max256+sparse2048+observe16+span1024) prefills faster and "
+             "retrieves fewer 8k needles; with 512 keys (--reconfigure sparse_cache=512 sparse_value_keys=0; a "
+             "reserve larger than the cache is refused) the state is smaller and the 8k needles fewer "
+             "(docs/performance.md, SECTION_retrieval.md)"),
     Preset(
         name="demo",
         summary="`make demo`: the long-context preset's attention with attention transfer only (30 steps of "

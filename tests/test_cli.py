@@ -454,8 +454,13 @@ def test_retrofit_reconfigure_flags_merge_over_the_preset():
     assert got == {"sparse_cache": 4, "sparse_observe": 2}
     preset = get_preset("linear-only")
     assert args("--preset", "linear-only").model.reconfigure == (preset.reconfigure or None)
-    merged = args("--preset", "linear-only", "--reconfigure", "sparse_cache=128").model.reconfigure
-    assert merged == {**preset.reconfigure, "sparse_cache": 128}
+    merged = args("--preset", "linear-only", "--reconfigure", "sparse_cache=128", "--reconfigure",
+                  "sparse_value_keys=96").model.reconfigure
+    assert merged == {**preset.reconfigure, "sparse_cache": 128, "sparse_value_keys": 96}
+    # the preset's |v| reserve (1,536 keys) no longer fits a smaller cache: refused, not shrunk behind the user's back
+    assert preset.reconfigure["sparse_value_keys"] > 128
+    with pytest.raises(UsageError, match="sparse_value_keys must be at most sparse_cache=128"):
+        args("--preset", "linear-only", "--reconfigure", "sparse_cache=128")
     assert args("--preset", "linear-only", "--kind", "softmax", "--transfer_steps", "0").model.reconfigure is None
     with pytest.raises(UsageError, match="--reconfigure changes a polyattn attention"):
         args("--kind", "softmax", "--reconfigure", "sparse_cache=4")

@@ -93,9 +93,11 @@ def test_what_the_plugin_does_not_implement_is_refused_by_name(build, architectu
 
 def test_the_linear_only_layout_with_its_sparse_cache_is_served():
     # the linear-only preset's settings (no softmax head, the sparse cache ranked by attention and chosen again by
-    # the prompt's last queries, sinks at their own positions): no longer refused (test_vllm.py serves it)
+    # the prompt's last queries, sinks at their own positions, three quarters of it kept by |v|): no longer refused
+    # (test_vllm.py serves it)
     cfg = LAYER.replace(softmax_heads=None, feature_map="hedgehog", sink_position="own", sparse_cache=64,
-                        sparse_chunk=16, sparse_score="attention", sparse_observe=8)
+                        sparse_chunk=16, sparse_score="attention", sparse_observe=8, sparse_value_keys=48)
     for build, architecture in ((lambda: _with(Qwen2Config(**SIZES), cfg), "PolyAttnQwen2ForCausalLM"),
                                 (lambda: gemma3(cfg), "PolyAttnGemma3ForCausalLM")):
-        assert check_servable(build(), architecture).sparse_cache == 64
+        served = check_servable(build(), architecture)
+        assert (served.sparse_cache, served.sparse_value_keys) == (64, 48)
