@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             for n in lengths:
                 cells += [_hits(single, "hits", n), _hits(multi, "hits", n), _hits(multi, "hits_second", n)]
             lines.append("| " + " | ".join(cells) + " |")
-    rows = [rec["row"] for rec in records]
+    # the RULER table names each row as the tables above do (two rows of one attention run at other lengths)
+    rows = [{**rec["row"], "label": name} for name, rec in zip(names, records)]
     commands = "\n".join(f"* `{n}.json`: `{rec['command']}` ({rec['machine']}; {rec['wall_s']} s of evaluation)"
                          for n, rec in zip(names, records))
     text = ("\n".join(lines) + "\n\nPasskey: seed 0, greedy, hits of the depths per length; 'single': document and "
