@@ -243,6 +243,29 @@ def test_the_value_keys_keep_the_heavy_keys_and_their_neighbours_the_score_evict
         0, 1, 2, 6]
 
 
+@pytest.mark.parametrize("width", [1, 5, 31])
+@pytest.mark.parametrize("count", [1, 7, 40, 64])
+def test_the_value_reserve_equals_the_first_valid_candidates_by_rank(width, count):
+    """value_reserved (a running count over pooled_order) against its naive reference: sort value_rank with the
+    invalid candidates last and keep the first ``count`` valid ones. Ties everywhere: |v| drawn from 4 values (a
+    repeated filler's tokens carry the same value in the first layer), a third of the candidates invalid, a row with
+    fewer valid candidates than ``count``."""
+    from hf_polyattn.ops.sparse import value_reserved
+
+    g = torch.Generator().manual_seed(width * 100 + count)
+    norms = torch.randint(0, 4, (3, 2, 48), generator=g).to(torch.float32)
+    norms[0, 0, 5] = float("nan")
+    valid = torch.rand(3, 2, 48, generator=g) > 0.33
+    valid[2, 1] = False
+    valid[2, 1, :3] = True
+    heavy = torch.where(valid, value_rank(norms, valid, width), -1.0)
+    top = heavy.sort(dim=-1, descending=True, stable=True).indices[..., :count]
+    want = torch.zeros_like(valid).scatter_(-1, top, True) & valid
+    got = value_reserved(norms, valid, count, width)
+    assert torch.equal(got, want)
+    assert torch.equal(got.sum(-1), torch.minimum(valid.sum(-1), torch.tensor(count)))
+
+
 def test_the_value_keys_choose_another_cache_in_the_layer():
     """The layer reads sparse_value_keys and sparse_value_pool: the same weights and inputs keep other keys."""
     q, k, v = _inputs()

@@ -65,6 +65,15 @@ def test_performance_doc_is_up_to_date():
     assert performance.DOC.read_text() == performance.render(), "stale: run python recipes/performance.py"
 
 
+def test_the_speed_column_is_one_machines():
+    """The README's speed cells come from benchmarks on one machine (the record's CPU, cores, threads and dtype):
+    a ratio against the base moves with the machine, so a column that mixes machines compares nothing. The table's
+    key names that machine."""
+    machines = performance.speed_machines()
+    assert len(machines) == 1, f"the presets' speed_source records were measured on several machines: {machines}"
+    assert machines[0] in performance.table_key()
+
+
 def test_readme_table_is_up_to_date():
     text = README.read_text()
     assert text.count(performance.TABLE_START) == 1 and text.count(performance.TABLE_END) == 1
