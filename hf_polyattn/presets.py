@@ -155,8 +155,10 @@ _PRESETS = [
                 "turn asks for: a decode state of constant size at any length. Retrieves passkeys beyond its window "
                 "without any softmax head, with the question in the prompt or in a later turn up to 4k; few far "
                 "needles at 8k. On these passkeys and on a RULER-style suite at 4k / 8k it scores what the same "
-                "cache scores on the untrained model, not more (docs/kinds.md, docs/long_context.md); prefills "
-                "slower than softmax on a CPU (the figures below)",
+                "cache scores on the untrained model, not more; asked in a later turn, the RULER suite's needles at 4k "
+                "are almost all lost (by the same cache untrained too), where the demo's hybrid finds what it finds "
+                "with the question in the prompt: for documents questioned later, use a preset with softmax heads "
+                "(docs/kinds.md, docs/long_context.md); prefills slower than softmax on a CPU (the figures below)",
         attention={"kind": "linear", "feature_map": "hedgehog", **WINDOW_RECIPE, "decay_horizon": 1024.0},
         train=dict(TRANSFER_1K), data=WEB,
         reconfigure={"decay_max_horizon": 256.0, "sparse_cache": 2048, "sparse_observe": 16, "sink_position": "own",
