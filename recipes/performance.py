@@ -159,9 +159,9 @@ def table(prefix: str) -> str:
 
 def speed_machines() -> list[str]:
     """The machines (the bench record's "machine" up to its first ';': CPU, cores, threads, dtype) that the table's
-    speed cells were measured on, in table order, each once: a speed ratio moves with the machine (the demo's
-    model decoded 16k at 3.33x the base on a 2-core Xeon and 1.72x on a 2-core EPYC), so the column compares
-    presets only when this is one machine (tests/recipes/test_performance.py)."""
+    speed cells were measured on, in table order, each once: a speed ratio moves with the machine (the comment on
+    presets.DEMO_SPEED_SOURCE), so the column compares presets only when this is one machine
+    (tests/recipes/test_performance.py)."""
     seen = []
     for name in TABLE_PRESETS:
         if PRESETS[name].speed_source:

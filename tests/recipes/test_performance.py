@@ -65,7 +65,7 @@ def test_performance_doc_is_up_to_date():
     assert performance.DOC.read_text() == performance.render(), "stale: run python recipes/performance.py"
 
 
-def test_the_speed_column_is_one_machines():
+def test_the_speed_column_comes_from_one_machine():
     """The README's speed cells come from benchmarks on one machine (the record's CPU, cores, threads and dtype):
     a ratio against the base moves with the machine, so a column that mixes machines compares nothing. The table's
     key names that machine."""
