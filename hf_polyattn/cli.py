@@ -511,6 +511,9 @@ def cmd_eval(args, argv) -> int:
     stride = args.stride or args.context
     if stride > args.context:
         raise UsageError(f"--stride {stride} must be <= --context {args.context}")
+    if args.read != "stream" and not args.multi_turn:
+        raise UsageError(f"--read {args.read} says how a multi-turn evaluation reads its document: set multi_turn "
+                         "(--multi-turn) too")
     # --set alone: settings that add no tensor (sparse_cache) on a polyattn checkpoint's trained attention
     reconfig = bool(args.set) and not args.kind and not args.config
     spec = None if reconfig else attention_from_args(args)  # None: evaluate the checkpoint's own attention
@@ -599,7 +602,8 @@ def _eval_long_context(args, model, cls, path, tokenizer, data, attention, store
             passkey_lengths=tuple(args.passkey or ()), passkey_depths=args.passkey_depths,
             passkey_seed=args.passkey_seed, passkey_templates=tuple(args.passkey_templates),
             baselines=baselines, streaming_sinks=args.streaming_sinks, streaming_window=args.streaming_window,
-            matched_cache=args.matched_cache, multi_turn=args.multi_turn, ruler_lengths=tuple(args.ruler or ()),
+            matched_cache=args.matched_cache, multi_turn=args.multi_turn, read=args.read,
+            ruler_lengths=tuple(args.ruler or ()),
             ruler_tasks=tuple(args.ruler_tasks or ()), ruler_samples=args.ruler_samples, ruler_seed=args.ruler_seed)
         settings.check_positions(model.config)  # before minutes of perplexity, not after
     except ValueError as err:
@@ -867,6 +871,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also score each passkey and RULER prompt with the document read first in its own forward "
                         "call and the question asked on that cache (two passkey questions in a row), beside the "
                         "single-prompt score")
+    g.add_argument("--read", choices=["stream", "copy"], default="stream",
+                   help="with --multi-turn, how the document is read into the cache: 'stream' (one forward call, as "
+                        "a chat server or a prefix cache) or 'copy' (hf_polyattn.read_document: the sparse cache "
+                        "chosen by copy scores for questions asked later, a second pass over the document; rows "
+                        "without a sparse cache read by 'stream' and their results say so)")
     from .eval.ruler import RULER_TASKS
 
     g.add_argument("--ruler", type=_int_list(64), metavar="N,N,...",

@@ -42,7 +42,7 @@ import torch
 
 from .metrics import perplexity
 from .passkey import TEMPLATES, draw_passkey, passkey_prompt
-from .turns import _max_positions, generate_turns
+from .turns import _max_positions, check_read, document_reader, generate_turns
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -101,6 +101,10 @@ class LongContextSettings:
     multi_turn: bool = field(default=False, metadata={
         "help": "also score retrieval with the document read first in its own forward call and the question(s) "
                 "asked after on that cache (two passkey questions in a row), beside the single-prompt scores"})
+    read: str = field(default="stream", metadata={
+        "help": "how multi-turn reads the document: 'stream' (one forward call, as a chat server or a prefix cache) "
+                "or 'copy' (hf_polyattn.read_document: a sparse cache chosen by copy scores for questions asked "
+                "later; rows without a sparse cache read by 'stream' and their results say so)"})
     ruler_lengths: tuple[int, ...] = field(default=(), metadata={
         "help": "RULER-style suite (eval/ruler.py) at these prompt lengths in tokens (empty: none)"})
     ruler_tasks: tuple[str, ...] = field(default=(), metadata={"help": "RULER tasks (empty: all of them)"})
@@ -132,6 +136,9 @@ class LongContextSettings:
             raise ValueError(f"matched_cache must be None or an int >= 1, got {self.matched_cache!r}")
         if not isinstance(self.multi_turn, bool):
             raise ValueError(f"multi_turn must be True or False, got {self.multi_turn!r}")
+        if check_read(self.read) != "stream" and not self.multi_turn:
+            raise ValueError(f"read={self.read!r} says how a multi-turn evaluation reads its document: set multi_turn "
+                             "(--multi-turn) too")
         from .ruler import RULER_TASKS, _check_list
 
         self.ruler_lengths = tuple(self.ruler_lengths)
@@ -233,7 +240,8 @@ def _hit(text: str, key: str) -> int:
 @torch.no_grad()
 def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10, *, seed: int = 0,
                       max_new_tokens: int | None = None, progress: bool = False,
-                      template: str = "classic", multi_turn: bool = False) -> dict[str, Any]:
+                      template: str = "classic", multi_turn: bool = False, read: str = "stream",
+                      draw_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """Greedy passkey retrieval at every (length, depth) with the prompts of ``template`` (``passkey.TEMPLATES``);
     hits are exact matches of the first number answered. The keys come from ``seed`` (the classic template's are
     those of earlier runs: one 5-digit draw per cell). ``max_new_tokens``: the template's longest key + 3 by default
@@ -242,7 +250,10 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     ``multi_turn``: the same prompts, the document (all before the question) read first in its own forward call and
     the question asked on that cache (``generate_turns``); then a second question after the first answer, on the
     same cache (another label's key for the 'multi' template, the same key again otherwise): ``hits`` / ``answers``
-    score the first question, ``hits_second`` / ``answers_second`` / ``keys_second`` the second."""
+    score the first question, ``hits_second`` / ``answers_second`` / ``keys_second`` the second. ``read``: how
+    multi-turn reads the document (``turns.READS``; 'copy': ``hf_polyattn.read_document`` where the model has a
+    sparse cache, the read used recorded as ``read``). ``draw_lengths``: the lengths whose cells draw keys, in order
+    (``lengths`` among them; None: ``lengths``), so that a run of 8k alone asks the keys a 1k..8k run asks at 8k."""
     lengths = _check_lengths("lengths", lengths, 64)
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
         raise ValueError(f"depths must be an int >= 1, got {depths!r}")
@@ -262,9 +273,17 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     # cell centres (i + 0.5) / depths: a needle at depth 1.0 would sit right before the question, where even the
     # softmax checkpoint answers by copying the question's own words ("the pass key. ...") instead of the key
     grid = [(i + 0.5) / depths for i in range(depths)]
+    reader, read = document_reader(model, tokenizer, read) if multi_turn else (None, check_read(read))
     hits, answers, keys, seconds = [], [], [], []
     hits2, answers2, keys2 = [], [], []
-    cells = [(length, d) for length in lengths for d in grid]
+    drawn_at = list(lengths) if draw_lengths is None else list(draw_lengths)
+    if any(n not in drawn_at for n in lengths):
+        raise ValueError(f"draw_lengths {drawn_at} must hold every passkey length {list(lengths)}")
+    draws = [(length, d) for length in drawn_at for d in grid]  # one key per cell, in this order
+    cells = [(length, d) for length, d in draws if length in lengths]
+    keys_at = {}
+    for cell in draws:
+        keys_at.setdefault(cell, draw_passkey(rng, template))
     it = cells
     if progress:
         from tqdm.auto import tqdm
@@ -272,7 +291,7 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
         it = tqdm(cells, desc="passkey", unit="prompt")
     try:
         for length, depth in it:
-            drawn = draw_passkey(rng, template)
+            drawn = keys_at[(length, depth)]
             key = drawn["key"]
             p = passkey_prompt(tokenizer, length=length, depth=depth, template=template, **drawn)
             t0 = time.time()
@@ -280,7 +299,7 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
                 second, key2 = _second_question(tokenizer, p)
                 first_ids = p.prompt[p.question_start:]
                 gen = generate_turns(model, p.document, [first_ids, second], max_new_tokens=max_new_tokens,
-                                     pad_token_id=pad)
+                                     pad_token_id=pad, reader=reader)
                 text2 = tokenizer.decode(gen[1], skip_special_tokens=True)
                 hits2.append(_hit(text2, key2))
                 answers2.append(text2)
@@ -309,7 +328,8 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
               "accuracy": {str(length): sum(h) / nd for length, h in zip(lengths, rows(hits))},
               "wall_s": round(sum(seconds), 1)}
     if multi_turn:
-        result.update(multi_turn=True, hits_second=rows(hits2), keys_second=rows(keys2), answers_second=rows(answers2),
+        result.update(multi_turn=True, read=read, hits_second=rows(hits2), keys_second=rows(keys2),
+                      answers_second=rows(answers2),
                       accuracy_second={str(n): sum(h) / nd for n, h in zip(lengths, rows(hits2))})
     return result
 
@@ -415,14 +435,14 @@ def evaluate_model(label: str, model, tokenizer, ids: torch.Tensor, settings: Lo
         for multi in (False, True) if settings.multi_turn else (False,):
             row[name + ("_multi_turn" if multi else "")] = passkey_retrieval(
                 model, tokenizer, settings.passkey_lengths, settings.passkey_depths, seed=settings.passkey_seed,
-                progress=progress, template=template, multi_turn=multi)
+                progress=progress, template=template, multi_turn=multi, read=settings.read)
     if settings.ruler_lengths:
         from .ruler import run_ruler
 
         for multi in (False, True) if settings.multi_turn else (False,):
             row["ruler_multi_turn" if multi else "ruler"] = run_ruler(
                 model, tokenizer, settings.ruler_lengths, settings.ruler_tasks, samples=settings.ruler_samples,
-                seed=settings.ruler_seed, multi_turn=multi, progress=progress)
+                seed=settings.ruler_seed, multi_turn=multi, progress=progress, read=settings.read)
     row["wall_s"] = round(time.time() - t0, 1)
     return row
 
@@ -526,6 +546,11 @@ def long_context_markdown(result: dict[str, Any]) -> str:
         note += (" Turn 1 / turn 2: the same prompts with the document read by its own forward call first, then the "
                  "question asked on that cache, then a second question after the first answer on the same cache (the "
                  "same key again; another label's key for 'multi').")
+        copied = [r["label"] for r in rows if any((r.get(key + "_multi_turn") or {}).get("read") == "copy"
+                                                  for key, _ in grids)]
+        if copied:
+            note += (f" Rows whose document was read by copy scores (hf_polyattn.read_document, --read copy): "
+                     f"{'; '.join(copied)}; the others by their own forward call (no sparse cache to choose).")
     from .ruler import ruler_markdown
 
     ruler = ruler_markdown(rows)

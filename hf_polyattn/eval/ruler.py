@@ -307,22 +307,26 @@ def _check_list(name: str, values, allowed=None, minimum: int | None = None) -> 
 
 
 def run_ruler(model, tokenizer, lengths: Sequence[int], tasks: Sequence[str] = tuple(RULER_TASKS), *,
-              samples: int = 4, seed: int = 0, multi_turn: bool = False, progress: bool = False) -> dict[str, Any]:
+              samples: int = 4, seed: int = 0, multi_turn: bool = False, progress: bool = False,
+              read: str = "stream") -> dict[str, Any]:
     """Every task at every length, ``samples`` prompts each, answered by greedy decoding through the model's own
     ``generate()`` (its own cache); a sample's score is ``string_match_all`` of its answer. ``multi_turn``: the
     haystack is read first in its own forward call and the question asked on that cache
-    (``long_context.generate_turns``), as a chat server or a prefix cache serves it.
+    (``long_context.generate_turns``), as a chat server or a prefix cache serves it; ``read`` how
+    (``turns.READS``; 'copy': ``hf_polyattn.read_document`` where the model has a sparse cache; the read used is
+    recorded as ``read``).
 
     Returns {"lengths", "tasks", "samples", "seed", "multi_turn", "scores": {task: {length: mean}}, "average":
     {length: mean over tasks}, "outputs": [per sample: task, length, index, tokens, answers, output, score]}."""
     import torch
 
-    from .turns import _max_positions, generate_turns
+    from .turns import _max_positions, check_read, document_reader, generate_turns
 
     lengths = _check_list("lengths", lengths, minimum=64)
     tasks = _check_list("tasks", tasks, allowed=RULER_TASKS)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an int >= 1, got {samples!r}")
+    reader, read = document_reader(model, tokenizer, read) if multi_turn else (None, check_read(read))
     limit = _max_positions(model)
     answer = max(RULER_TASKS[t].max_new_tokens for t in tasks)
     if limit and max(lengths) + answer > limit:
@@ -345,7 +349,7 @@ def run_ruler(model, tokenizer, lengths: Sequence[int], tasks: Sequence[str] = t
             new = RULER_TASKS[task].max_new_tokens
             if multi_turn:
                 gen = generate_turns(model, s.ids[: s.question_start], [s.ids[s.question_start:]],
-                                     max_new_tokens=new, pad_token_id=pad)[0]
+                                     max_new_tokens=new, pad_token_id=pad, reader=reader)[0]
             else:
                 ids = torch.tensor([s.ids], device=device)
                 with torch.no_grad():
@@ -361,36 +365,40 @@ def run_ruler(model, tokenizer, lengths: Sequence[int], tasks: Sequence[str] = t
                   for n in lengths} for t in tasks}
     average = {str(n): sum(scores[t][str(n)] for t in tasks) / len(tasks) for n in lengths}
     return {"lengths": list(lengths), "tasks": list(tasks), "samples": samples, "seed": seed,
-            "multi_turn": multi_turn, "scores": scores, "average": average, "outputs": outputs,
-            "wall_s": round(time.time() - t0, 1)}
+            "multi_turn": multi_turn, **({"read": read} if multi_turn else {}), "scores": scores, "average": average,
+            "outputs": outputs, "wall_s": round(time.time() - t0, 1)}
 
 
 def ruler_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per (row, mode): the score (string-match recall, %) of every task at every length and their mean.
-    ``rows``: the long-context rows holding ``ruler`` (and ``ruler_multi_turn``) results."""
-    with_ruler = [r for r in rows if r.get("ruler")]
+    ``rows``: the long-context rows holding ``ruler`` and / or ``ruler_multi_turn`` results ('multi (copy)': the
+    document read by ``hf_polyattn.read_document``)."""
+    modes = (("ruler", "single"), ("ruler_multi_turn", "multi"))
+    with_ruler = [r for r in rows if any(r.get(key) for key, _ in modes)]
     if not with_ruler:
         return ""
-    first = with_ruler[0]["ruler"]
+    results = [r[key] for r in with_ruler for key, _ in modes if r.get(key)]
+    first = results[0]
     # the union of the rows' tasks and lengths, in first-seen order: a row run at fewer of them shows "–" there
-    tasks = list(dict.fromkeys(t for r in with_ruler for t in r["ruler"]["tasks"]))
-    lengths = list(dict.fromkeys(n for r in with_ruler for n in r["ruler"]["lengths"]))
+    tasks = list(dict.fromkeys(t for res in results for t in res["tasks"]))
+    lengths = list(dict.fromkeys(n for res in results for n in res["lengths"]))
     head = ["attention", "turns", *[f"{t} @ {n:,}" for t in tasks for n in lengths],
             *[f"mean @ {n:,}" for n in lengths]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in with_ruler:
-        for key, turns in (("ruler", "single"), ("ruler_multi_turn", "multi")):
+        for key, turns in modes:
             res = r.get(key)
             if not res:
                 continue
             def pct(score, fmt):
                 return "–" if score is None else format(100 * score, fmt)
 
-            cells = [r["label"], turns,
+            mode = turns + (" (copy)" if res.get("read") == "copy" else "")
+            cells = [r["label"], mode,
                      *[pct(res["scores"].get(t, {}).get(str(n)), ".0f") for t in tasks for n in lengths],
                      *[pct(res["average"].get(str(n)) if res["tasks"] == tasks else None, ".1f") for n in lengths]]
             lines.append("| " + " | ".join(cells) + " |")
-    samples = sorted({r["ruler"]["samples"] for r in with_ruler})
+    samples = sorted({res["samples"] for res in results})
     note = (f"\nRULER-style suite (hf_polyattn/eval/ruler.py): {'/'.join(map(str, samples))} samples per task and "
             f"length, seed {first['seed']}, greedy decoding, string-match recall in % (the share of the gold strings "
             "found in the answer). 'multi': the haystack read in its own forward call first, the question asked on "

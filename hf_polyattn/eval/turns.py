@@ -11,7 +11,28 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["generate_turns"]
+__all__ = ["READS", "document_reader", "generate_turns"]
+
+# how a multi-turn evaluation reads the document into the cache: 'stream' one forward call (a chat server, a prefix
+# cache); 'copy' hf_polyattn.read_document (a sparse cache chosen by copy scores, for questions asked later)
+READS = ("stream", "copy")
+
+
+def check_read(read: str) -> str:
+    if read not in READS:
+        raise ValueError(f"read must be one of {list(READS)}, got {read!r}")
+    return read
+
+
+def document_reader(model, tokenizer, read: str):
+    """(the reader ``generate_turns`` takes, the read used): None for 'stream'; for 'copy' a function reading the
+    document with ``hf_polyattn.read_document``, when the model has a sparse cache to choose. A model without one
+    (softmax, a window) keeps what no reading order changes: it reads by 'stream', and says so (the read used)."""
+    from ..integration.reading import read_document, sparse_layers
+
+    if check_read(read) == "stream" or not sparse_layers(model):
+        return None, "stream"
+    return (lambda m, ids: read_document(m, ids, tokenizer)), "copy"
 
 
 def _max_positions(model) -> int | None:
@@ -22,7 +43,7 @@ def _max_positions(model) -> int | None:
 
 @torch.no_grad()
 def generate_turns(model, document: Sequence[int], questions: Sequence[Sequence[int]], *, max_new_tokens: int,
-                   pad_token_id: int | None) -> list[list[int]]:
+                   pad_token_id: int | None, reader=None) -> list[list[int]]:
     """Greedy answers to ``questions`` asked one after another about ``document`` (token ids, batch 1), served as a
     chat server or a prefix cache serves them: the document is read into the model's cache by its own forward call,
     then each question is appended to everything before it (the document, the earlier questions and the answers
@@ -32,7 +53,8 @@ def generate_turns(model, document: Sequence[int], questions: Sequence[Sequence[
 
     Why a separate path: a bounded cache (a sparse cache, a recurrent state) chooses what it keeps while reading the
     document, before any question exists; a single prompt lets a prefill-time rule (``sparse_observe``) see the
-    question first. For softmax the split changes nothing but rounding (tests/eval/test_multi_turn.py)."""
+    question first. For softmax the split changes nothing but rounding (tests/eval/test_multi_turn.py).
+    ``reader`` (model, ids (1, n)) -> cache reads the document instead of the plain forward (``document_reader``)."""
     from ..integration import cache_kwargs, returned_cache
 
     device = next(model.parameters()).device
@@ -40,8 +62,10 @@ def generate_turns(model, document: Sequence[int], questions: Sequence[Sequence[
     # the document's logits are never read (generate() computes the question's): keep the last one where the model
     # allows it, sparing the output layer over every document token (a 2k-token document x 49,152 words on SmolLM2)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, **keep)
-    cache = returned_cache(out)
+    if reader is not None:
+        cache = reader(model, ids)
+    else:
+        cache = returned_cache(model(ids, attention_mask=torch.ones_like(ids), use_cache=True, **keep))
     if cache is None:
         raise ValueError(f"{type(model).__name__} returned no cache from a forward with use_cache=True: multi-turn "
                          "retrieval needs one")

@@ -11,6 +11,7 @@ from .convert import compile_decode, convert, get_polyattn_config, reconfigure
 from .graphs import DecodeGraphs, capture_decode
 from .hub import write_model_card
 from .layout import layer_layout
+from .reading import read_document
 from .registry import register_all
 from .state import HFPolyAttention
 
@@ -28,6 +29,7 @@ __all__ = [
     "decode_memory",
     "get_polyattn_config",
     "layer_layout",
+    "read_document",
     "reconfigure",
     "register_all",
     "returned_cache",

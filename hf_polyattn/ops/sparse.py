@@ -356,6 +356,12 @@ class SparseMixin:
     # a diagnostic, not a setting (never saved): False keeps a float32 CPU call without gradients on the rows as
     # tensors instead of the fused kernel (recipes/experiments/retrieval/fused_rows_cost.py times the two)
     fused_rows: bool = True
+    # a runtime input, not a setting (never saved): (B, Hkv, Lk) a score for each key of the next call (a fresh
+    # state's only: nothing carried), ranking every selection of that call instead of ``sparse_score`` (the |v|
+    # reserve of sparse_value_keys still first), with no re-choice by ``sparse_observe`` at its end. A fixed score
+    # per key makes the streaming choice the call's top ``sparse_cache`` keys (hf_polyattn.read_document sets the
+    # copy scores there: what a later question needs, chosen before it is asked)
+    selection_scores: torch.Tensor | None = None
 
     def _full_features(self, side: torch.Tensor) -> torch.Tensor:
         return symmetric_square(side) if self.feature_map.squares else side
@@ -423,6 +429,7 @@ class SparseMixin:
         pool_g = None if ga is None else torch.cat([-c_logs, ga.squeeze(2)], dim=2)
         cache_idx = torch.arange(budget, device=device).expand(b, hkv, budget)
         cache_valid = c_valid
+        pool_given = self._given_scores(state, b, hkv, lk, al, work, device)
         e_dim = vext.shape[-1]
         nf = self.feature_map.num_features
         kv = state.kv.squeeze(2).to(work) if state is not None and state.kv is not None else \
@@ -453,7 +460,9 @@ class SparseMixin:
                     new_ref = pool_g[..., budget + epoch * chunk - 1]
                     to_ref, decay = new_ref[..., None] - pool_g.gather(2, cand), new_ref - g_ref
                 score = None
-                if attn:  # the chunk queries before the epoch's first (aligned rows a - C .. a - 1)
+                if pool_given is not None:
+                    score = pool_given.gather(2, cand)
+                elif attn:  # the chunk queries before the epoch's first (aligned rows a - C .. a - 1)
                     score = attention_score(q_hist[:, :, :, a - chunk : a], q_real[:, a - chunk : a],
                                             _take(pool_raw, cand), cand_valid, scale, acc)
                 new_kv, keep, keep_valid = select_and_fold(
@@ -478,7 +487,7 @@ class SparseMixin:
         out = torch.cat(outs, dim=3)
         if starts[0]:
             out = torch.nn.functional.pad(out, (0, 0, starts[0], 0))
-        if cfg.sparse_observe and lq > 1:
+        if cfg.sparse_observe and lq > 1 and pool_given is None:
             pool_valid = torch.cat([c_valid, valid_a[:, None, :].expand(b, hkv, lk)], dim=-1)
             o_kv, o_idx, o_valid, o_score = self._observe(
                 out, (qa, fqa, qls, ka, vexta, valid_a, ga, sinks_a), pool_raw, pool_side, pool_vext, pool_valid,
@@ -580,6 +589,24 @@ class SparseMixin:
                 take = ((at == r) & seen[:, j])[:, None, None, None, None]
                 out[..., r : r + 1, :] = torch.where(take, new.to(out.dtype), out[..., r : r + 1, :])
         return result
+
+    def _given_scores(self, state, b, hkv, lk, al, work, device):
+        """``selection_scores`` aligned as the pool (B, Hkv, budget + Lk): 0 for the (empty) carried slots, then
+        each key's given score; None when none is given. Refused where the state carries keys or a cache (the
+        scores name the call's keys only) or where their shape is not the call's."""
+        given = self.selection_scores
+        if given is None:
+            return None
+        if state is not None and (state.k is not None or (state.sparse_mask is not None
+                                                          and bool(state.sparse_mask.any()))):
+            raise ValueError("selection_scores rank the keys of a call on a fresh state: this state already holds "
+                             "keys (read the document first, before any other call on the cache)")
+        if tuple(given.shape) != (b, hkv, lk):
+            raise ValueError(f"selection_scores must be (batch, kv heads, keys) = {(b, hkv, lk)}, got "
+                             f"{tuple(given.shape)}")
+        given = torch.nan_to_num(given.to(device=device, dtype=work), nan=0.0)
+        return torch.cat([torch.zeros(b, hkv, self.config.sparse_cache, dtype=work, device=device),
+                          al.keys(given, dim=2)], dim=2)
 
     def _query_history(self, state, qa, first_q, last, b, work, device):
         """(queries (B, Hkv, G, Lk, d), which are real (B, Lk), the cache's scores (B, Hkv, sparse_cache)) for

@@ -100,3 +100,32 @@ def test_multi_turn_refuses_a_model_without_a_cache(tiny):
         generate_turns(NoCache(), [1, 2, 3], [[4]], max_new_tokens=2, pad_token_id=0)
     with pytest.raises(ValueError, match="multi_turn must be True or False"):
         LongContextSettings(contexts=(64,), multi_turn="yes")
+
+
+def test_read_copy_reads_a_sparse_cache_by_copy_scores_and_says_so(tiny):
+    """read='copy' (hf_polyattn.read_document) where the model has a sparse cache; a softmax model keeps every key,
+    reads by 'stream', and its result says so."""
+    from hf_polyattn.eval.ruler import run_ruler
+
+    model, tok = tiny
+    assert passkey_retrieval(model, tok, [300], depths=1, seed=3, multi_turn=True, read="copy")["read"] == "stream"
+    conv = hf_polyattn.convert(copy.deepcopy(model), hf_polyattn.PolyAttnConfig.for_kind(
+        "linear", window_mix=True, window_mix_init=0.0, **SPARSE))
+    multi = passkey_retrieval(conv, tok, [300], depths=2, seed=3, multi_turn=True, read="copy")
+    assert multi["read"] == "copy" and len(multi["answers"][0]) == 2
+    ruler = run_ruler(conv, tok, [512], ["niah_single_1"], samples=1, multi_turn=True, read="copy")
+    assert ruler["read"] == "copy" and len(ruler["outputs"]) == 1
+    with pytest.raises(ValueError, match=r"read must be one of \['stream', 'copy'\], got 'later'"):
+        LongContextSettings(contexts=(64,), read="later")
+    with pytest.raises(ValueError, match="read must be one of"):
+        passkey_retrieval(conv, tok, [300], depths=1, multi_turn=True, read="copies")
+
+
+def test_a_length_run_alone_asks_the_keys_of_the_longer_run(tiny):
+    model, tok = tiny
+    both = passkey_retrieval(model, tok, [250, 300], depths=2, seed=3)
+    alone = passkey_retrieval(model, tok, [300], depths=2, seed=3, draw_lengths=[250, 300])
+    assert alone["keys"] == [both["keys"][1]] and alone["answers"] == [both["answers"][1]]
+    assert passkey_retrieval(model, tok, [300], depths=2, seed=3)["keys"] == [both["keys"][0]]
+    with pytest.raises(ValueError, match="draw_lengths \\[250\\] must hold every passkey length \\[300\\]"):
+        passkey_retrieval(model, tok, [300], depths=1, draw_lengths=[250])

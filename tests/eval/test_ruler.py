@@ -168,6 +168,17 @@ def test_tiny_model_runs_the_suite_end_to_end(tok, tiny_dirs, tmp_path, text_fil
     assert "passkey turn 2 @ 300" in md and "niah_single_1 @ 900" in md and "| multi |" in md
     assert cli.main(["eval", str(d), "--data", text_file, "--ruler", "900", "--ruler-tasks", "nope"]) == 2
     assert "expected distinct comma-separated names" in capsys.readouterr().err
+    # --read copy: the rows with a sparse cache read the document by copy scores, the others by their forward call
+    out = tmp_path / "copy"
+    rc = cli.main(["eval", str(d), "--data", text_file, "--contexts", "64", "--max-eval-tokens", "128",
+                   "--passkey", "300", "--passkey-depths", "1", "--multi-turn", "--read", "copy", "--threads", "1",
+                   "--baselines", "softmax,sparse", "--matched-cache", "64", "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "long_context.json").read_text())
+    assert [r["passkey_multi_turn"]["read"] for r in result["rows"]] == ["stream", "copy", "stream"]
+    assert "Rows whose document was read by copy scores" in (out / "long_context.md").read_text()
+    assert cli.main(["eval", str(d), "--data", text_file, "--read", "copy"]) == 2
+    assert "set multi_turn (--multi-turn) too" in capsys.readouterr().err
 
 
 def test_ruler_table_shows_the_union_of_the_rows_lengths():
@@ -181,3 +192,8 @@ def test_ruler_table_shows_the_union_of_the_rows_lengths():
     assert "| B | single | 50 | – | 0 | – | 25.0 | – |" in table
     assert "| B | multi | 50 | – | 0 | – | 25.0 | – |" in table
     assert ruler_markdown([{"label": "no ruler"}]) == ""
+    # a row asked in a later turn only, its document read by copy scores: its own line, marked
+    table = ruler_markdown([{"label": "A", "ruler": both},
+                            {"label": "C", "ruler_multi_turn": {**short, "read": "copy"}}])
+    assert "| C | multi (copy) | 50 | – | 0 | – | 25.0 | – |" in table and "| C | single" not in table
+    assert ruler_markdown([{"label": "C", "ruler_multi_turn": short}]).startswith("| attention | turns | vt @ 1,024 |")

@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             # rows recorded before the label named sparse_value_keys: their recorded attention says it
             label += (f" ({att['sparse_value_keys']} of the selected keys by the largest |v| pooled over "
                       f"{att['sparse_value_pool']})")
+        if rec["settings"].get("read") == "copy":
+            label += "; multi-turn reads the document by copy scores (hf_polyattn.read_document)"
         lines.append(f"| {name} | {label} | {ppl} |")
     for template in templates:
         lengths = sorted({n for g in grids for grid in g.get(template, ()) if grid for n in grid["lengths"]})
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     text = ("\n".join(lines) + "\n\nPasskey: seed 0, greedy, hits of the depths per length; 'single': document and "
             "question in one prompt; 'turn 1': the document read by its own forward call, then the question on that "
             "cache; 'turn 2': the same question again after the first answer, on the same cache; '–': not run.\n\n"
-            + ruler_markdown([r for r in rows if r.get("ruler")])
+            + ruler_markdown([r for r in rows if r.get("ruler") or r.get("ruler_multi_turn")])
             + "\nRows (one process each):\n\n" + commands
             + "\n\nJoined by `python recipes/experiments/ruler_matched/collect.py " + " ".join(names) + "`.\n")
     (OUT / "summary.md").write_text(text)

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-eval-tokens", type=int, default=4096)
     p.add_argument("--passkey", default="1024,2048")
     p.add_argument("--passkey-depths", type=int, default=5)
+    p.add_argument("--passkey-draw", default="",
+                   help="the lengths whose cells draw passkeys, in order (--passkey among them; default: --passkey): "
+                        "--passkey 8000 --passkey-draw 1024,2048,4096,8000 asks the 8k keys of the 1k..8k rows")
     p.add_argument("--ruler", default="1024,2048")
     p.add_argument("--ruler-tasks", default="")
     p.add_argument("--ruler-samples", type=int, default=2)
@@ -54,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="saved row: a setting of the checkpoint's attention that adds no tensor (repeatable)")
     p.add_argument("--passkey-templates", default="classic", help="passkey templates, comma-separated")
     p.add_argument("--later-only", action="store_true",
-                   help="passkey with the question in a later turn only (no single-prompt passkey, no RULER)")
+                   help="retrieval with the question in a later turn only: the passkey, and the RULER suite at "
+                        "--ruler with --multi-turn all (no single-prompt run of either)")
+    p.add_argument("--read", choices=["stream", "copy"], default="stream",
+                   help="how multi-turn reads the document (LongContextSettings.read)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default=None, help="result file name (default: the row, with the budget if matched)")
     args = p.parse_args(argv)
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         passkey_depths=args.passkey_depths, baselines=(), matched_cache=args.matched_cache,
         multi_turn=args.multi_turn != "none", ruler_lengths=ints(args.ruler),
         ruler_tasks=tuple(t for t in args.ruler_tasks.split(",") if t), ruler_samples=args.ruler_samples,
-        passkey_templates=tuple(t for t in args.passkey_templates.split(",") if t))
+        passkey_templates=tuple(t for t in args.passkey_templates.split(",") if t), read=args.read)
     path = cli.resolve_model(args.model)
     tokenizer = cli.load_tokenizer(path)
     model = cli._load(cli.causal_lm_class(path, args.model, "a causal LM"), path, dtype=torch.float32)
@@ -124,11 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.later_only:  # the perplexity curve, then each template's passkey with the question in a later turn
         row = evaluate_model(label, model, tokenizer, data.eval_ids,
                              dataclasses.replace(settings, passkey_lengths=(), ruler_lengths=()))
-        for template in settings.passkey_templates:
+        for template in settings.passkey_templates if settings.passkey_lengths else ():
             name = "passkey" if template == settings.passkey_templates[0] else f"passkey_{template}"
             row[name + "_multi_turn"] = passkey_retrieval(
                 model, tokenizer, settings.passkey_lengths, settings.passkey_depths, seed=settings.passkey_seed,
-                template=template, multi_turn=True)
+                template=template, multi_turn=True, read=settings.read, draw_lengths=ints(args.passkey_draw) or None)
+        if ruler_multi and settings.ruler_lengths:
+            row["ruler_multi_turn"] = run_ruler(model, tokenizer, settings.ruler_lengths, settings.ruler_tasks,
+                                                samples=settings.ruler_samples, seed=settings.ruler_seed,
+                                                multi_turn=True, read=settings.read)
     else:
         row = evaluate_model(label, model, tokenizer, data.eval_ids, first)
     if not ruler_multi and settings.ruler_lengths and not args.later_only:
