@@ -157,8 +157,11 @@ _PRESETS = [
                 "needles at 8k. On these passkeys and on a RULER-style suite at 4k / 8k it scores what the same "
                 "cache scores on the untrained model, not more; asked in a later turn, the RULER suite's needles at 4k "
                 "are almost all lost (by the same cache untrained too), where the demo's hybrid finds what it finds "
-                "with the question in the prompt: for documents questioned later, use a preset with softmax heads "
-                "(docs/kinds.md, docs/long_context.md); prefills slower than softmax on a CPU (the figures below)",
+                "with the question in the prompt. A document read with hf_polyattn.read_document (eval --read copy: "
+                "the cache chosen by KVzip's copy score) keeps most 8k passkeys for a later question and more of "
+                "RULER's needles, not all: for documents questioned later, read them that way or use a preset with "
+                "softmax heads (docs/integration.md, docs/long_context.md); prefills slower than softmax on a CPU "
+                "(the figures below)",
         attention={"kind": "linear", "feature_map": "hedgehog", **WINDOW_RECIPE, "decay_horizon": 1024.0},
         train=dict(TRANSFER_1K), data=WEB,
         reconfigure={"decay_max_horizon": 256.0, "sparse_cache": 2048, "sparse_observe": 16, "sink_position": "own",
