@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a setting of the checkpoint's attention that adds no tensor (repeatable)")
     p.add_argument("--length", type=int, default=8000)
-    p.add_argument("--chunk", type=int, default=1024, help="read_document's chunk")
+    p.add_argument("--chunk", type=int, default=None, help="read_document's chunk (default: its own)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
