@@ -281,9 +281,7 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
         raise ValueError(f"draw_lengths {drawn_at} must hold every passkey length {list(lengths)}")
     draws = [(length, d) for length in drawn_at for d in grid]  # one key per cell, in this order
     cells = [(length, d) for length, d in draws if length in lengths]
-    keys_at = {}
-    for cell in draws:
-        keys_at.setdefault(cell, draw_passkey(rng, template))
+    keys_at = {cell: draw_passkey(rng, template) for cell in draws}
     it = cells
     if progress:
         from tqdm.auto import tqdm

@@ -6,7 +6,6 @@ each of them imports it rather than the other.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
@@ -55,13 +54,11 @@ def generate_turns(model, document: Sequence[int], questions: Sequence[Sequence[
     document, before any question exists; a single prompt lets a prefill-time rule (``sparse_observe``) see the
     question first. For softmax the split changes nothing but rounding (tests/eval/test_multi_turn.py).
     ``reader`` (model, ids (1, n)) -> cache reads the document instead of the plain forward (``document_reader``)."""
-    from ..integration import cache_kwargs, returned_cache
+    from ..integration.compatibility import cache_kwargs, last_logits_only, returned_cache
 
     device = next(model.parameters()).device
     ids = torch.tensor([list(document)], device=device)
-    # the document's logits are never read (generate() computes the question's): keep the last one where the model
-    # allows it, sparing the output layer over every document token (a 2k-token document x 49,152 words on SmolLM2)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    keep = last_logits_only(model)  # the document's logits are never read (generate() computes the question's)
     if reader is not None:
         cache = reader(model, ids)
     else:

@@ -25,14 +25,13 @@ other (``generate()``, the decoding state unchanged in size).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
 
 from ..ops.hybrid import HybridAttention
 from ..ops.sparse import SparseMixin
-from .compatibility import find_attention_modules, returned_cache
+from .compatibility import find_attention_modules, last_logits_only, returned_cache
 
 __all__ = ["COPY_PROMPT", "copy_scores", "read_document", "sparse_layers"]
 
@@ -115,10 +114,6 @@ def _no_mask(*args, **kwargs):
     return None  # the copy pass builds its own pattern (a packed sequence: transformers' masks cannot say it)
 
 
-def _forward_kwargs(model) -> dict:
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-
-
 @torch.no_grad()
 def copy_scores(model, input_ids: torch.Tensor, prompt_ids: Sequence[int], *, chunk: int | None = None,
                 attention_mask: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
@@ -164,7 +159,7 @@ def copy_scores(model, input_ids: torch.Tensor, prompt_ids: Sequence[int], *, ch
     model.set_attn_implementation(COPY_NAME)
     try:
         model(torch.cat(pieces)[None], position_ids=torch.cat(positions)[None], use_cache=False,
-              **_forward_kwargs(model))
+              **last_logits_only(model))
     finally:
         model.set_attn_implementation(previous)
     return {idx: s[None] for idx, s in scores.items()}
@@ -211,7 +206,7 @@ def read_document(model, input_ids: torch.Tensor, tokenizer, *, chunk: int | Non
     for idx, module in layers:
         module.selection_scores = scores[idx]
     try:
-        out = model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True, **_forward_kwargs(model))
+        out = model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True, **last_logits_only(model))
     finally:
         for _, module in layers:
             module.selection_scores = None
