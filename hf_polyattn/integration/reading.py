@@ -15,7 +15,10 @@ outrank the needle's tokens by that score, against 14.8% and 14.0% by |v| (``spa
 the converted layers are bypassed for that pass, as the attention transfer's teacher is), in one forward over the
 document followed by every chunk's copy, each chunk's positions continuing the document's. Cost: a second pass
 over the document's tokens, with every copying query reading the whole document: O(n^2) attention once per
-document (KVzip's trade: a document read once and asked many times), in query blocks of ``BLOCK`` rows.
+document (KVzip's trade: a document read once and asked many times). The document's own rows need no weights:
+PyTorch's SDPA computes them (the exact float32 path only under a logit soft-cap); the copying rows' weights are
+exact float32, in query blocks of ``BLOCK`` rows, each key's largest weight read off as exp(max(logit - the row's
+logsumexp)) without normalising the block's weights in memory.
 
 ``read_document`` then reads the document into a fresh cache with every sparse layer's selection ranked by those
 scores (``SparseMixin.selection_scores``: the |v| reserve of ``sparse_value_keys`` first, the rest of the budget the
@@ -28,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..ops.hybrid import HybridAttention
 from ..ops.sparse import SparseMixin
@@ -56,17 +60,69 @@ def _check_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> 
 
 
 def _exact_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                visible: torch.Tensor, scale: float, softcap: float | None, window: int | None):
-    """(out (H, R, d), weights (H, R, K)) of R query rows over K keys, exact softmax in float32: q (H, R, d), k / v
-    (H, K, d) (already repeated to the query heads), ``visible`` (R, K) the pattern before a sliding ``window`` (keys
-    less than ``window`` positions back) and the model's logit ``softcap``."""
+                visible: torch.Tensor, scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+    """(H, R, d) the output of R query rows over K keys, exact softmax in float32: q (H, R, d), k / v (H, K, d)
+    (already repeated to the query heads), ``visible`` (R, K) the pattern before a sliding ``window`` (keys less
+    than ``window`` positions back) and the model's logit ``softcap``. The document rows of a soft-capped model
+    (SDPA has no soft-capping)."""
     x = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if softcap:
         x = torch.tanh(x / softcap) * softcap
     if window:
         visible = visible & (qpos[:, None] - kpos[None, :] < window)
-    w = x.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.matmul(w, v.float()), w
+    return torch.matmul(x.masked_fill(~visible, float("-inf")).softmax(-1), v.float())
+
+
+def _document_rows(q, k, v, scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+    """(H, n, d) float32: the document's own rows, causal over the document (they only carry the hidden states to
+    the copying rows: no weights needed). PyTorch's SDPA without soft-capping (no n x n weights in memory: its
+    fused CPU / GPU kernels), ``_exact_rows`` in blocks of ``BLOCK`` rows with it."""
+    n = q.shape[1]
+    q, k, v = q.float(), k.float(), v.float()
+    if not softcap:
+        if not window or window >= n:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = torch.empty(q.shape[0], n, v.shape[-1], dtype=torch.float32, device=q.device)
+        pos = torch.arange(n, device=q.device)
+        for s in range(0, n, BLOCK):  # a window: only the keys it reaches, masked
+            e, lo = min(n, s + BLOCK), max(0, s - window + 1)
+            gap = pos[s:e, None] - pos[None, lo:e]
+            out[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, lo:e], v[:, lo:e],
+                                                         attn_mask=(gap >= 0) & (gap < window), scale=scale)
+        return out
+    out = torch.empty(q.shape[0], n, v.shape[-1], dtype=torch.float32, device=q.device)
+    pos = torch.arange(n, device=q.device)
+    for s in range(0, n, BLOCK):
+        e = min(n, s + BLOCK)
+        out[:, s:e] = _exact_rows(q[:, s:e], k[:, :e], v[:, :e], pos[s:e], pos[:e], pos[:e][None, :] <= pos[s:e, None],
+                                  scale, softcap, window)
+    return out
+
+
+def _copy_rows(q, k_doc, v_doc, k_own, v_own, at: int, scale: float, softcap: float | None, window: int | None):
+    """(out (H, R, d), weights' max over the rows (H, n)) of R copying rows: rows ``at`` .. ``at + R - 1`` of their
+    copy block (at positions n + at ..., after the document's n), over the whole document (k_doc (H, n, d)) and
+    their block's keys up to their own (k_own (H, at + R, d)), exact softmax in float32. The
+    document part is scored without any mask unless a ``window`` hides its far keys; the row's weights never live
+    normalised in memory: a key's largest weight is exp of its largest (logit - row's logsumexp)."""
+    n, r = k_doc.shape[1], q.shape[1]
+    qs = q.float() * scale
+    x_doc = torch.matmul(qs, k_doc.float().transpose(-1, -2))  # (H, R, n)
+    x_own = torch.matmul(qs, k_own.float().transpose(-1, -2))  # (H, R, at + R)
+    if softcap:
+        x_doc.div_(softcap).tanh_().mul_(softcap)
+        x_own.div_(softcap).tanh_().mul_(softcap)
+    rows = torch.arange(at, at + r, device=q.device)
+    # own keys: causal within the block (key j <= row)
+    x_own.masked_fill_(torch.arange(at + r, device=q.device)[None, :] > rows[:, None], float("-inf"))
+    if window:  # the row at position n + row reaches the document keys less than window back
+        far = (n + rows[:, None]) - torch.arange(n, device=q.device)[None, :] >= window
+        x_doc.masked_fill_(far, float("-inf"))
+        x_own.masked_fill_(rows[:, None] - torch.arange(at + r, device=q.device)[None, :] >= window, float("-inf"))
+    lse = torch.logaddexp(torch.logsumexp(x_doc, -1, keepdim=True), torch.logsumexp(x_own, -1, keepdim=True))
+    best = x_doc.sub_(lse).amax(1).exp()
+    out = torch.matmul(x_doc.exp_(), v_doc.float()) + torch.matmul(x_own.sub_(lse).exp_(), v_own.float())
+    return out, best
 
 
 def _copy_attention(blocks: list[tuple[int, int]], n: int, scores: dict[int, torch.Tensor]):
@@ -83,26 +139,15 @@ def _copy_attention(blocks: list[tuple[int, int]], n: int, scores: dict[int, tor
         k, v = key[0].repeat_interleave(g, 0), value[0].repeat_interleave(g, 0)  # (H, total, d)
         q = query[0]
         out = torch.empty(h, total, v.shape[-1], dtype=torch.float32, device=query.device)
-        pos = torch.arange(total, device=query.device)
-        doc_pos = pos[:n]
-        for s in range(0, n, BLOCK):  # the document: causal
-            e = min(n, s + BLOCK)
-            out[:, s:e], _ = _exact_rows(q[:, s:e], k[:, :e], v[:, :e], pos[s:e], doc_pos[:e],
-                                         pos[:e][None, :] <= pos[s:e, None], scale, softcap, sliding_window)
-        best = torch.zeros(hkv, n, dtype=torch.float32, device=query.device)
+        out[:, :n] = _document_rows(q[:, :n], k[:, :n], v[:, :n], scale, softcap, sliding_window)
+        best = torch.zeros(h, n, dtype=torch.float32, device=query.device)
         for start, end in blocks:
-            own = pos[start:end]
-            # the block's positions continue the document's: its token i sits at n + i
-            kpos = torch.cat([doc_pos, n + (own - start)])
-            keys, vals = torch.cat([k[:, :n], k[:, start:end]], 1), torch.cat([v[:, :n], v[:, start:end]], 1)
             for s in range(start, end, BLOCK):
                 e = min(end, s + BLOCK)
-                qpos = n + (pos[s:e] - start)
-                visible = torch.cat([torch.ones(e - s, n, dtype=torch.bool, device=query.device),
-                                     own[None, :] <= pos[s:e, None]], dim=1)
-                out[:, s:e], w = _exact_rows(q[:, s:e], keys, vals, qpos, kpos, visible, scale, softcap,
-                                             sliding_window)
-                best = torch.maximum(best, w[:, :, :n].amax(1).view(hkv, g, n).amax(1))
+                out[:, s:e], w = _copy_rows(q[:, s:e], k[:, :n], v[:, :n], k[:, start:e], v[:, start:e], s - start,
+                                            scale, softcap, sliding_window)
+                torch.maximum(best, w, out=best)
+        best = best.view(hkv, g, n).amax(1)
         idx = module.layer_idx
         scores[idx] = torch.maximum(scores[idx], best) if idx in scores else best
         return out.to(query.dtype).unsqueeze(0).transpose(1, 2).contiguous(), None

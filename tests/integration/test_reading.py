@@ -28,7 +28,8 @@ def _naive_copy_scores(model, doc: torch.Tensor, chunk: int) -> dict[int, torch.
     copying rows' weights on the document's keys, max over rows, chunks and each kv head's query heads."""
     n = doc.shape[1]
     cfg = model.config
-    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-2: no grouped heads
+    g = cfg.num_attention_heads // hkv
     best: dict[int, torch.Tensor] = {}
     previous = cfg._attn_implementation
     model.set_attn_implementation("eager")
@@ -38,7 +39,7 @@ def _naive_copy_scores(model, doc: torch.Tensor, chunk: int) -> dict[int, torch.
             with torch.no_grad():
                 att = model(ids, output_attentions=True, use_cache=False).attentions
             for li, w in enumerate(att):  # (1, H, L, L)
-                s = w[0, :, n:, :n].amax(1).view(cfg.num_key_value_heads, g, n).amax(1)
+                s = w[0, :, n:, :n].amax(1).view(hkv, g, n).amax(1)
                 best[li] = torch.maximum(best[li], s) if li in best else s
     finally:
         model.set_attn_implementation(previous)
@@ -56,6 +57,58 @@ def test_copy_scores_equal_a_naive_softmax_over_each_chunks_copy(chunk):
     assert sorted(got) == sorted(want)
     for li in want:
         torch.testing.assert_close(got[li][0], want[li], rtol=1e-5, atol=1e-6)
+
+
+def _gemma2(softcap: float | None):
+    """A tiny Gemma 2: sliding layers of window 4 beside global ones, query_pre_attn_scalar != head_dim (the
+    ``scaling`` argument), logits soft-capped at ``softcap`` (small: most scores are capped)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=256,
+                                  num_hidden_layers=4, sliding_window=4, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "full_attention"] * 2,
+                                  attn_logit_softcapping=softcap, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # logits of a few units (the init's are ~0.01, where a cap of 3 changes nothing)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma2_softcap", "gemma2"])
+def test_copy_scores_follow_each_models_positions_window_and_softcap(arch):
+    """GPT-2's learned absolute positions (a copy block's position ids continue the document's), Gemma 2's sliding
+    layers (a copying row reaches only the document's last keys) and its soft-capped logits (the document rows
+    take the exact path, SDPA has no soft-capping): each against the model's own eager attention."""
+    model = build("gpt2") if arch == "gpt2" else _gemma2(3.0 if arch == "gemma2_softcap" else None)
+    doc = prompt_ids(1, 30, seed=6)
+    for chunk in (5, 16):
+        got = copy_scores(model, doc, PROMPT, chunk=chunk)
+        want = _naive_copy_scores(model, doc, chunk)
+        assert sorted(got) == sorted(want)
+        for li in want:
+            torch.testing.assert_close(got[li][0], want[li], rtol=1e-5, atol=1e-6)
+    if arch.startswith("gemma2"):  # the sliding layers' scores: no copying row reaches the document's start
+        sliding = [li for li, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
+        assert all(bool((got[li][0, :, :-4] == 0).all()) for li in sliding)
+
+
+@pytest.mark.parametrize("softcap,window", [(None, None), (None, 5), (2.0, None), (2.0, 5)])
+def test_document_rows_equal_the_exact_rows(softcap, window, monkeypatch):
+    """The document's rows (SDPA, or the exact path when soft-capped), in blocks smaller than the document (the
+    windowed SDPA blocks read only the keys they reach), against one exact causal pass."""
+    from hf_polyattn.integration import reading
+
+    monkeypatch.setattr(reading, "BLOCK", 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 13, 8, generator=g) for _ in range(3))
+    pos = torch.arange(13)
+    want = reading._exact_rows(q, k, v, pos, pos, pos[None, :] <= pos[:, None], 0.5, softcap, window)
+    got = reading._document_rows(q, k, v, 0.5, softcap, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_copy_scores_on_a_converted_model_read_its_own_q_k_and_restore_it():
