@@ -17,8 +17,7 @@ document followed by every chunk's copy, each chunk's positions continuing the d
 over the document's tokens, with every copying query reading the whole document: O(n^2) attention once per
 document (KVzip's trade: a document read once and asked many times). The document's own rows need no weights:
 PyTorch's SDPA computes them (the exact float32 path only under a logit soft-cap); the copying rows' weights are
-exact float32, in query blocks of ``BLOCK`` rows, each key's largest weight read off as exp(max(logit - the row's
-logsumexp)) without normalising the block's weights in memory.
+exact float32, in query blocks of ``BLOCK`` rows, each block's softmax computed in place.
 
 ``read_document`` then reads the document into a fresh cache with every sparse layer's selection ranked by those
 scores (``SparseMixin.selection_scores``: the |v| reserve of ``sparse_value_keys`` first, the rest of the budget the
@@ -81,14 +80,15 @@ def _document_rows(q, k, v, scale: float, softcap: float | None, window: int | N
     q, k, v = q.float(), k.float(), v.float()
     if not softcap:
         if not window or window >= n:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            # 4-d: 3-d inputs take SDPA's math path on a CPU (1.2 s against 0.26 s for 9 heads x 4,000, one thread)
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
         out = torch.empty(q.shape[0], n, v.shape[-1], dtype=torch.float32, device=q.device)
         pos = torch.arange(n, device=q.device)
         for s in range(0, n, BLOCK):  # a window: only the keys it reaches, masked
             e, lo = min(n, s + BLOCK), max(0, s - window + 1)
             gap = pos[s:e, None] - pos[None, lo:e]
-            out[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, lo:e], v[:, lo:e],
-                                                         attn_mask=(gap >= 0) & (gap < window), scale=scale)
+            out[:, s:e] = F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, lo:e], v[None, :, lo:e],
+                                                         attn_mask=(gap >= 0) & (gap < window), scale=scale)[0]
         return out
     out = torch.empty(q.shape[0], n, v.shape[-1], dtype=torch.float32, device=q.device)
     pos = torch.arange(n, device=q.device)
@@ -102,9 +102,8 @@ def _document_rows(q, k, v, scale: float, softcap: float | None, window: int | N
 def _copy_rows(q, k_doc, v_doc, k_own, v_own, at: int, scale: float, softcap: float | None, window: int | None):
     """(out (H, R, d), weights' max over the rows (H, n)) of R copying rows: rows ``at`` .. ``at + R - 1`` of their
     copy block (at positions n + at ..., after the document's n), over the whole document (k_doc (H, n, d)) and
-    their block's keys up to their own (k_own (H, at + R, d)), exact softmax in float32. The
-    document part is scored without any mask unless a ``window`` hides its far keys; the row's weights never live
-    normalised in memory: a key's largest weight is exp of its largest (logit - row's logsumexp)."""
+    their block's keys up to their own (k_own (H, at + R, d)), exact softmax in float32, in place over both parts.
+    The document part takes no mask unless a ``window`` hides its far keys."""
     n, r = k_doc.shape[1], q.shape[1]
     qs = q.float() * scale
     x_doc = torch.matmul(qs, k_doc.float().transpose(-1, -2))  # (H, R, n)
@@ -119,10 +118,13 @@ def _copy_rows(q, k_doc, v_doc, k_own, v_own, at: int, scale: float, softcap: fl
         far = (n + rows[:, None]) - torch.arange(n, device=q.device)[None, :] >= window
         x_doc.masked_fill_(far, float("-inf"))
         x_own.masked_fill_(rows[:, None] - torch.arange(at + r, device=q.device)[None, :] >= window, float("-inf"))
-    lse = torch.logaddexp(torch.logsumexp(x_doc, -1, keepdim=True), torch.logsumexp(x_own, -1, keepdim=True))
-    best = x_doc.sub_(lse).amax(1).exp()
-    out = torch.matmul(x_doc.exp_(), v_doc.float()) + torch.matmul(x_own.sub_(lse).exp_(), v_own.float())
-    return out, best
+    # softmax over both parts in place (fewer passes over the R x n block than softmax / logsumexp: 0.21 s against
+    # 0.24 / 0.31 s for 9 x 512 x 8,000 on one CPU thread)
+    top = torch.maximum(x_doc.amax(-1, keepdim=True), x_own.amax(-1, keepdim=True))
+    total = x_doc.sub_(top).exp_().sum(-1, keepdim=True) + x_own.sub_(top).exp_().sum(-1, keepdim=True)
+    x_doc.div_(total)
+    x_own.div_(total)
+    return torch.matmul(x_doc, v_doc.float()) + torch.matmul(x_own, v_own.float()), x_doc.amax(1)
 
 
 def _copy_attention(blocks: list[tuple[int, int]], n: int, scores: dict[int, torch.Tensor]):
