@@ -158,8 +158,9 @@ _PRESETS = [
                 "cache scores on the untrained model, not more; asked in a later turn, the RULER suite's needles at 4k "
                 "are almost all lost (by the same cache untrained too), where the demo's hybrid finds what it finds "
                 "with the question in the prompt. A document read with hf_polyattn.read_document (eval --read copy: "
-                "the cache chosen by KVzip's copy score) keeps most 8k passkeys for a later question and more of "
-                "RULER's needles, not all: for documents questioned later, read them that way or use a preset with "
+                "the cache chosen by KVzip's copy score) keeps the 1k-4k passkeys and most 8k ones for a later "
+                "question and more of RULER's needles, not all, as the same cache read that way on the untrained "
+                "model does: for documents questioned later, read them that way or use a preset with "
                 "softmax heads (docs/integration.md, docs/long_context.md); prefills slower than softmax on a CPU "
                 "(the figures below)",
         attention={"kind": "linear", "feature_map": "hedgehog", **WINDOW_RECIPE, "decay_horizon": 1024.0},
