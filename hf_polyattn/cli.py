@@ -798,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="checkpoint: a local directory with config.json, a Hub id, or the offline aliases "
-                        "'smollm2' / 'minilm'")
+                        "'smollm2' / 'minilm' / 'gemma3'")
     _add_attention_options(p, command="convert")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to save the converted model to")
     p.add_argument("--task", choices=list(TASKS), default="auto", metavar="TASK",
@@ -816,7 +816,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "attention the model ran with."),
                        formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL",
-                   help="causal LM: a local directory (e.g. written by `hf-polyattn convert`), a Hub id or 'smollm2'")
+                   help="causal LM: a local directory (e.g. written by `hf-polyattn convert`), a Hub id or "
+                        "'smollm2' / 'gemma3'")
     p.add_argument("--data", required=True, metavar="DATA",
                    help="'demo' (the bundled Tiny Shakespeare), 'web' (a streamed web-text sample, needs the Hub), a "
                         "local .txt / .jsonl / .parquet file, or a Hub dataset id (--data-config, --data-split, "
@@ -895,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Writes the scores and the --top pairs as JSON to --out; pass them on with "
                                    "--set softmax_heads=@FILE."),
                        formatter_class=HelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="causal LM: a local directory, a Hub id or 'smollm2'")
+    p.add_argument("model", metavar="MODEL", help="causal LM: a local directory, a Hub id or 'smollm2' / 'gemma3'")
     p.add_argument("--out", required=True, metavar="FILE", help="JSON file to write the scores and pairs to")
     p.add_argument("--num-prompts", type=int_at_least(1), default=8,
                    help="passkey prompts (needle depths (i + 0.5) / N); also the most --data windows read")

