@@ -766,8 +766,9 @@ def _add_attention_options(p, *, command: str) -> None:
                    help=f"a PolyAttnConfig option of the kind, parsed by its type and validated (repeatable; "
                         f"`{PROG} kinds` lists them), e.g. --set sketch_size=64 --set local_exact=true" + (
                             "; two values are resolved when the model loads: feature_proj=head_dim, "
-                            "softmax_heads=auto or auto:K (the checkpoint's best quarter / K kv heads by retrieval "
-                            "score)" if command == "retrofit" else
+                            "softmax_heads=auto or auto:K (the checkpoint's best quarter of the kv heads, more if a "
+                            "quarter holds less than 80%% of the retrieval score / its best K kv heads)"
+                            if command == "retrofit" else
                             ". Without --kind or --config, on a polyattn checkpoint: settings that add no tensor (e.g. "
                             "sparse_cache=64), its trained attention kept (hf_polyattn.reconfigure)"))
     p.add_argument("--config", metavar="FILE.json",

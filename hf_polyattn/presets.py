@@ -10,8 +10,10 @@ hold settings, not measurements. Every user-facing default of a retrofit lives h
 Two attention values depend on the model and are resolved when it is loaded:
 
 * ``feature_proj="head_dim"``: a learnable projection of q and k to the model's own head size;
-* ``softmax_heads="auto"`` (or ``"auto:K"``): the checkpoint's best quarter (K) of kv heads by retrieval score,
-  measured before conversion (``hf_polyattn.eval.heads.score_heads``), kept as exact softmax.
+* ``softmax_heads="auto"`` (or ``"auto:K"``): the checkpoint's best quarter (K) of the converted layers' kv heads by
+  retrieval score, measured before conversion (``hf_polyattn.eval.heads.score_heads``), kept as exact softmax;
+  ``"auto"`` keeps more when a quarter holds less than 80% of their retrieval score (the fewest that hold it: 2 of
+  Gemma 3 270M's 3 global kv heads, ``training.pipeline.AUTO_SHARE``).
 
 Precedence (``RetrofitArgs.build`` and the command line): a field given explicitly wins over the preset's value,
 which wins over the field's default. The attention is built in order preset -> ``--config`` -> ``--kind`` ->

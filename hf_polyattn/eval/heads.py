@@ -216,6 +216,20 @@ def select_heads(scores: torch.Tensor | HeadScores, k: int) -> tuple[tuple[int, 
     return tuple((int(i) // heads, int(i) % heads) for i in order)
 
 
+def heads_for_share(scores: HeadScores, share: float) -> int:
+    """The fewest candidate kv heads (``HeadScores.layers``) whose retrieval scores, best first, hold at least
+    ``share`` of the candidates' total (scores below 0 count as 0); 0 when no head scores above 0."""
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be a number in (0, 1], got {share!r}")
+    rows = scores.retrieval if scores.layers is None else scores.retrieval[list(scores.layers)]
+    values = torch.sort(rows.double().clamp(min=0).flatten(), descending=True).values
+    total = float(values.sum())
+    if total <= 0.0:
+        return 0
+    # a small tolerance: a share the best heads hold exactly must not need one head more from rounding
+    return int(torch.searchsorted(torch.cumsum(values, 0), share * total * (1 - 1e-12)).item()) + 1
+
+
 def parse_head_pairs(text: str, name: str = "softmax_heads") -> list[list[int]]:
     """(layer, kv head) pairs from text: "6:0,7:2", a JSON list [[6, 0], [7, 2]], or @FILE: a JSON file holding such
     a list or the object ``hf-polyattn score-heads`` writes (its ``name`` entry). ``PolyAttnConfig`` validates the

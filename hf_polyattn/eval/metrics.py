@@ -24,6 +24,28 @@ from torch.nn import functional as F
 
 __all__ = ["accuracy", "perplexity", "perplexity_windows"]
 
+# A batch's logits are batch x context x vocabulary floats: with Gemma 3's 262,144-token vocabulary, 8 windows of
+# 1,024 tokens are 8.6 GB, and cross_entropy's temporaries as much again (the process was killed on a 24 GiB
+# machine). So a batch holds at most LOGITS_BUDGET logits (at least one window; 8,192 tokens of SmolLM2's 49,152 are
+# 0.4 G, unchanged), and the NLL is computed NLL_CHUNK logits at a time, upcast to fp32 chunk by chunk.
+LOGITS_BUDGET = 1 << 30
+NLL_CHUNK = 1 << 26
+
+
+def _vocab_size(model) -> int | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position NLL in fp32 of (L, V) logits against (L,) targets, NLL_CHUNK logits per cross_entropy call."""
+    step = max(1, NLL_CHUNK // logits.shape[-1])
+    return torch.cat([F.cross_entropy(logits[a:a + step].float(), targets[a:a + step], reduction="none")
+                      for a in range(0, logits.shape[0], step)])
+
 
 def perplexity_windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, first scored position, end) of each window; targets t in [first, end) are scored once."""
@@ -57,6 +79,9 @@ def perplexity(model, ids: torch.Tensor, *, context: int, stride: int, batch_siz
     """exp(mean token NLL) of a causal LM over a 1-D token stream (see module docstring)."""
     ids = ids.reshape(-1).long()
     wins = perplexity_windows(ids.numel(), context, stride)
+    vocab = _vocab_size(model)
+    if vocab:
+        batch_size = max(1, min(batch_size, LOGITS_BUDGET // (vocab * min(context, ids.numel()))))
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -71,12 +96,13 @@ def perplexity(model, ids: torch.Tensor, *, context: int, stride: int, batch_siz
         for b in it:
             chunk = wins[b : b + batch_size]
             x = torch.stack([ids[s:e] for s, _, e in chunk]).to(device)
-            logits = model(input_ids=x, use_cache=False).logits.float()
-            nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")  # (B, L-1)
+            logits = model(input_ids=x, use_cache=False).logits
             for row, (s, first, e) in enumerate(chunk):
                 # target position t is predicted at logits index t - 1 - s
-                total_nll += nll[row, first - 1 - s : e - 1 - s].double().sum().item()
+                nll = _nll(logits[row, first - 1 - s : e - 1 - s], x[row, first - s : e - s])
+                total_nll += nll.double().sum().item()
                 total_tokens += e - first
+            del logits
     finally:
         model.train(was_training)
     mean = total_nll / total_tokens

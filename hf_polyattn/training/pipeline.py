@@ -68,7 +68,8 @@ class ModelArgs:
         "cli": False,  # the command line builds it from --preset / --config / --kind / --set
         "help": "'softmax' (the checkpoint's own attention), a PolyAttnConfig, or a dict of its fields with 'kind'; "
                 "two values depend on the model and are resolved when it is loaded: feature_proj='head_dim' and "
-                "softmax_heads='auto' / 'auto:K' (the checkpoint's best quarter / K kv heads by retrieval score); "
+                "softmax_heads='auto' / 'auto:K' (the checkpoint's best quarter of the kv heads, more if a quarter "
+                "holds less than 80% of the retrieval score / its best K kv heads); "
                 "softmax_heads also takes 'LAYER:HEAD,...' or '@scores.json'"})
 
     reconfigure: Any = field(default=None, metadata={
@@ -528,10 +529,18 @@ def _config_head_dim(cfg) -> int:
 # SmolLM2-135M: 4 prompts of 1,024 tokens chose 21 of the 22 heads that 8 prompts of 2,048 chose, in 38 s of one
 # CPU thread instead of 8 minutes (recipes/results/long_context/head_scores_smollm2.json).
 AUTO_PROMPTS, AUTO_LENGTH, AUTO_SEED = 4, 1024, 1
+# softmax_heads 'auto' keeps a quarter of the candidate kv heads, more when a quarter holds less than AUTO_SHARE of
+# their retrieval score: on SmolLM2-135M (90 candidates) the quarter holds 81.6% (the scores `make demo` records in
+# runs/demo/linear/results.json) and 'auto' keeps its 22; on Gemma 3 270M, whose 3 global layers are the only
+# candidates (15 sliding layers stay exact), a quarter is 1 head holding 67% (scores 0.50 / 0.20 / 0.05): 1.08-1.14x
+# the checkpoint's perplexity at 1k-4k and 1 / 10 passkeys, where the 2 'auto' keeps now give 1.01x and 10 / 10
+# (recipes/results/SECTION_gemma3_270m.md).
+AUTO_SHARE = 0.8
 
 
 def auto_heads(text: str | None) -> float | int | None:
-    """'auto' -> 0.25 (a quarter of the kv heads), 'auto:K' -> K heads, anything else -> None."""
+    """'auto' -> 0.25 (a quarter of the kv heads, or more to hold AUTO_SHARE of the retrieval score), 'auto:K' -> K
+    heads, anything else -> None."""
     if not text or not text.strip().startswith("auto"):
         return None
     head, _, k = text.strip().partition(":")
@@ -712,20 +721,26 @@ class Retrofit:
     def _score_heads(self, model, k: float | int, sliding_layers: str = "exact") -> tuple[tuple[int, int], ...]:
         """softmax_heads 'auto': the top ``k`` kv heads (a fraction: of all) of the softmax ``model`` by retrieval
         score (``eval.heads.score_heads``); the scores go to results.json."""
-        from ..eval.heads import score_heads, select_heads
+        from ..eval.heads import heads_for_share, score_heads, select_heads
 
         t0 = time.time()
         limit = getattr(model.config, "max_position_embeddings", None) or AUTO_LENGTH
         scores = score_heads(model, self.tokenizer, num_prompts=AUTO_PROMPTS, length=min(AUTO_LENGTH, limit),
                              seed=AUTO_SEED, sliding_layers=sliding_layers)
         total = scores.candidate_heads  # the converted layers' kv heads (sliding layers kept exact are not)
-        count = round(total * k) if isinstance(k, float) else k
+        if isinstance(k, float):  # 'auto': the fraction, or the fewest heads that hold AUTO_SHARE if more
+            quarter, share = round(total * k), heads_for_share(scores, AUTO_SHARE)
+            count = max(quarter, share)
+            rule = (f"a quarter of {total}" if quarter >= share else
+                    f"the fewest that hold {AUTO_SHARE:.0%} of the retrieval score: a quarter of {total} holds less")
+        else:
+            count, rule = k, f"auto:{k}"
         if count > total:
             raise ValueError(f"softmax_heads auto:{count}: the model has {total} kv heads")
         pairs = tuple(sorted(select_heads(scores, count)))
         self.results["head_scores"] = {**scores.to_dict(), "selected": [list(p) for p in pairs],
-                                       "wall_s": round(time.time() - t0, 1)}
-        self.log(f"[softmax heads] {count} of {total} kv heads by retrieval score: "
+                                       "candidates": total, "rule": rule, "wall_s": round(time.time() - t0, 1)}
+        self.log(f"[softmax heads] {count} of {total} kv heads by retrieval score ({rule}): "
                  + ", ".join(f"{layer}:{head}" for layer, head in pairs))
         return pairs
 
@@ -1085,12 +1100,17 @@ def run_summary(results: dict[str, Any], target: Path | None) -> str:
     if c:
         from ..eval.compare import attention_label
 
-        what = f"Retrofitted: every attention layer -> {attention_label(a['attention'], c)}"
+        layout = results.get("layer_layout") or []
+        kept = [e["layer"] for e in layout if e.get("role") == "sliding"]
+        where = (f"{len(layout) - len(kept)} of {len(layout)} attention layers (the {len(kept)} sliding-window ones "
+                 "kept exact)" if kept else "every attention layer")
+        what = f"Retrofitted: {where} -> {attention_label(a['attention'], c)}"
         scores = results.get("head_scores")
         if scores:
-            total = len(scores["retrieval"]) * len(scores["retrieval"][0])
-            what += (f"; its softmax heads are the best {len(scores['selected'])} of {total} kv heads by retrieval "
-                     f"score ({scores['wall_s']} s to score)")
+            rows = scores["retrieval"] if scores.get("layers") is None else scores["layers"]
+            total = scores.get("candidates", len(rows) * len(scores["retrieval"][0]))
+            what += (f"; its softmax heads are the best {len(scores['selected'])} of the {total} kv heads of those "
+                     f"layers by retrieval score ({scores['wall_s']} s to score)")
         lines.append(what)
     else:
         lines.append("Attention: the checkpoint's own softmax")

@@ -7,7 +7,7 @@ import string
 import pytest
 import torch
 
-from hf_polyattn.eval.heads import HeadScores, score_heads, select_heads
+from hf_polyattn.eval.heads import HeadScores, heads_for_share, score_heads, select_heads
 from hf_polyattn.eval.passkey import PASSKEY_FILLER, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_prompt
 
 ALPHABET = string.ascii_letters + string.digits + " .,?!'"
@@ -139,6 +139,26 @@ def test_select_heads():
         select_heads(scores.flatten(), 1)
     with pytest.raises(ValueError, match="scores must be finite"):
         select_heads(torch.tensor([[float("nan")]]), 1)
+
+
+def _scores(rows, layers=None):
+    return HeadScores(retrieval=torch.tensor(rows), beyond_window=None, num_prompts=1, length=8, seed=0, sinks=4,
+                      window=4, layers=layers)
+
+
+def test_heads_for_share():
+    # Gemma 3 270M's three global layers scored 0.50 / 0.20 / 0.05 (recipes/results/gemma3/)
+    gemma = _scores([[0.5], [0.2], [0.05]])
+    assert [heads_for_share(gemma, s) for s in (0.6, 0.8, 0.93, 0.95, 1.0)] == [1, 2, 2, 3, 3]
+    # a share the best heads hold exactly needs no more of them; only the candidate layers count
+    assert heads_for_share(_scores([[0.9], [0.8], [0.2]], layers=[1, 2]), 0.8) == 1
+    assert heads_for_share(_scores([[0.9], [0.8], [0.2]]), 0.85) == 2  # 1.7 of 1.9 = 89%
+    # negative scores count as none; no score above 0: no head
+    assert heads_for_share(_scores([[0.3, -1.0], [0.1, 0.0]]), 0.75) == 1
+    assert heads_for_share(_scores([[0.0, -0.2]]), 0.8) == 0
+    for bad in (0, 1.5, -0.1, True, "0.8"):
+        with pytest.raises(ValueError, match=r"share must be a number in \(0, 1\]"):
+            heads_for_share(gemma, bad)
 
 
 def test_bad_arguments_name_themselves():

@@ -47,6 +47,35 @@ def test_perplexity_matches_a_hand_computation():
     assert perplexity(model, short, context=12, stride=12)["perplexity"] == pytest.approx(math.exp(ref), rel=1e-5)
 
 
+def test_perplexity_bounds_the_logits_it_holds(monkeypatch):
+    """A large vocabulary (Gemma 3's 262,144 tokens) must not hold a whole batch's logits and cross_entropy's
+    temporaries at once: the batch is cut to LOGITS_BUDGET logits (one window at least) and the NLL computed in
+    chunks of positions, with the same result as one unbounded pass; bf16 logits are upcast chunk by chunk."""
+    import hf_polyattn.eval.metrics as metrics
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 50, (97,))
+    free = perplexity(model, ids, context=16, stride=16, batch_size=8)
+    calls = []
+    handle = model.register_forward_hook(lambda mod, args, kwargs, out: calls.append(kwargs["input_ids"].shape[0]),
+                                         with_kwargs=True)
+    monkeypatch.setattr(metrics, "LOGITS_BUDGET", 2 * 16 * 50)  # two windows of 16 tokens x 50 logits
+    monkeypatch.setattr(metrics, "NLL_CHUNK", 3 * 50)  # three positions per cross_entropy call
+    bounded = perplexity(model, ids, context=16, stride=16, batch_size=8)
+    assert max(calls) == 2 and sum(calls) == free["windows"] == 7
+    assert bounded["tokens"] == free["tokens"]
+    assert bounded["perplexity"] == pytest.approx(free["perplexity"], rel=1e-6)
+    calls.clear()
+    monkeypatch.setattr(metrics, "LOGITS_BUDGET", 10)  # less than one window: one window per pass
+    assert perplexity(model, ids, context=16, stride=16, batch_size=8)["perplexity"] == pytest.approx(
+        free["perplexity"], rel=1e-6)
+    assert set(calls) == {1}
+    handle.remove()
+    half = _tiny_llama().to(torch.bfloat16)
+    r = perplexity(half, ids, context=16, stride=16, batch_size=8)
+    assert math.isfinite(r["perplexity"])
+
+
 def test_perplexity_rejects_bad_settings():
     with pytest.raises(ValueError, match="stride"):
         perplexity_windows(100, 16, 17)

@@ -117,8 +117,8 @@ def _studies() -> list[str]:
 def test_every_study_is_inputs_and_the_runner():
     """PEFT's method_comparison shape: each study folder holds its inputs (rows.py) and its section writer, no shell
     scripts; the runner lists them from any directory."""
-    assert _studies() == ["paper_tables_long", "retrieval", "retrofit_kinds", "retrofit_window", "rope_fft",
-                          "second_family", "thesis_reversal"]
+    assert _studies() == ["gemma3_270m", "paper_tables_long", "retrieval", "retrofit_kinds", "retrofit_window",
+                          "rope_fft", "second_family", "thesis_reversal"]
     assert sorted(EXPERIMENTS.rglob("*.sh")) == []
     for study in _studies():
         assert (EXPERIMENTS / study / "fill_section.py").exists(), study
@@ -251,6 +251,30 @@ def test_second_family_section_regenerates_byte_identical(tmp_path):
     out = tmp_path / "SECTION_second_family.md"
     _run_module("recipes.experiments.second_family.fill_section", "--out", str(out))
     assert out.read_bytes() == (RESULTS / "SECTION_second_family.md").read_bytes()
+
+
+def test_gemma3_270m_section_regenerates_byte_identical(tmp_path):
+    out = tmp_path / "SECTION_gemma3_270m.md"
+    _run_module("recipes.experiments.gemma3_270m.fill_section", "--out", str(out))
+    assert out.read_bytes() == (RESULTS / "SECTION_gemma3_270m.md").read_bytes()
+
+
+def test_gemma3_270m_collect_copies_what_the_rows_wrote(tmp_path, capsys):
+    """collect.py puts each row's output where fill_section reads it and names what a row did not write."""
+    from recipes.experiments.gemma3_270m import collect
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    for name, source in collect.COPIES.items():
+        (runs / source).parent.mkdir(parents=True, exist_ok=True)
+        (runs / source).write_text(name)
+    assert collect.main(["--runs", str(runs), "--results", str(results)]) == 0
+    assert {p.name: p.read_text() for p in results.iterdir()} == {name: name for name in collect.COPIES}
+    (runs / collect.COPIES["demo.json"]).unlink()
+    (results / "demo.json").write_text("kept")
+    capsys.readouterr()
+    assert collect.main(["--runs", str(runs), "--results", str(results)]) == 0
+    assert (results / "demo.json").read_text() == "kept"
+    assert "not written (row failed or not run): " in capsys.readouterr().out
 
 
 def test_second_family_collect_copies_what_the_rows_wrote(tmp_path):

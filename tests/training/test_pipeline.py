@@ -253,6 +253,31 @@ def test_softmax_heads_auto_scores_the_checkpoint(tiny_dirs, text_file, tmp_path
         build(model="x", data="y", task="classification", attention={"kind": "linear", "softmax_heads": "auto"})
 
 
+def test_softmax_heads_auto_keeps_more_than_a_quarter_when_a_quarter_holds_little(tiny_dirs, text_file, tmp_path,
+                                                                               monkeypatch):
+    """softmax_heads='auto' keeps a quarter of the candidate kv heads, or the fewest that hold AUTO_SHARE of the
+    retrieval score when a quarter holds less (a family with few global layers: Gemma 3's three); the record says
+    which rule chose."""
+    import hf_polyattn.eval.heads as heads_module
+    from hf_polyattn.training.pipeline import AUTO_SHARE
+
+    assert AUTO_SHARE == 0.8
+    attention = {"kind": "linear", **KERNEL, "window": 8, **LONG, "decay_horizon": 256.0, "softmax_heads": "auto"}
+    chosen = {}
+    for name, rows, expected in (("spread", [[0.5, 0.1], [0.3, 0.1]], [[0, 0], [1, 0]]),
+                                 ("one", [[0.9, 0.05], [0.03, 0.02]], [[0, 0]])):
+        fixed = heads_module.HeadScores(retrieval=torch.tensor(rows), beyond_window=None, num_prompts=4, length=256,
+                                        seed=1, sinks=4, window=128, layers=[0, 1])
+        monkeypatch.setattr(heads_module, "score_heads", lambda *a, _f=fixed, **k: _f)
+        res = run(build(model=tiny_dirs["llama"], data=text_file, attention=attention, context=32, eval_context=32,
+                        eval_stride=32, max_eval_tokens=64, transfer_steps=1, save_model=False, progress=False,
+                        output_dir=str(tmp_path / name)))
+        assert res["polyattn"]["softmax_heads"] == res["head_scores"]["selected"] == expected
+        chosen[name] = res["head_scores"]["rule"]
+    assert chosen == {"spread": "the fewest that hold 80% of the retrieval score: a quarter of 4 holds less",
+                      "one": "a quarter of 4"}
+
+
 def test_retrieval_mix_lays_recall_tasks_into_the_training_windows(tiny_dirs, text_file, tsv_file, tmp_path):
     """--retrieval_mix: a seeded fraction of each stage's windows carries a recall task (training/retrieval_data.py),
     the same at every call of a step (a resumed run draws the same), different between the stages."""
@@ -318,3 +343,24 @@ def test_reconfigure_is_checked_before_training():
         build(model="x", data="y", attention="softmax", reconfigure={"sparse_cache": 2})
     with pytest.raises(ValueError, match="reconfigure is a dict"):
         build(model="x", data="y", attention=attention, reconfigure="sparse_cache=2")
+
+
+def test_run_summary_names_the_layers_a_sliding_model_keeps_exact(tmp_path):
+    """A Gemma 3-like run converts its global layers only: the summary says so and counts the softmax heads among
+    those layers' kv heads (it said 'every attention layer' and '1 of 18 kv heads' on Gemma 3 270M)."""
+    from hf_polyattn import PolyAttnConfig
+    from hf_polyattn.training.pipeline import run_summary
+
+    layout = [{"layer": i, "role": "kind" if i % 6 == 5 else "sliding"} for i in range(18)]
+    results = {"args": {"attention": "linear", "output_dir": str(tmp_path)},
+               "polyattn": PolyAttnConfig.for_kind("linear", window=8).to_dict(), "layer_layout": layout,
+               "head_scores": {"retrieval": [[0.1]] * 18, "layers": [5, 11, 17], "candidates": 3,
+                               "selected": [[5, 0], [11, 0]], "wall_s": 1.0},
+               "stages": {}, "evaluations": {}}
+    text = run_summary(results, None)
+    assert "Retrofitted: 3 of 18 attention layers (the 15 sliding-window ones kept exact) -> linear" in text
+    assert "its softmax heads are the best 2 of the 3 kv heads of those layers by retrieval score" in text
+    results["layer_layout"] = [{"layer": i, "role": "kind"} for i in range(2)]
+    results["head_scores"] = {"retrieval": [[0.1, 0.2]] * 2, "layers": None, "selected": [[0, 1]], "wall_s": 1.0}
+    text = run_summary(results, None)
+    assert "Retrofitted: every attention layer -> linear" in text and "best 1 of the 4 kv heads" in text
