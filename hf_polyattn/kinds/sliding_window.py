@@ -18,11 +18,15 @@ outside the window and the sinks.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
 from torch.nn import functional as F
 
 from ..ops.attention import PolyAttention
 from ..ops.common import _with_normaliser
 from ..ops.reference import reference_attention
+from ..ops.window_flash import rows_flash
 from ..registry import KindSpec, register_kind
 from ._kernel import sink_label, window_memory
 
@@ -48,6 +52,8 @@ class SlidingWindowAttention(PolyAttention):
         lq, lk = q5.shape[3], k5.shape[3]
         if sinks is not None:  # the sinks are attended through their slots: the window reads them as padding
             mask = sinks.rest(mask)
+        if causal and lq < lk and self._fused_exact(q5):
+            return self._normalise(self._window_rows(q5, k5, v5, mask, scale, sinks)), None, None, None
         vext = _with_normaliser(v5, mask)
         if causal:
             qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5  # bottom-right aligned rows
@@ -58,6 +64,25 @@ class SlidingWindowAttention(PolyAttention):
             qs = q5
         loc, _ = self._window_local(qs, k5, vext, mask, causal, scale, tf32=tf32, sinks=sinks)
         return self._normalise(loc[..., lk - lq :, :]), None, None, None
+
+
+    def _window_rows(self, q5, k5, v5, mask, scale, sinks):
+        """loc (B, Hkv, G, Lq, d + 1) of a causal call with fewer queries than keys (a decode step, a chunk after a
+        cache), inference on the CPU: only its Lq rows, over the keys their windows reach, through the fused kernel
+        (``window_flash.rows_flash``). The padded path computes all Lk rows and keeps the last Lq: at a window of
+        2,176 keys a SmolLM2 decode step took 49.9 s of one thread there, 0.14 s here (30 layers)."""
+        lq, lk, w = q5.shape[3], k5.shape[3], self.config.window
+        start = max(0, lk - lq - w + 1)  # the first key the first query's window reaches
+        qpos = torch.arange(lk - lq, lk, device=q5.device)
+        kpos = torch.arange(start, lk, device=q5.device)
+        band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)  # (Lq, n)
+        allowed = band[None, None] if mask is None else band[None, None] & mask[:, None, None, start:]
+        allowed = allowed.expand(q5.shape[0], q5.shape[1], lq, lk - start)
+        if sinks is not None:
+            sinks = replace(sinks, k=sinks.k.float(), v=sinks.v.float())
+        loc, _ = rows_flash(q5, k5[:, :, 0, start:], v5[:, :, 0, start:], allowed, scale, qpos, sinks,
+                            None if sinks is None or sinks.q is None else sinks.q)
+        return loc
 
 
 def _validate(config) -> None:
