@@ -52,7 +52,8 @@ class SlidingWindowAttention(PolyAttention):
         lq, lk = q5.shape[3], k5.shape[3]
         if sinks is not None:  # the sinks are attended through their slots: the window reads them as padding
             mask = sinks.rest(mask)
-        if causal and lq < lk and self._fused_exact(q5):
+        if (causal and lq < lk and self._fused_exact(q5)
+                and self._layer_backend(q5.device, q5.dtype) not in ("triton", "fla")):  # those run their kernels
             return self._normalise(self._window_rows(q5, k5, v5, mask, scale, sinks)), None, None, None
         vext = _with_normaliser(v5, mask)
         if causal:
@@ -68,9 +69,10 @@ class SlidingWindowAttention(PolyAttention):
 
     def _window_rows(self, q5, k5, v5, mask, scale, sinks):
         """loc (B, Hkv, G, Lq, d + 1) of a causal call with fewer queries than keys (a decode step, a chunk after a
-        cache), inference on the CPU: only its Lq rows, over the keys their windows reach, through the fused kernel
-        (``window_flash.rows_flash``). The padded path computes all Lk rows and keeps the last Lq: at a window of
-        2,176 keys a SmolLM2 decode step took 49.9 s of one thread there, 0.14 s here (30 layers)."""
+        cache), inference on the CPU outside the 'triton' / 'fla' backends: only its Lq rows, over the keys their
+        windows reach, through the fused kernel (``window_flash.rows_flash``). The padded path computes all Lk rows
+        and keeps the last Lq: at a window of 2,176 keys a SmolLM2 decode step took 49.9 s of one thread there,
+        0.14 s here (30 layers)."""
         lq, lk, w = q5.shape[3], k5.shape[3], self.config.window
         start = max(0, lk - lq - w + 1)  # the first key the first query's window reaches
         qpos = torch.arange(lk - lq, lk, device=q5.device)
