@@ -4,8 +4,9 @@
 
 Every number comes from the files the study's rows wrote (``python recipes/experiments/run.py gemma3_270m``, copied
 by ``collect``): ``quarter.json`` / ``demo.json`` (the two retrofits' records: head scores, layout, training, speed,
-machine), ``*_long_context.md`` (their tables on the demo text) and ``heldout_demo.{md,json}`` (the held-out
-evaluation). Nothing is measured here.
+machine), ``*_long_context.md`` (their tables on the demo text), ``heldout_demo.{md,json}`` (the held-out
+evaluation) and ``ruler_demo_4k.md`` (the RULER-style suite at 4k; its perplexity table left out). Nothing is
+measured here.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ Speed and decode cache at {speed_length:,} tokens against the base checkpoint (s
 beside the checkpoint and StreamingLLM on the same layers, two passkey templates at 10 depths:
 
 {heldout_table}
+
+The RULER-style suite at 4k tokens (8 tasks x 2 samples, the question in the prompt; `ruler-demo-4k`), the `demo`
+model beside the checkpoint:
+
+{ruler_table}
 """
 
 
@@ -98,7 +104,8 @@ def section(results: Path) -> str:
         speed_length=speed["demo"]["length"],
         **{f"{r}_{k}": speed[r][f"{k}_{'speedup' if k != 'cache' else 'ratio'}"] for r in ROWS
            for k in ("prefill", "decode", "cache")},
-        heldout_table=_table((results / "heldout_demo.md").read_text()))
+        heldout_table=_table((results / "heldout_demo.md").read_text()),
+        ruler_table=_table((results / "ruler_demo_4k.md").read_text()).split("\n\n", 2)[2])
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,8 @@ sliding layers of window 512 per global one, one kv head per layer, 32k position
 * ``heldout-demo``: ``hf-polyattn eval`` of the ``demo`` row's model on that text beside the checkpoint and
   StreamingLLM, perplexity at 1k / 2k / 4k and the passkey on two templates at 10 depths;
 * ``ruler-demo-4k``, ``ruler-demo-16k``: the RULER-style suite (``hf_polyattn/eval/ruler.py``) at 4k (2 samples a
-  task) and 16k tokens (1 sample), the ``demo`` row's model beside the checkpoint.
+  task) and 16k tokens (1 sample), the ``demo`` row's model beside the checkpoint. The recorded study stopped
+  ``ruler-demo-16k`` after its first prompt, which took 318 s of one thread (16 prompts: about 85 minutes).
 
 Then ``collect`` copies what the rows wrote into ``recipes/results/gemma3_270m/`` and ``fill_section`` writes
 ``recipes/results/SECTION_gemma3_270m.md`` from those files. Every row single-threaded; the
