@@ -594,6 +594,7 @@ def _eval_long_context(args, model, cls, path, tokenizer, data, attention, store
         long_context_markdown,
         write_long_context,
     )
+    from .eval.turns import check_prefill_chunk
 
     baselines = () if args.baselines == ["none"] else tuple(args.baselines)
     try:
@@ -604,8 +605,10 @@ def _eval_long_context(args, model, cls, path, tokenizer, data, attention, store
             baselines=baselines, streaming_sinks=args.streaming_sinks, streaming_window=args.streaming_window,
             matched_cache=args.matched_cache, multi_turn=args.multi_turn, read=args.read,
             ruler_lengths=tuple(args.ruler or ()),
-            ruler_tasks=tuple(args.ruler_tasks or ()), ruler_samples=args.ruler_samples, ruler_seed=args.ruler_seed)
+            ruler_tasks=tuple(args.ruler_tasks or ()), ruler_samples=args.ruler_samples, ruler_seed=args.ruler_seed,
+            prefill_chunk=args.prefill_chunk)
         settings.check_positions(model.config)  # before minutes of perplexity, not after
+        check_prefill_chunk(model, settings.prefill_chunk)
     except ValueError as err:
         raise UsageError(str(err)) from None
     base = _baseline_checkpoint(args, path, stored) if baselines else None
@@ -886,6 +889,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"RULER tasks (default: all): {', '.join(RULER_TASKS)}")
     g.add_argument("--ruler-samples", type=int_at_least(1), default=4, help="RULER samples per task and length")
     g.add_argument("--ruler-seed", type=int_at_least(0), default=0, help="seed of the RULER samples")
+    g.add_argument("--prefill-chunk", type=int_at_least(0), default=0, metavar="N",
+                   help="read passkey and RULER prompts (and multi-turn documents) in forward calls of N tokens: the "
+                        "same answers as one call, faster where a checkpoint's sliding layers run as full attention "
+                        "(0: one call; refused for a sparse cache, which chooses its keys per call)")
     g.add_argument("--out", metavar="DIR", help="write long_context.json / .md / .png there")
     p.set_defaults(func=cmd_eval, _parser=p)
 

@@ -42,7 +42,7 @@ import torch
 
 from .metrics import perplexity
 from .passkey import TEMPLATES, draw_passkey, passkey_prompt
-from .turns import _max_positions, check_read, document_reader, generate_turns
+from .turns import _max_positions, check_prefill_chunk, check_read, document_reader, generate_prompt, generate_turns
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -110,6 +110,10 @@ class LongContextSettings:
     ruler_tasks: tuple[str, ...] = field(default=(), metadata={"help": "RULER tasks (empty: all of them)"})
     ruler_samples: int = field(default=4, metadata={"help": "RULER samples per task and length"})
     ruler_seed: int = field(default=0, metadata={"help": "seed of the RULER samples"})
+    prefill_chunk: int = field(default=0, metadata={
+        "help": "passkey and RULER prompts (and multi-turn documents) read in forward calls of this many tokens, "
+                "the same result as one call (0: one call); refused for a sparse cache, which chooses its keys per "
+                "call, and so with the 'sparse' baseline"})
 
     def __post_init__(self) -> None:
         self.contexts = _check_lengths("contexts", self.contexts, 2)
@@ -149,6 +153,13 @@ class LongContextSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "ruler_samples" else 0):
                 raise ValueError(f"{name} must be an int >= {1 if name == 'ruler_samples' else 0}, got {v!r}")
+        v = self.prefill_chunk
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"prefill_chunk must be an int >= 0 (0: one forward call), got {v!r}")
+        if v and "sparse" in self.baselines:
+            raise ValueError(f"prefill_chunk={v} with the 'sparse' baseline: a sparse cache chooses its keys at the "
+                             "end of every forward call, so reading in chunks would change what it keeps: drop one "
+                             "of them")
 
     def check_positions(self, config) -> None:
         """Refuse (ValueError) a context or passkey prompt (+ its template's answer tokens) longer than the model's
@@ -241,7 +252,7 @@ def _hit(text: str, key: str) -> int:
 def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10, *, seed: int = 0,
                       max_new_tokens: int | None = None, progress: bool = False,
                       template: str = "classic", multi_turn: bool = False, read: str = "stream",
-                      draw_lengths: Sequence[int] | None = None) -> dict[str, Any]:
+                      draw_lengths: Sequence[int] | None = None, prefill_chunk: int = 0) -> dict[str, Any]:
     """Greedy passkey retrieval at every (length, depth) with the prompts of ``template`` (``passkey.TEMPLATES``);
     hits are exact matches of the first number answered. The keys come from ``seed`` (the classic template's are
     those of earlier runs: one 5-digit draw per cell). ``max_new_tokens``: the template's longest key + 3 by default
@@ -253,7 +264,9 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     score the first question, ``hits_second`` / ``answers_second`` / ``keys_second`` the second. ``read``: how
     multi-turn reads the document (``turns.READS``; 'copy': ``hf_polyattn.read_document`` where the model has a
     sparse cache, the read used recorded as ``read``). ``draw_lengths``: the lengths whose cells draw keys, in order
-    (``lengths`` among them; None: ``lengths``), so that a run of 8k alone asks the keys a 1k..8k run asks at 8k."""
+    (``lengths`` among them; None: ``lengths``), so that a run of 8k alone asks the keys a 1k..8k run asks at 8k.
+    ``prefill_chunk`` > 0: each prompt (or document) is read in forward calls of that many tokens (``turns.prefill``;
+    refused for a sparse cache), recorded as ``prefill_chunk``."""
     lengths = _check_lengths("lengths", lengths, 64)
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
         raise ValueError(f"depths must be an int >= 1, got {depths!r}")
@@ -266,7 +279,6 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
         raise ValueError(f"passkey length {max(lengths)} (+{max_new_tokens} answer tokens) is longer than the "
                          f"model's {limit} positions")
     rng = random.Random(seed)
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -274,6 +286,7 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
     # softmax checkpoint answers by copying the question's own words ("the pass key. ...") instead of the key
     grid = [(i + 0.5) / depths for i in range(depths)]
     reader, read = document_reader(model, tokenizer, read) if multi_turn else (None, check_read(read))
+    prefill_chunk = check_prefill_chunk(model, prefill_chunk)
     hits, answers, keys, seconds = [], [], [], []
     hits2, answers2, keys2 = [], [], []
     drawn_at = list(lengths) if draw_lengths is None else list(draw_lengths)
@@ -297,17 +310,15 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
                 second, key2 = _second_question(tokenizer, p)
                 first_ids = p.prompt[p.question_start:]
                 gen = generate_turns(model, p.document, [first_ids, second], max_new_tokens=max_new_tokens,
-                                     pad_token_id=pad, reader=reader)
+                                     pad_token_id=pad, reader=reader, prefill_chunk=prefill_chunk)
                 text2 = tokenizer.decode(gen[1], skip_special_tokens=True)
                 hits2.append(_hit(text2, key2))
                 answers2.append(text2)
                 keys2.append(key2)
                 new = gen[0]
             else:
-                ids = torch.tensor([p.prompt], device=device)
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                     do_sample=False, pad_token_id=pad)
-                new = out[0, ids.shape[1]:]
+                new = generate_prompt(model, p.prompt, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                      prefill_chunk=prefill_chunk)
             seconds.append(time.time() - t0)
             text = tokenizer.decode(new, skip_special_tokens=True)
             hits.append(_hit(text, key))
@@ -324,7 +335,7 @@ def passkey_retrieval(model, tokenizer, lengths: Sequence[int], depths: int = 10
               "keys": rows(keys),
               "answers": rows(answers),
               "accuracy": {str(length): sum(h) / nd for length, h in zip(lengths, rows(hits))},
-              "wall_s": round(sum(seconds), 1)}
+              "wall_s": round(sum(seconds), 1), **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
     if multi_turn:
         result.update(multi_turn=True, read=read, hits_second=rows(hits2), keys_second=rows(keys2),
                       answers_second=rows(answers2),
@@ -423,6 +434,7 @@ def evaluate_model(label: str, model, tokenizer, ids: torch.Tensor, settings: Lo
                    progress: bool = False) -> dict[str, Any]:
     """One row: the perplexity curve and passkey grid of ``model``."""
     t0 = time.time()
+    check_prefill_chunk(model, settings.prefill_chunk)  # before the perplexity curve, not after it
     ids = ids.reshape(-1)[: settings.max_tokens]
     row: dict[str, Any] = {"label": label, "attention": _attention_of(model)}
     row["perplexity"] = perplexity_curve(model, ids, settings.contexts, tokens_per_batch=settings.tokens_per_batch,
@@ -433,14 +445,16 @@ def evaluate_model(label: str, model, tokenizer, ids: torch.Tensor, settings: Lo
         for multi in (False, True) if settings.multi_turn else (False,):
             row[name + ("_multi_turn" if multi else "")] = passkey_retrieval(
                 model, tokenizer, settings.passkey_lengths, settings.passkey_depths, seed=settings.passkey_seed,
-                progress=progress, template=template, multi_turn=multi, read=settings.read)
+                progress=progress, template=template, multi_turn=multi, read=settings.read,
+                prefill_chunk=settings.prefill_chunk)
     if settings.ruler_lengths:
         from .ruler import run_ruler
 
         for multi in (False, True) if settings.multi_turn else (False,):
             row["ruler_multi_turn" if multi else "ruler"] = run_ruler(
                 model, tokenizer, settings.ruler_lengths, settings.ruler_tasks, samples=settings.ruler_samples,
-                seed=settings.ruler_seed, multi_turn=multi, progress=progress, read=settings.read)
+                seed=settings.ruler_seed, multi_turn=multi, progress=progress, read=settings.read,
+                prefill_chunk=settings.prefill_chunk)
     row["wall_s"] = round(time.time() - t0, 1)
     return row
 

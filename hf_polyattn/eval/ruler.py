@@ -308,31 +308,30 @@ def _check_list(name: str, values, allowed=None, minimum: int | None = None) -> 
 
 def run_ruler(model, tokenizer, lengths: Sequence[int], tasks: Sequence[str] = tuple(RULER_TASKS), *,
               samples: int = 4, seed: int = 0, multi_turn: bool = False, progress: bool = False,
-              read: str = "stream") -> dict[str, Any]:
+              read: str = "stream", prefill_chunk: int = 0) -> dict[str, Any]:
     """Every task at every length, ``samples`` prompts each, answered by greedy decoding through the model's own
     ``generate()`` (its own cache); a sample's score is ``string_match_all`` of its answer. ``multi_turn``: the
     haystack is read first in its own forward call and the question asked on that cache
     (``long_context.generate_turns``), as a chat server or a prefix cache serves it; ``read`` how
     (``turns.READS``; 'copy': ``hf_polyattn.read_document`` where the model has a sparse cache; the read used is
-    recorded as ``read``).
+    recorded as ``read``). ``prefill_chunk`` > 0: each prompt (or document) is read in forward calls of that many
+    tokens (``turns.prefill``; refused for a sparse cache), recorded as ``prefill_chunk``.
 
     Returns {"lengths", "tasks", "samples", "seed", "multi_turn", "scores": {task: {length: mean}}, "average":
     {length: mean over tasks}, "outputs": [per sample: task, length, index, tokens, answers, output, score]}."""
-    import torch
-
-    from .turns import _max_positions, check_read, document_reader, generate_turns
+    from .turns import _max_positions, check_prefill_chunk, check_read, document_reader, generate_prompt, generate_turns
 
     lengths = _check_list("lengths", lengths, minimum=64)
     tasks = _check_list("tasks", tasks, allowed=RULER_TASKS)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an int >= 1, got {samples!r}")
     reader, read = document_reader(model, tokenizer, read) if multi_turn else (None, check_read(read))
+    prefill_chunk = check_prefill_chunk(model, prefill_chunk)
     limit = _max_positions(model)
     answer = max(RULER_TASKS[t].max_new_tokens for t in tasks)
     if limit and max(lengths) + answer > limit:
         raise ValueError(f"ruler length {max(lengths)} (+{answer} answer tokens) is longer than the model's {limit} "
                          "positions")
-    device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     cells = [(t, n, i) for t in tasks for n in lengths for i in range(samples)]
     it = cells
@@ -349,13 +348,10 @@ def run_ruler(model, tokenizer, lengths: Sequence[int], tasks: Sequence[str] = t
             new = RULER_TASKS[task].max_new_tokens
             if multi_turn:
                 gen = generate_turns(model, s.ids[: s.question_start], [s.ids[s.question_start:]],
-                                     max_new_tokens=new, pad_token_id=pad, reader=reader)[0]
+                                     max_new_tokens=new, pad_token_id=pad, reader=reader,
+                                     prefill_chunk=prefill_chunk)[0]
             else:
-                ids = torch.tensor([s.ids], device=device)
-                with torch.no_grad():
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                         do_sample=False, pad_token_id=pad)
-                gen = out[0, ids.shape[1]:].tolist()
+                gen = generate_prompt(model, s.ids, max_new_tokens=new, pad_token_id=pad, prefill_chunk=prefill_chunk)
             text = tokenizer.decode(gen, skip_special_tokens=True)
             outputs.append({"task": task, "length": length, "index": index, "tokens": len(s.ids),
                             "answers": s.answers, "output": text, "score": string_match_all(text, s.answers)})
@@ -365,7 +361,8 @@ def run_ruler(model, tokenizer, lengths: Sequence[int], tasks: Sequence[str] = t
                   for n in lengths} for t in tasks}
     average = {str(n): sum(scores[t][str(n)] for t in tasks) / len(tasks) for n in lengths}
     return {"lengths": list(lengths), "tasks": list(tasks), "samples": samples, "seed": seed,
-            "multi_turn": multi_turn, **({"read": read} if multi_turn else {}), "scores": scores, "average": average,
+            "multi_turn": multi_turn, **({"read": read} if multi_turn else {}),
+            **({"prefill_chunk": prefill_chunk} if prefill_chunk else {}), "scores": scores, "average": average,
             "outputs": outputs, "wall_s": round(time.time() - t0, 1)}
 
 

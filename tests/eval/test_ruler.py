@@ -181,6 +181,55 @@ def test_tiny_model_runs_the_suite_end_to_end(tok, tiny_dirs, tmp_path, text_fil
     assert "set multi_turn (--multi-turn) too" in capsys.readouterr().err
 
 
+def test_cli_prefill_chunk_reads_in_calls_and_refuses_a_sparse_cache(tok, tmp_path, text_file, capsys):
+    """`hf-polyattn eval --prefill-chunk N`: every row's RULER and passkey prompts read in calls of N tokens, the
+    answers those of one call (tests/eval/test_prefill_chunk.py), recorded; refused with the 'sparse' baseline and
+    for a model with a sparse cache, before any evaluation."""
+    import copy
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_polyattn
+    from hf_polyattn import cli
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=1200, pad_token_id=0, eos_token_id=1,
+                                         bos_token_id=1)).eval()
+    d = tmp_path / "m"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    answers = []
+    for chunk in ("0", "128"):
+        out = tmp_path / f"out{chunk}"
+        rc = cli.main(["eval", str(d), "--data", text_file, "--contexts", "64", "--max-eval-tokens", "128",
+                       "--passkey", "300", "--passkey-depths", "2", "--ruler", "900", "--ruler-tasks",
+                       "niah_single_1,vt", "--ruler-samples", "1", "--threads", "1", "--baselines", "streaming",
+                       "--streaming-window", "32", "--prefill-chunk", chunk, "--out", str(out)])
+        assert rc == 0
+        rows = json.loads((out / "long_context.json").read_text())["rows"]
+        recorded = [None, None] if chunk == "0" else [128, 128]
+        assert [r["ruler"].get("prefill_chunk") for r in rows] == recorded
+        assert [r["passkey"].get("prefill_chunk") for r in rows] == recorded
+        answers.append([(r["passkey"]["answers"], [o["output"] for o in r["ruler"]["outputs"]]) for r in rows])
+    assert answers[0] == answers[1]
+    assert cli.main(["eval", str(d), "--data", text_file, "--ruler", "900", "--prefill-chunk", "128",
+                     "--baselines", "softmax,sparse"]) == 2
+    assert "prefill_chunk=128 with the 'sparse' baseline" in capsys.readouterr().err
+    assert cli.main(["eval", str(d), "--data", text_file, "--ruler", "900", "--prefill-chunk", "-1"]) == 2
+    assert "--prefill-chunk" in capsys.readouterr().err
+    sparse = hf_polyattn.convert(copy.deepcopy(model), hf_polyattn.PolyAttnConfig.for_kind(
+        "linear", window=8, sinks=2, sparse_cache=8, sparse_chunk=4, sparse_score="attention", window_mix=True,
+        window_mix_init=0.0))
+    sparse.save_pretrained(tmp_path / "sparse")
+    tok.save_pretrained(tmp_path / "sparse")
+    assert cli.main(["eval", str(tmp_path / "sparse"), "--data", text_file, "--contexts", "64", "--ruler", "900",
+                     "--prefill-chunk", "128", "--baselines", "none"]) == 2
+    assert "prefill_chunk=128: " in capsys.readouterr().err
+
+
 def test_ruler_table_shows_the_union_of_the_rows_lengths():
     both = {"tasks": ["vt", "cwe"], "lengths": [1024, 2048], "samples": 2, "seed": 0,
             "scores": {"vt": {"1024": 1.0, "2048": 0.5}, "cwe": {"1024": 0.25, "2048": 0.0}},

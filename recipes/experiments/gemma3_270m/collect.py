@@ -4,7 +4,7 @@
 
 Each retrofit row's ``results.json`` -> ``<row>.json`` and its long-context table ``long_context.{md,json}`` ->
 ``<row>_long_context.{md,json}``; the held-out evaluation's ``long_context.{md,json}`` -> ``heldout_demo.{md,json}``,
-the RULER rows' -> ``ruler_demo_{4,16}k.{md,json}``.
+the RULER rows' -> ``ruler_demo_{4,16,32}k.{md,json}``, the ``prefill-chunk`` row's ``prefill_chunk.{md,json}``.
 A file a row did not write is reported and left as it was.
 """
 
@@ -22,7 +22,8 @@ COPIES = {
     **{f"{row}_long_context.{ext}": f"{row}/long_context.{ext}"
        for row in ("quarter", "demo") for ext in ("md", "json")},
     **{f"heldout_demo.{ext}": f"heldout-demo/long_context.{ext}" for ext in ("md", "json")},
-    **{f"ruler_demo_{n}k.{ext}": f"ruler-demo-{n}k/long_context.{ext}" for n in (4, 16) for ext in ("md", "json")},
+    **{f"ruler_demo_{n}k.{ext}": f"ruler-demo-{n}k/long_context.{ext}" for n in (4, 16, 32) for ext in ("md", "json")},
+    **{f"prefill_chunk.{ext}": f"prefill-chunk/prefill_chunk.{ext}" for ext in ("md", "json")},
 }
 
 
