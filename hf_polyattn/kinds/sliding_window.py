@@ -24,14 +24,19 @@ import torch
 from torch.nn import functional as F
 
 from ..ops.attention import PolyAttention
-from ..ops.common import _with_normaliser
+from ..ops.common import _with_normaliser, to_work
 from ..ops.reference import reference_attention
+from ..ops.window import slot_scores
 from ..ops.window_flash import rows_flash
 from ..registry import KindSpec, register_kind
 from ._kernel import sink_label, window_memory
 
 
 class SlidingWindowAttention(PolyAttention):
+    # a diagnostic, not a setting (never saved): False sends a cached call with fewer queries than keys through the
+    # padded path (all Lk rows, the last Lq kept), which tests/ops/test_sliding_window_rows.py compares the rows with
+    cached_rows: bool = True
+
     @classmethod
     def scoreless_part(cls, config) -> bool:
         return False  # the window (and sinks) alone: every weight comes from a score
@@ -52,9 +57,11 @@ class SlidingWindowAttention(PolyAttention):
         lq, lk = q5.shape[3], k5.shape[3]
         if sinks is not None:  # the sinks are attended through their slots: the window reads them as padding
             mask = sinks.rest(mask)
-        if (causal and lq < lk and self._fused_exact(q5)
-                and self._layer_backend(q5.device, q5.dtype) not in ("triton", "fla")):  # those run their kernels
-            return self._normalise(self._window_rows(q5, k5, v5, mask, scale, sinks)), None, None, None
+        if causal and lq < lk and self.cached_rows:
+            if self._fused_exact(q5) and self._layer_backend(q5.device, q5.dtype) not in ("triton", "fla"):
+                return self._normalise(self._window_rows(q5, k5, v5, mask, scale, sinks)), None, None, None
+            if lq <= self.config.window:  # a decode step, a few tokens: the padded path's Lk rows would be waste
+                return self._normalise(self._window_rows_dense(q5, k5, v5, mask, scale, sinks)), None, None, None
         vext = _with_normaliser(v5, mask)
         if causal:
             qs = F.pad(q5, (0, 0, lk - lq, 0)) if lq < lk else q5  # bottom-right aligned rows
@@ -84,6 +91,38 @@ class SlidingWindowAttention(PolyAttention):
             sinks = replace(sinks, k=sinks.k.float(), v=sinks.v.float())
         loc, _ = rows_flash(q5, k5[:, :, 0, start:], v5[:, :, 0, start:], allowed, scale, qpos, sinks,
                             None if sinks is None or sinks.q is None else sinks.q)
+        return loc
+
+
+    def _window_rows_dense(self, q5, k5, v5, mask, scale, sinks):
+        """``_window_rows`` for every other case (half precision, a gradient, CUDA, the 'triton' / 'fla' backends,
+        soft-capping, a polynomial window): the call's Lq rows' scores over the keys their windows reach as tensors,
+        in float32, weighted by ``exact_weights`` as the padded path weights them. Called for Lq <= window (a decode
+        step, a short continuation), where the (Lq, Lq + window - 1) scores per head are at most one tile's; the
+        padded path computes Lk >= window rows for them, so a decode step at a 2,176-key window cost 2,176x the
+        rows it keeps."""
+        lq, lk, w = q5.shape[3], k5.shape[3], self.config.window
+        start = max(0, lk - lq - w + 1)
+        qs, ks, vext = to_work(q5, k5[:, :, :, start:], _with_normaliser(v5, mask)[:, :, :, start:])
+        qpos = torch.arange(lk - lq, lk, device=q5.device)
+        kpos = torch.arange(start, lk, device=q5.device)
+        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)  # (Lq, n)
+        if mask is not None:
+            allowed = allowed & mask[:, None, None, None, start:]  # (B, 1, 1, Lq, n)
+        scores = torch.matmul(qs * scale, ks.transpose(-1, -2))  # (B, Hkv, G, Lq, n)
+        if sinks is not None:
+            sink_k, sink_v = to_work(sinks.k, sinks.v)
+            sink_q = None if sinks.q is None else to_work(sinks.q)[0] * scale
+            extra = slot_scores(qs * scale, sink_k, sink_q, sinks.learned)  # (B, Hkv, G, Lq, E)
+            seen = sinks.visible(qpos)  # (B, 1, 1, Lq, E)
+            lead = torch.broadcast_shapes(allowed.shape[:-1], seen.shape[:-1])
+            scores = torch.cat([scores, extra], dim=-1)
+            allowed = torch.cat([allowed.expand(*lead, kpos.numel()), seen.expand(*lead, seen.shape[-1])], dim=-1)
+        weights, _ = self.exact_weights(scores, allowed, self.config.resolved_local_kernel)
+        n = kpos.numel()
+        loc = torch.matmul(weights[..., :n], vext)
+        if sinks is not None:
+            loc = loc + torch.matmul(weights[..., n:], sink_v)
         return loc
 
 

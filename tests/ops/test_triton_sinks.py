@@ -193,9 +193,15 @@ def test_attention_module_on_triton_backend(opts, causal, rope, monkeypatch):
 @pytest.mark.parametrize("rope", [None, ROPE], ids=["own-positions", "rope"])
 def test_chunked_equals_full_on_triton_backend(rope, monkeypatch):
     """Prefill in chunks and token-by-token decoding on the 'triton' backend: the state's sink slots reach the
-    kernels with every later chunk (sliding_window decodes through its window path, one kernel call a token); with
+    kernels with every later chunk longer than the window; a decode step reads its own row only, as tensors
+    (``SlidingWindowAttention._window_rows_dense``: the kernel would compute every row of the window for it); with
     a RoPE (lengths beyond w + s) the state's count of real keys (``seen``) places each chunk's queries."""
-    calls = _spied(monkeypatch)
+    from hf_polyattn.kinds.sliding_window import SlidingWindowAttention
+
+    calls, dense = _spied(monkeypatch), []
+    rows = SlidingWindowAttention._window_rows_dense
+    monkeypatch.setattr(SlidingWindowAttention, "_window_rows_dense",
+                        lambda self, q5, *a, **k: dense.append(q5.shape[3]) or rows(self, q5, *a, **k))
     monkeypatch.delenv(ENV_VAR, raising=False)
     mod = _module_pair(dict(kind="sliding_window", window=4, sinks=2, learned_sinks=1), rope)["triton"]
     gen = torch.Generator().manual_seed(8)
@@ -206,12 +212,12 @@ def test_chunked_equals_full_on_triton_backend(rope, monkeypatch):
     with torch.no_grad():
         full = mod(q, k, v, causal=True, key_padding_mask=mask)
         state, outs = mod.init_state(), []
-        for a, b in ((0, 5), (5, 9), *((i, i + 1) for i in range(9, n))):
+        for a, b in ((0, 5), (5, 11), *((i, i + 1) for i in range(11, n))):
             o, state = mod(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, state=state,
                            key_padding_mask=mask[:, a:b])
             outs.append(o)
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-5, atol=1e-5)
-    assert state.sink_mask.all() and len(calls) == 1 + 2 + (n - 9)
+    assert state.sink_mask.all() and len(calls) == 1 + 2 and dense == [1] * (n - 11)
     # the learned slot, the state's 2 sinks, 2 (empty) sink slots of the chunk
     assert calls[-1] == (1 + 2 + 2, rope is not None)
     assert state.seen is None if rope is None else state.seen.tolist() == [n - 3, n]
