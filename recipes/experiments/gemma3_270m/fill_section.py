@@ -5,8 +5,8 @@
 Every number comes from the files the study's rows wrote (``python recipes/experiments/run.py gemma3_270m``, copied
 by ``collect``): ``quarter.json`` / ``demo.json`` (the two retrofits' records: head scores, layout, training, speed,
 machine), ``*_long_context.md`` (their tables on the demo text), ``heldout_demo.{md,json}`` (the held-out
-evaluation) and ``ruler_demo_4k.md`` (the RULER-style suite at 4k; its perplexity table left out). Nothing is
-measured here.
+evaluation), ``ruler_demo_{4,16,32}k.md`` (the RULER-style suite at 4k, 16k and 32k; their perplexity tables left
+out) and ``prefill_chunk.md`` (what reading a prompt in calls of 2,048 tokens changes). Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 ROWS = ("quarter", "demo")
+RULER = ("4k", "16k", "32k")
 
 SECTION = """## The presets on a family with few global layers: Gemma 3 270M (issue 59, item 5)
 
@@ -50,10 +51,29 @@ beside the checkpoint and StreamingLLM on the same layers, two passkey templates
 
 {heldout_table}
 
-The RULER-style suite at 4k tokens (8 tasks x 2 samples, the question in the prompt; `ruler-demo-4k`), the `demo`
-model beside the checkpoint:
+The RULER-style suite (`hf_polyattn/eval/ruler.py`, the question in the prompt). At 4k tokens, 8 tasks x 2 samples,
+the `demo` model beside the checkpoint (`ruler-demo-4k`, on the first run of the `demo` row):
 
-{ruler_table}
+{ruler_4k}
+
+At 16k and 32k tokens beside the checkpoint and StreamingLLM on the same layers (4 sinks + a 128-token window), every
+prompt read in forward calls of 2,048 tokens (`--prefill-chunk 2048`). At 16k, 8 tasks x 2 samples
+(`ruler-demo-16k`):
+
+{ruler_16k}
+
+At 32k tokens (32,704: the checkpoint's 32,768 positions less the longest answer), 8 tasks x 1 sample
+(`ruler-demo-32k`):
+
+{ruler_32k}
+
+Mean over the tasks: {ruler_means}.
+
+Why the prompts are read in calls (`prefill-chunk`): in one call transformers runs the checkpoint's sliding layers as
+full attention under a mask, so their cost grows as n^2; in calls of 2,048 tokens each reads the cache's last 511
+keys and its own (the probe ran beside other processes: the load it names):
+
+{prefill_chunk}
 """
 
 
@@ -105,7 +125,25 @@ def section(results: Path) -> str:
         **{f"{r}_{k}": speed[r][f"{k}_{'speedup' if k != 'cache' else 'ratio'}"] for r in ROWS
            for k in ("prefill", "decode", "cache")},
         heldout_table=_table((results / "heldout_demo.md").read_text()),
-        ruler_table=_table((results / "ruler_demo_4k.md").read_text()).split("\n\n", 2)[2])
+        **{f"ruler_{n}": _ruler(results, n) for n in RULER},
+        ruler_means=_ruler_means(results),
+        prefill_chunk=_table((results / "prefill_chunk.md").read_text()))
+
+
+def _ruler(results: Path, n: str) -> str:
+    """The RULER table of ``ruler_demo_<n>.md`` (its perplexity table and note left out)."""
+    return _table((results / f"ruler_demo_{n}.md").read_text()).split("\n\n", 2)[2]
+
+
+def _ruler_means(results: Path) -> str:
+    """'the checkpoint a / b / c% at 4k / 16k / 32k; ...': each row's mean at the lengths it ran, from the records."""
+    names = {"softmax": "the checkpoint", "streaming": "StreamingLLM", None: "`demo`"}
+    means: dict[str, dict[str, str]] = {}
+    for n in RULER:
+        for row in _load(results, f"ruler_demo_{n}.json")["rows"]:
+            (avg,) = row["ruler"]["average"].values()
+            means.setdefault(names[row.get("baseline")], {})[n] = f"{100 * avg:.1f}"
+    return "; ".join(f"{name} {' / '.join(v.values())}% at {' / '.join(v)}" for name, v in means.items())
 
 
 def main(argv=None) -> int:
