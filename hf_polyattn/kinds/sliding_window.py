@@ -73,18 +73,23 @@ class SlidingWindowAttention(PolyAttention):
         loc, _ = self._window_local(qs, k5, vext, mask, causal, scale, tf32=tf32, sinks=sinks)
         return self._normalise(loc[..., lk - lq :, :]), None, None, None
 
+    def _rows_band(self, lq: int, lk: int, device) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(start, qpos (Lq,), band (Lq, Lk - start) bool) of a causal call's last Lq rows: ``start`` the first key
+        the first query's window reaches, ``band`` the keys from there that each row's window holds."""
+        w = self.config.window
+        start = max(0, lk - lq - w + 1)
+        qpos = torch.arange(lk - lq, lk, device=device)
+        kpos = torch.arange(start, lk, device=device)
+        return start, qpos, (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
 
     def _window_rows(self, q5, k5, v5, mask, scale, sinks):
         """loc (B, Hkv, G, Lq, d + 1) of a causal call with fewer queries than keys (a decode step, a chunk after a
         cache), inference on the CPU outside the 'triton' / 'fla' backends: only its Lq rows, over the keys their
         windows reach, through the fused kernel (``window_flash.rows_flash``). The padded path computes all Lk rows
-        and keeps the last Lq: at a window of 2,176 keys a SmolLM2 decode step took 49.9 s of one thread there,
-        0.14 s here (30 layers)."""
-        lq, lk, w = q5.shape[3], k5.shape[3], self.config.window
-        start = max(0, lk - lq - w + 1)  # the first key the first query's window reaches
-        qpos = torch.arange(lk - lq, lk, device=q5.device)
-        kpos = torch.arange(start, lk, device=q5.device)
-        band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)  # (Lq, n)
+        and keeps the last Lq: a SmolLM2 decode step at a 2,176-key window took 222.0 s there, 0.215 s here (one
+        thread, load 5.2: ``python -m recipes.experiments.ruler_matched.window_rows_cost``)."""
+        lq, lk = q5.shape[3], k5.shape[3]
+        start, qpos, band = self._rows_band(lq, lk, q5.device)
         allowed = band[None, None] if mask is None else band[None, None] & mask[:, None, None, start:]
         allowed = allowed.expand(q5.shape[0], q5.shape[1], lq, lk - start)
         if sinks is not None:
@@ -93,33 +98,29 @@ class SlidingWindowAttention(PolyAttention):
                             None if sinks is None or sinks.q is None else sinks.q)
         return loc
 
-
     def _window_rows_dense(self, q5, k5, v5, mask, scale, sinks):
         """``_window_rows`` for every other case (half precision, a gradient, CUDA, the 'triton' / 'fla' backends,
         soft-capping, a polynomial window): the call's Lq rows' scores over the keys their windows reach as tensors,
         in float32, weighted by ``exact_weights`` as the padded path weights them. Called for Lq <= window (a decode
         step, a short continuation), where the (Lq, Lq + window - 1) scores per head are at most one tile's; the
-        padded path computes Lk >= window rows for them, so a decode step at a 2,176-key window cost 2,176x the
-        rows it keeps."""
-        lq, lk, w = q5.shape[3], k5.shape[3], self.config.window
-        start = max(0, lk - lq - w + 1)
+        padded path computes Lk >= window rows for them (the same step: 222.0 s padded, 0.367 s here)."""
+        lq, lk = q5.shape[3], k5.shape[3]
+        start, qpos, allowed = self._rows_band(lq, lk, q5.device)  # (Lq, n)
+        n = lk - start
         qs, ks, vext = to_work(q5, k5[:, :, :, start:], _with_normaliser(v5, mask)[:, :, :, start:])
-        qpos = torch.arange(lk - lq, lk, device=q5.device)
-        kpos = torch.arange(start, lk, device=q5.device)
-        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)  # (Lq, n)
+        qs = qs * scale
         if mask is not None:
             allowed = allowed & mask[:, None, None, None, start:]  # (B, 1, 1, Lq, n)
-        scores = torch.matmul(qs * scale, ks.transpose(-1, -2))  # (B, Hkv, G, Lq, n)
+        scores = torch.matmul(qs, ks.transpose(-1, -2))  # (B, Hkv, G, Lq, n)
         if sinks is not None:
             sink_k, sink_v = to_work(sinks.k, sinks.v)
             sink_q = None if sinks.q is None else to_work(sinks.q)[0] * scale
-            extra = slot_scores(qs * scale, sink_k, sink_q, sinks.learned)  # (B, Hkv, G, Lq, E)
+            extra = slot_scores(qs, sink_k, sink_q, sinks.learned)  # (B, Hkv, G, Lq, E)
             seen = sinks.visible(qpos)  # (B, 1, 1, Lq, E)
             lead = torch.broadcast_shapes(allowed.shape[:-1], seen.shape[:-1])
             scores = torch.cat([scores, extra], dim=-1)
-            allowed = torch.cat([allowed.expand(*lead, kpos.numel()), seen.expand(*lead, seen.shape[-1])], dim=-1)
+            allowed = torch.cat([allowed.expand(*lead, n), seen.expand(*lead, seen.shape[-1])], dim=-1)
         weights, _ = self.exact_weights(scores, allowed, self.config.resolved_local_kernel)
-        n = kpos.numel()
         loc = torch.matmul(weights[..., :n], vext)
         if sinks is not None:
             loc = loc + torch.matmul(weights[..., n:], sink_v)
