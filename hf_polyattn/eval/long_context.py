@@ -42,7 +42,15 @@ import torch
 
 from .metrics import perplexity
 from .passkey import TEMPLATES, draw_passkey, passkey_prompt
-from .turns import _max_positions, check_prefill_chunk, check_read, document_reader, generate_prompt, generate_turns
+from .turns import (
+    _max_positions,
+    check_chunk_size,
+    check_prefill_chunk,
+    check_read,
+    document_reader,
+    generate_prompt,
+    generate_turns,
+)
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -153,9 +161,7 @@ class LongContextSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "ruler_samples" else 0):
                 raise ValueError(f"{name} must be an int >= {1 if name == 'ruler_samples' else 0}, got {v!r}")
-        v = self.prefill_chunk
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"prefill_chunk must be an int >= 0 (0: one forward call), got {v!r}")
+        v = check_chunk_size(self.prefill_chunk)
         if v and "sparse" in self.baselines:
             raise ValueError(f"prefill_chunk={v} with the 'sparse' baseline: a sparse cache chooses its keys at the "
                              "end of every forward call, so reading in chunks would change what it keeps: drop one "

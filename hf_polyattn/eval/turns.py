@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["READS", "check_prefill_chunk", "document_reader", "generate_prompt", "generate_turns", "prefill"]
+__all__ = ["READS", "check_chunk_size", "check_prefill_chunk", "document_reader", "generate_prompt", "generate_turns",
+           "prefill"]
 
 # how a multi-turn evaluation reads the document into the cache: 'stream' one forward call (a chat server, a prefix
 # cache); 'copy' hf_polyattn.read_document (a sparse cache chosen by copy scores, for questions asked later)
@@ -34,15 +35,20 @@ def document_reader(model, tokenizer, read: str):
     return (lambda m, ids: read_document(m, ids, tokenizer)), "copy"
 
 
+def check_chunk_size(chunk: int) -> int:
+    """``chunk`` when it is an int >= 0 (the model-free half of ``check_prefill_chunk``); else a ValueError."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"prefill_chunk must be an int >= 0 (0: the whole prompt in one forward call), got {chunk!r}")
+    return chunk
+
+
 def check_prefill_chunk(model, chunk: int) -> int:
     """``chunk`` (the tokens of each forward call that reads a prompt or a document; 0: one call) when reading in
     calls of that size gives what one call gives. It does for softmax (a DynamicCache, sliding layers included), the
     kernels' recurrent state and a window (tests/eval/test_prefill_chunk.py); it does not for a sparse cache, which
     chooses its keys at the end of each call (``sparse_observe`` reads the call's last queries), so a model with one
     is refused (ValueError) rather than scored on a different selection."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-        raise ValueError(f"prefill_chunk must be an int >= 0 (0: the whole prompt in one forward call), got {chunk!r}")
-    if chunk:
+    if check_chunk_size(chunk):
         from ..ops.sparse import SparseMixin
 
         sparse = [name for name, m in model.named_modules()

@@ -216,10 +216,25 @@ class EvalArgs:
     passkey_templates: str = field(default="classic", metadata={
         "help": "comma-separated passkey templates (hf_polyattn.eval.passkey.TEMPLATES: classic, vault, multi), each "
                 "scored at every length and depth"})
+    multi_turn: bool = field(default=False, metadata={
+        "help": "causal_lm: also score every passkey (and RULER) prompt with the document read into the cache by its "
+                "own forward call and the question asked after on that cache, beside the single-prompt scores"})
+    read: str = field(default="stream", metadata={
+        "help": "with --multi_turn: how the document is read, 'stream' (one forward call) or 'copy' "
+                "(hf_polyattn.read_document: a sparse cache chosen for questions asked later)"})
+    ruler_lengths: str | None = field(default=None, metadata={
+        "help": "causal_lm: the RULER-style suite (hf_polyattn.eval.ruler) at these comma-separated prompt lengths "
+                "after the last stage"})
+    ruler_tasks: str | None = field(default=None, metadata={"help": "comma-separated RULER tasks (default: all)"})
+    ruler_samples: int = field(default=4, metadata={"help": "RULER samples per task and length"})
+    prefill_chunk: int = field(default=0, metadata={
+        "help": "passkey and RULER prompts read in forward calls of this many tokens, the same answers as one call "
+                "(0: one call); refused with a sparse cache, which chooses its keys per call"})
     long_eval_tokens: int = field(default=12288, metadata={"help": "held-out tokens of the long-context evaluation"})
     long_eval_baselines: str = field(default="softmax,streaming", metadata={
-        "help": "baseline rows of the long-context evaluation: a comma-separated subset of softmax,streaming, or "
-                "none"})
+        "help": "baseline rows of the long-context evaluation: a comma-separated subset of softmax,streaming,"
+                "sparse,streaming_matched ('sparse': the run's sparse cache on the checkpoint's softmax, "
+                "'streaming_matched': StreamingLLM with as many keys), or none"})
     speed_lengths: str | None = field(default=None, metadata={
         "help": "causal_lm: after the last stage, the whole-model bench (hf-polyattn bench --model) of the retrofit "
                 "against its base checkpoint at these comma-separated prompt lengths, batch 1: prefill seconds and "
@@ -338,8 +353,16 @@ class RetrofitArgs:
                                  "pretrained=OUTPUT_DIR/model --tasks ...")
         if kind == SOFTMAX and t.transfer_steps:
             raise ValueError("attention 'softmax' has nothing to transfer: set --transfer_steps 0")
-        if (e.eval_contexts or e.passkey_lengths) and not causal:
-            raise ValueError("eval_contexts / passkey_lengths evaluate a causal LM: task must be 'causal_lm'")
+        if (e.eval_contexts or e.passkey_lengths or e.ruler_lengths) and not causal:
+            raise ValueError("eval_contexts / passkey_lengths / ruler_lengths evaluate a causal LM: task must be "
+                             "'causal_lm'")
+        final = {} if kind == SOFTMAX else {**m.attention, **(m.reconfigure or {})}
+        if e.prefill_chunk and final.get("sparse_cache"):
+            # the evaluated model has the sparse cache (the attention's own or --reconfigure's): refused now, not
+            # after training (turns.check_prefill_chunk refuses the model itself)
+            raise ValueError(f"--prefill_chunk {e.prefill_chunk} with sparse_cache={final['sparse_cache']}: a sparse "
+                             "cache chooses its keys at the end of every forward call, so reading a prompt in chunks "
+                             "would change what it keeps: leave --prefill_chunk 0")
         if m.reconfigure:  # the attention with them must be valid: fail here, not after training
             try:
                 _placeholder_config({**m.attention, **m.reconfigure})
@@ -403,7 +426,7 @@ class RetrofitArgs:
     def long_context_settings(self):
         """The ``LongContextSettings`` of the long-context evaluation, or None when it is off."""
         e = self.eval
-        if not (e.eval_contexts or e.passkey_lengths):
+        if not (e.eval_contexts or e.passkey_lengths or e.ruler_lengths):
             return None
         from ..eval.long_context import LongContextSettings
 
@@ -424,7 +447,10 @@ class RetrofitArgs:
                                    max_tokens=e.long_eval_tokens, baselines=tuple(baselines),
                                    passkey_seed=self.train.seed,
                                    passkey_templates=tuple(n.strip() for n in e.passkey_templates.split(",")
-                                                           if n.strip()))
+                                                           if n.strip()),
+                                   multi_turn=e.multi_turn, read=e.read, ruler_lengths=ints("ruler_lengths"),
+                                   ruler_tasks=tuple(n.strip() for n in (e.ruler_tasks or "").split(",") if n.strip()),
+                                   ruler_samples=e.ruler_samples, prefill_chunk=e.prefill_chunk)
 
 
 # ----------------------------------------------------------------------------------------------- the attention

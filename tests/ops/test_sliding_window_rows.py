@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_polyattn
+from hf_polyattn.integration.compatibility import cache_kwargs, returned_cache
 from hf_polyattn.kinds import sliding_window
 
 SWA = sliding_window.SlidingWindowAttention
@@ -27,10 +28,10 @@ def _chunked(model, ids, mask, prefill: int, step: int) -> torch.Tensor:
     """Last-position logits of a prefill and of each chunk of ``step`` tokens decoded on its cache."""
     with torch.no_grad():
         out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
-        logits, cache = [out.logits[:, -1]], out.past_key_values
+        logits, cache = [out.logits[:, -1]], returned_cache(out)
         for t in range(prefill, ids.shape[1], step):
-            out = model(ids[:, t:t + step], attention_mask=mask[:, :t + step], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(ids[:, t:t + step], attention_mask=mask[:, :t + step], **cache_kwargs(cache), use_cache=True)
+            cache = returned_cache(out)
             logits.append(out.logits[:, -1])
     return torch.stack(logits)
 
@@ -139,8 +140,8 @@ def test_a_gradient_flows_through_the_dense_rows(monkeypatch):
         used = _spy(monkeypatch, "_window_rows_dense")
         model.zero_grad()
         with torch.no_grad():
-            cache = model(ids[:, :12], use_cache=True).past_key_values
-        out = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits
+            cache = returned_cache(model(ids[:, :12], use_cache=True))
+        out = model(ids[:, 12:], **cache_kwargs(cache), use_cache=True).logits
         out.sum().backward()
         assert bool(used) == rows
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])

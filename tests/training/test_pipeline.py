@@ -333,6 +333,65 @@ def test_reconfigure_after_training_reaches_the_evaluation_and_the_folder(tiny_d
     assert (cfg.sparse_cache, cfg.sparse_chunk, cfg.sparse_observe, cfg.decay_max_horizon) == (4, 4, 2, 16.0)
 
 
+def test_retrofit_evaluation_scores_ruler_and_later_turns_and_reads_in_chunks(tiny_dirs, text_file, tmp_path):
+    """--ruler_lengths / --multi_turn / --prefill_chunk reach the retrofit's own long-context evaluation as they reach
+    `hf-polyattn eval`'s: every row (the run's and the baseline) scores the RULER suite in one prompt and in a later
+    turn, the chunked read is recorded and answers what one call answers (the same seeded run without it), and the
+    card shows the suite."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    # the fixture's Llama with 1,200 positions: its 256 hold no RULER or two-turn passkey prompt of the tiny tokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    config = LlamaConfig.from_pretrained(tiny_dirs["llama"])
+    config.max_position_embeddings = 1200
+    model_dir = tmp_path / "llama1200"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    attention = {"kind": "linear", "window": 8, **KERNEL, **LONG}
+    common = dict(model=str(model_dir), data=text_file, attention=attention, context=32, eval_context=32,
+                  eval_stride=32, max_eval_tokens=64, transfer_steps=1, eval_before=False, progress=False,
+                  eval_contexts="64", passkey_lengths="300", passkey_depths=1, multi_turn=True, ruler_lengths="900",
+                  ruler_tasks="niah_single_1,vt", ruler_samples=1, long_eval_tokens=128,
+                  long_eval_baselines="streaming")
+    chunked = run(build(**common, prefill_chunk=48, output_dir=str(tmp_path / "chunked")))["long_context"]
+    whole = run(build(**common, output_dir=str(tmp_path / "whole")))["long_context"]
+    assert chunked["settings"]["ruler_lengths"] == [900] and chunked["settings"]["prefill_chunk"] == 48
+    assert len(chunked["rows"]) == 2  # the run's row and StreamingLLM's
+    for row, one in zip(chunked["rows"], whole["rows"]):
+        for key in ("ruler", "ruler_multi_turn", "passkey", "passkey_multi_turn"):
+            assert row[key]["prefill_chunk"] == 48 and "prefill_chunk" not in one[key], key
+        assert row["ruler"]["tasks"] == ["niah_single_1", "vt"] and row["ruler"]["lengths"] == [900]
+        assert row["ruler_multi_turn"]["multi_turn"] and not row["ruler"]["multi_turn"]
+        assert row["passkey_multi_turn"]["multi_turn"]
+        for key in ("ruler", "ruler_multi_turn"):
+            assert [o["output"] for o in row[key]["outputs"]] == [o["output"] for o in one[key]["outputs"]]
+        for key in ("passkey", "passkey_multi_turn"):
+            assert row[key]["answers"] == one[key]["answers"]
+    card = (tmp_path / "chunked" / "model" / "README.md").read_text()
+    assert "niah_single_1 @ 900" in card
+
+
+def test_retrofit_evaluation_options_are_checked_before_training(tiny_dirs, tsv_file):
+    attention = {"kind": "linear", "window": 8}
+    with pytest.raises(ValueError, match="--prefill_chunk 64 with sparse_cache=4: a sparse cache chooses its keys"):
+        build(model="x", data="y", attention=attention, reconfigure={"sparse_cache": 4}, eval_contexts="64",
+              prefill_chunk=64)
+    with pytest.raises(ValueError, match="--prefill_chunk 64 with sparse_cache=4"):
+        build(model="x", data="y", attention={**attention, "sparse_cache": 4}, ruler_lengths="128", prefill_chunk=64)
+    build(model="x", data="y", attention="softmax", transfer_steps=0, ruler_lengths="128", prefill_chunk=64)
+    with pytest.raises(ValueError, match="ruler_lengths must be comma-separated ints, got '1k'"):
+        build(model="x", data="y", attention=attention, ruler_lengths="1k")
+    with pytest.raises(ValueError, match="ruler_tasks must be"):
+        build(model="x", data="y", attention=attention, ruler_lengths="128", ruler_tasks="nope")
+    with pytest.raises(ValueError, match="read='copy' says how a multi-turn evaluation reads"):
+        build(model="x", data="y", attention=attention, passkey_lengths="128", read="copy")
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):
+        build(model="x", data="y", attention=attention, ruler_lengths="128", prefill_chunk=-1)
+    with pytest.raises(ValueError, match="ruler_lengths evaluate a causal LM"):
+        build(model=tiny_dirs["bert"], data=tsv_file, task="classification", attention=attention,
+              ruler_lengths="128")
+
+
 def test_reconfigure_is_checked_before_training():
     attention = {"kind": "linear", "window": 8}
     with pytest.raises(ValueError, match="sparse_observe=2 needs sparse_cache > 0"):

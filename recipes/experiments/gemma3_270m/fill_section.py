@@ -11,11 +11,11 @@ out) and ``prefill_chunk.md`` (what reading a prompt in calls of 2,048 tokens ch
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+from recipes.experiments import section_main
+
 ROWS = ("quarter", "demo")
 RULER = ("4k", "16k", "32k")
 
@@ -147,13 +147,7 @@ def _ruler_means(results: Path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", type=Path, default=RESULTS / "gemma3_270m", help="(default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RESULTS / "SECTION_gemma3_270m.md", help="(default: %(default)s)")
-    args = p.parse_args(argv)
-    args.out.write_text(section(args.dir))
-    print(f"wrote {args.out}")
-    return 0
+    return section_main(section, "gemma3_270m", __doc__, argv)
 
 
 if __name__ == "__main__":

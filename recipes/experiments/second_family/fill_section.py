@@ -9,12 +9,12 @@ machine) and ``long_context_{linear,streaming}.{json,md}``. Nothing is measured 
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+from recipes.experiments import section_main
+
 # softmax's perplexity changing by less than this from the shortest to the longest context: a model that does not
 # use its long context (the recorded one: 179.80 at 256 tokens, 179.79 at 4,096)
 FLAT = 0.01
@@ -146,13 +146,7 @@ def section(results: Path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", type=Path, default=RESULTS / "second_family", help="(default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RESULTS / "SECTION_second_family.md", help="(default: %(default)s)")
-    args = p.parse_args(argv)
-    args.out.write_text(section(args.dir))
-    print(f"wrote {args.out}")
-    return 0
+    return section_main(section, "second_family", __doc__, argv)
 
 
 if __name__ == "__main__":
