@@ -163,7 +163,8 @@ _PRESETS = [
                 "with the question in the prompt. A document read with hf_polyattn.read_document (eval --read copy: "
                 "the cache chosen by KVzip's copy score) keeps the 1k-4k passkeys and most 8k ones for a later "
                 "question and more of RULER's needles, not all, as the same cache read that way on the untrained "
-                "model does: for documents questioned later, read them that way or use a preset with "
+                "model does, and training on recall tasks (--retrieval_mix) changes neither: for documents "
+                "questioned later, read them that way or use a preset with "
                 "softmax heads (docs/integration.md, docs/long_context.md); prefills slower than softmax on a CPU "
                 "(the figures below)",
         attention={"kind": "linear", "feature_map": "hedgehog", **WINDOW_RECIPE, "decay_horizon": 1024.0},
