@@ -356,18 +356,18 @@ class RetrofitArgs:
         if (e.eval_contexts or e.passkey_lengths or e.ruler_lengths) and not causal:
             raise ValueError("eval_contexts / passkey_lengths / ruler_lengths evaluate a causal LM: task must be "
                              "'causal_lm'")
-        final = {} if kind == SOFTMAX else {**m.attention, **(m.reconfigure or {})}
+        final = {} if kind == SOFTMAX else {**m.attention, **(m.reconfigure or {})}  # the evaluated attention
+        if m.reconfigure:  # the attention with them must be valid: fail here, not after training
+            try:
+                _placeholder_config(final)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"reconfigure {m.reconfigure}: {err}") from None
         if e.prefill_chunk and final.get("sparse_cache"):
             # the evaluated model has the sparse cache (the attention's own or --reconfigure's): refused now, not
             # after training (turns.check_prefill_chunk refuses the model itself)
             raise ValueError(f"--prefill_chunk {e.prefill_chunk} with sparse_cache={final['sparse_cache']}: a sparse "
                              "cache chooses its keys at the end of every forward call, so reading a prompt in chunks "
                              "would change what it keeps: leave --prefill_chunk 0")
-        if m.reconfigure:  # the attention with them must be valid: fail here, not after training
-            try:
-                _placeholder_config({**m.attention, **m.reconfigure})
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"reconfigure {m.reconfigure}: {err}") from None
         self.long_context_settings()  # bad lists fail here, before anything loads
         self.speed_lengths()
         heads = None if kind == SOFTMAX else m.attention.get("softmax_heads")
@@ -437,6 +437,9 @@ class RetrofitArgs:
             except ValueError:
                 raise ValueError(f"{name} must be comma-separated ints, got {text!r}") from None
 
+        def names(name: str) -> tuple[str, ...]:
+            return tuple(n.strip() for n in (getattr(e, name) or "").split(",") if n.strip())
+
         baselines = [b for b in e.long_eval_baselines.replace(" ", "").split(",") if b]
         if baselines == ["none"]:
             baselines = []
@@ -446,10 +449,8 @@ class RetrofitArgs:
         return LongContextSettings(**kw, passkey_lengths=ints("passkey_lengths"), passkey_depths=e.passkey_depths,
                                    max_tokens=e.long_eval_tokens, baselines=tuple(baselines),
                                    passkey_seed=self.train.seed,
-                                   passkey_templates=tuple(n.strip() for n in e.passkey_templates.split(",")
-                                                           if n.strip()),
-                                   multi_turn=e.multi_turn, read=e.read, ruler_lengths=ints("ruler_lengths"),
-                                   ruler_tasks=tuple(n.strip() for n in (e.ruler_tasks or "").split(",") if n.strip()),
+                                   passkey_templates=names("passkey_templates"), multi_turn=e.multi_turn,
+                                   read=e.read, ruler_lengths=ints("ruler_lengths"), ruler_tasks=names("ruler_tasks"),
                                    ruler_samples=e.ruler_samples, prefill_chunk=e.prefill_chunk)
 
 
